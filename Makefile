@@ -1,0 +1,47 @@
+# posttrain: two commands do all the set-up on a fresh machine with Python 3.11:
+#   make report   # create .venv, install, run the conformance matrix of every bundled implementation
+#   make test     # create/reuse .venv, run lint, mypy --strict, the typing tests and the whole pytest suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch lies on disk here; installing it first keeps pip from fetching a CUDA one.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test lint typecheck pytest report specs specs-check bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict --warn-unused-ignores
+
+specs-check: $(STAMP)
+	$(BIN)/python -m posttrain.specgen specs --check
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck specs-check pytest
+
+report: $(STAMP)
+	$(BIN)/python -m posttrain.conformance.matrix --out reports
+
+specs: $(STAMP)
+	$(BIN)/python -m posttrain.specgen specs
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest benchmarks -q -p no:randomly --benchmark-only
+
+clean:
+	rm -rf $(VENV) reports .mypy_cache .ruff_cache

@@ -1,0 +1,163 @@
+"""The conformance matrix of every registered implementation (``make report``).
+
+``python -m posttrain.conformance.matrix --out reports`` runs each entry point of group
+``posttrain.implementations`` through its contract's suite and writes ``conformance.md``,
+``conformance.html`` and ``conformance.json``.
+
+Example:
+    >>> from posttrain.conformance.outcome import Report
+    >>> print(render_markdown({"x": Report(run={"contract": "buffer"}, results=[])}).splitlines()[0])
+    # posttrain conformance matrix
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import sys
+import time
+from pathlib import Path
+
+from posttrain.conformance.outcome import Report, Status
+from posttrain.conformance.runner import run
+from posttrain.conformance.target import discover
+from posttrain.contracts.implementation import Implementation
+
+__all__ = ["main", "render_html", "render_markdown", "run_all"]
+
+_MARK = {
+    Status.PASS: "PASS",
+    Status.FAIL: "FAIL",
+    Status.ERROR: "ERROR",
+    Status.NOT_APPLICABLE: "n/a",
+}
+
+
+def run_all(seed: int = 0) -> dict[str, Report]:
+    """Run every registered implementation; reports by entry-point name."""
+    out: dict[str, Report] = {}
+    for name, ep in sorted(discover().items()):
+        obj = ep.load()
+        if not isinstance(obj, Implementation):
+            raise TypeError(f"entry point {name!r} ({ep.value}) is not a posttrain Implementation")
+        start = time.perf_counter()
+        rep = run(obj, target=name, seed=seed)
+        rep.run["duration_s"] = round(time.perf_counter() - start, 2)
+        out[name] = rep
+    return out
+
+
+def _rows(reports: dict[str, Report]) -> list[tuple[str, Report, str]]:
+    return [
+        (name, rep, "conforms" if rep.ok else "DOES NOT CONFORM") for name, rep in reports.items()
+    ]
+
+
+def render_markdown(reports: dict[str, Report]) -> str:
+    """The matrix as Markdown: a summary table, then one table of requirements per contract."""
+    lines = [
+        "# posttrain conformance matrix",
+        "",
+        "| implementation | contract | PASS | FAIL | ERROR | n/a | verdict | time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, rep, verdict in _rows(reports):
+        c = rep.counts()
+        lines.append(
+            f"| {name} | {rep.run.get('contract')} v{rep.run.get('contract_version', '?')} | {c['PASS']} | {c['FAIL']} "
+            f"| {c['ERROR']} | {c['NOT_APPLICABLE']} | {verdict} | {rep.run.get('duration_s', '')} |"
+        )
+    by_contract: dict[str, list[str]] = {}
+    for name, rep in reports.items():
+        by_contract.setdefault(str(rep.run.get("contract")), []).append(name)
+    for contract, names in by_contract.items():
+        lines += [
+            "",
+            f"## {contract}",
+            "",
+            "| requirement | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        ids = [r.id for r in reports[names[0]].results]
+        for i, rid in enumerate(ids):
+            cells = []
+            for n in names:
+                r = reports[n].results[i]
+                cells.append(
+                    _MARK[r.status]
+                    + (f" ({r.level})" if r.status in (Status.FAIL, Status.ERROR) else "")
+                )
+            lines.append(
+                f"| {rid} {reports[names[0]].results[i].title} | " + " | ".join(cells) + " |"
+            )
+    failures = [
+        (n, r)
+        for n, rep in reports.items()
+        for r in rep.results
+        if r.status in (Status.FAIL, Status.ERROR)
+    ]
+    if failures:
+        lines += ["", "## Failures", ""]
+        lines += [f"- **{n}** {r.message.splitlines()[0]}" for n, r in failures]
+    return "\n".join(lines) + "\n"
+
+
+def render_html(reports: dict[str, Report]) -> str:
+    """The matrix as a standalone HTML page (one table per contract, coloured cells)."""
+    colour = {
+        Status.PASS: "#c8f7c5",
+        Status.FAIL: "#f7c5c5",
+        Status.ERROR: "#f7dcc5",
+        Status.NOT_APPLICABLE: "#eeeeee",
+    }
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>posttrain conformance matrix</title>",
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #999;padding:3px 8px;text-align:left}</style></head><body>",
+        "<h1>posttrain conformance matrix</h1>",
+    ]
+    by_contract: dict[str, list[str]] = {}
+    for name, rep in reports.items():
+        by_contract.setdefault(str(rep.run.get("contract")), []).append(name)
+    for contract, names in by_contract.items():
+        parts.append(f"<h2>{html.escape(contract)}</h2><table><tr><th>requirement</th>")
+        parts += [f"<th>{html.escape(n)}</th>" for n in names]
+        parts.append("</tr>")
+        first = reports[names[0]].results
+        for i, head in enumerate(first):
+            parts.append(f"<tr><td>{html.escape(head.id)} {html.escape(head.title)}</td>")
+            for n in names:
+                r = reports[n].results[i]
+                tip = html.escape(r.message, quote=True)
+                parts.append(
+                    f"<td style='background:{colour[r.status]}' title='{tip}'>{_MARK[r.status]}</td>"
+                )
+            parts.append("</tr>")
+        parts.append("</table>")
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the matrix, print it, write the files; exit 0 unless something crashed."""
+    p = argparse.ArgumentParser(prog="python -m posttrain.conformance.matrix", description=__doc__)
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    reports = run_all(args.seed)
+    md = render_markdown(reports)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "conformance.md").write_text(md)
+    (args.out / "conformance.html").write_text(render_html(reports))
+    payload = {n: json.loads(r.to_json()) for n, r in reports.items()}
+    (args.out / "conformance.json").write_text(json.dumps(payload, indent=2) + "\n")
+    sys.stdout.write(md)
+    print(
+        f"\nwrote {args.out / 'conformance.md'}, {args.out / 'conformance.html'}, {args.out / 'conformance.json'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Results of a conformance run: one row per requirement, plus run info."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from posttrain.contracts.requirements import Level
+
+__all__ = ["Report", "Result", "Status"]
+
+
+class Status(str, enum.Enum):
+    """A requirement's outcome.
+
+    Example:
+        >>> Status.NOT_APPLICABLE.value
+        'NOT_APPLICABLE'
+    """
+
+    PASS = "PASS"
+    FAIL = "FAIL"
+    ERROR = "ERROR"
+    NOT_APPLICABLE = "NOT_APPLICABLE"
+
+
+@dataclass
+class Result:
+    """One requirement's outcome; ``message`` starts with the id when it did not pass.
+
+    Example:
+        >>> r = Result("BUF-013", "MUST", "empty sample raises", Status.PASS)
+        >>> r.passed, r.blocking
+        (True, False)
+    """
+
+    id: str
+    level: str
+    title: str
+    status: Status
+    message: str = ""
+    repro: str = ""
+    duration_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """True for PASS (NOT_APPLICABLE is neither a pass nor a failure)."""
+        return self.status is Status.PASS
+
+    @property
+    def blocking(self) -> bool:
+        """True when this result makes the run fail: a MUST that FAILed or ERRORed."""
+        return self.level == Level.MUST.value and self.status in (Status.FAIL, Status.ERROR)
+
+
+@dataclass
+class Report:
+    """A whole run: ``run`` info (implementation, versions, capabilities, seed...) and rows.
+
+    Example:
+        >>> rep = Report(run={"implementation": "x"}, results=[])
+        >>> rep.ok, rep.counts()["PASS"]
+        (True, 0)
+    """
+
+    run: dict[str, Any]
+    results: list[Result] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No MUST requirement failed or errored."""
+        return not any(r.blocking for r in self.results)
+
+    def counts(self) -> dict[str, int]:
+        """How many rows have each status."""
+        out = {s.value: 0 for s in Status}
+        for r in self.results:
+            out[r.status.value] += 1
+        return out
+
+    def to_json(self) -> str:
+        """The JSON report: ``{"run": {...}, "results": [...]}``."""
+        rows = [{**asdict(r), "status": r.status.value} for r in self.results]
+        return (
+            json.dumps({"run": self.run, "summary": self.counts(), "results": rows}, indent=2)
+            + "\n"
+        )
+
+    def to_markdown(self) -> str:
+        """A Markdown table of the rows, under a header naming target, contract and capabilities."""
+        run = self.run
+        caps = ", ".join(run.get("capabilities", [])) or "none"
+        lines = [
+            f"# Conformance: {run.get('implementation', '?')} — {run.get('contract', '?')} "
+            f"v{run.get('contract_version', '?')}",
+            "",
+            f"Target `{run.get('target', '?')}`; capabilities: {caps}; options: "
+            + ", ".join(f"{k}={v}" for k, v in run.get("options", {}).items())
+            + f"; seed {run.get('seed', '?')}.",
+            "",
+            " · ".join(f"{k}: {v}" for k, v in self.counts().items()),
+            "",
+            "| id | level | requirement | status | message |",
+            "|---|---|---|---|---|",
+        ]
+        for r in self.results:
+            msg = (r.message.splitlines()[0] if r.message else "").replace("|", "\\|")
+            lines.append(f"| {r.id} | {r.level} | {r.title} | {r.status.value} | {msg} |")
+        return "\n".join(lines) + "\n"

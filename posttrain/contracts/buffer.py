@@ -1,0 +1,160 @@
+"""Contract ``buffer`` v1: a replay buffer of TensorDict items (TorchRL's signatures)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDictBase
+
+from posttrain.contracts.contract import Capability, Contract, Option
+from posttrain.contracts.requirements import Level, Requirement
+
+__all__ = ["BUFFER", "ReplayBufferV1", "SupportsCheckpoint", "SupportsPriority"]
+
+
+class ReplayBufferV1(Protocol):
+    """A replay buffer: TorchRL's ``ReplayBuffer`` surface, reduced to what every loop uses.
+
+    Items are the rows of a TensorDict with batch dims ``[N]``. Parameters are positional so
+    TorchRL's buffers (whose argument names differ between classes) conform natively.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> rb: ReplayBufferV1 = RingBuffer(capacity=4)
+        >>> rb.extend(TensorDict({"x": torch.arange(3)}, batch_size=[3])).tolist()
+        [0, 1, 2]
+        >>> len(rb), rb.sample(5).batch_size
+        (3, torch.Size([5]))
+    """
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        """Write every item of ``data``; return the storage indices written, in order."""
+        ...
+
+    def sample(self, batch_size: int, /) -> Any:
+        """Return ``batch_size`` stored items as a TensorDict with batch size ``[batch_size]``."""
+        ...
+
+    def __len__(self) -> int:
+        """Number of items stored (never more than the capacity)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Contents and write position, enough to resume bit-exactly."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
+
+
+@runtime_checkable
+class SupportsPriority(Protocol):
+    """Capability ``priority``: per-item sampling priorities (TorchRL's signature).
+
+    Example:
+        >>> class P:
+        ...     def update_priority(self, index, priority): ...
+        >>> isinstance(P(), SupportsPriority)
+        True
+    """
+
+    def update_priority(self, index: Any, priority: Any, /) -> None:
+        """Set the priority of the items at ``index``."""
+        ...
+
+
+@runtime_checkable
+class SupportsCheckpoint(Protocol):
+    """Capability ``checkpoint``: save to and load from a directory (TorchRL's signature).
+
+    Example:
+        >>> class C:
+        ...     def dumps(self, path): ...
+        ...     def loads(self, path): ...
+        >>> isinstance(C(), SupportsCheckpoint)
+        True
+    """
+
+    def dumps(self, path: Any, /) -> Any:
+        """Write the buffer's state under ``path``."""
+        ...
+
+    def loads(self, path: Any, /) -> Any:
+        """Restore the state :meth:`dumps` wrote under ``path``."""
+        ...
+
+
+_M, _S = Level.MUST, Level.SHOULD
+
+BUFFER = Contract(
+    id="buffer",
+    title="Replay buffer",
+    purpose=(
+        "Stores rollout items (rows of a TensorDict, usually in the LLM layout) and samples them "
+        "for training. The first item written fixes the stored schema (keys, dtypes, trailing "
+        "shapes); every later write must match it exactly."
+    ),
+    protocol=ReplayBufferV1,
+    extra_protocols=(SupportsPriority, SupportsCheckpoint),
+    factory="factory(capacity: int) -> ReplayBufferV1  # a fresh, empty buffer",
+    uses_layout=True,
+    capabilities=(
+        Capability(name="priority", text="`update_priority(index, priority)` changes how often items are drawn."),
+        Capability(name="checkpoint", text="`dumps(path)` / `loads(path)` save and restore the buffer on disk."),
+        Capability(name="thread_safe", text="`extend` and `sample` may be called from several threads at once."),
+        Capability(name="ragged", text="Items may differ in their 'T' dimension (lazy stacks / jagged tensors)."),
+        Capability(name="cuda", text="Storage lives on a CUDA device; samples come back on it."),
+    ),
+    options=(
+        Option(name="eviction", values=("fifo",), default="fifo", text="Which stored item a write replaces when the buffer is full."),
+        Option(name="sampling", values=("with_replacement", "without_replacement"), default="with_replacement", text="How `sample` draws items."),
+    ),
+    requirements=(
+        Requirement(id="BUF-001", level=_M, title="extend returns indices",
+            text="`extend(data)` with batch dims [N] MUST store the N items and return a 1-D integer tensor of the N storage indices written, in order."),
+        Requirement(id="BUF-002", level=_M, title="len counts items",
+            text="`len(buffer)` MUST equal the number of items stored and MUST never exceed the capacity.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-003", level=_M, title="FIFO eviction", option=("eviction", "fifo"),
+            text="When full, `extend` MUST overwrite the oldest stored items first.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-004", level=_M, title="sample batch size",
+            text="`sample(n)` MUST return a TensorDict with batch size [n].", depends_on=("BUF-001",)),
+        Requirement(id="BUF-005", level=_M, title="sample schema",
+            text="A sample MUST carry every key of the stored schema, with the stored dtype and trailing shape (bookkeeping keys such as TorchRL's `index` may be added).", depends_on=("BUF-004",)),
+        Requirement(id="BUF-006", level=_M, title="sample holds stored items",
+            text="Every sampled item MUST be bit-exactly an item that was written and is still stored.", depends_on=("BUF-004",)),
+        Requirement(id="BUF-007", level=_M, title="sampling with replacement", option=("sampling", "with_replacement"),
+            text="With replacement, `sample(n)` MUST accept n > len(buffer), and repeated sampling MUST reach every stored item.", depends_on=("BUF-006",)),
+        Requirement(id="BUF-008", level=_M, title="sample is a copy",
+            text="Mutating a sample in place MUST NOT change what the buffer stores.", depends_on=("BUF-006",)),
+        Requirement(id="BUF-009", level=_M, title="missing key rejected atomically",
+            text="`extend` with a key of the stored schema missing MUST raise an error naming the key and MUST leave contents, len, indices and future writes unchanged.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-010", level=_M, title="extra key rejected atomically",
+            text="`extend` with a key outside the stored schema MUST raise an error naming the key and MUST leave the buffer unchanged.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-011", level=_M, title="wrong dtype rejected atomically",
+            text="`extend` with a wrong dtype MUST raise an error naming the key (no silent cast) and MUST leave the buffer unchanged.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-012", level=_M, title="wrong shape rejected atomically",
+            text="`extend` with a wrong trailing shape MUST raise an error naming the key and MUST leave the buffer unchanged.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-013", level=_M, title="empty sample raises",
+            text="`sample` on an empty buffer MUST raise a clear error rather than return garbage."),
+        Requirement(id="BUF-014", level=_M, title="state round trip",
+            text="`load_state_dict(state_dict())` into a fresh buffer MUST reproduce contents and write position bit-exactly, so the next `extend` writes where the original would have.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-015", level=_S, title="empty extend",
+            text="`extend` of a batch with N = 0 SHOULD be a no-op that returns an empty index tensor.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-016", level=_M, title="epochs without replacement", option=("sampling", "without_replacement"),
+            text="Without replacement, consecutive samples MUST visit every stored item exactly once before any repeats.", depends_on=("BUF-006",)),
+        Requirement(id="BUF-017", level=_M, title="priorities steer sampling", capability="priority",
+            text="After `update_priority`, an item with zero priority MUST NOT be drawn while items with positive priority remain, and higher priority MUST be drawn more often.", depends_on=("BUF-006",)),
+        Requirement(id="BUF-018", level=_M, title="dumps/loads round trip", capability="checkpoint",
+            text="`loads(path)` into a fresh buffer after `dumps(path)` MUST reproduce contents and write position bit-exactly.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-019", level=_M, title="thread safety", capability="thread_safe",
+            text="Under 4 writer and 4 reader threads, no written item MUST be lost or duplicated and every sample MUST hold only written items.", depends_on=("BUF-006",)),
+        Requirement(id="BUF-020", level=_M, title="ragged items", capability="ragged",
+            text="Items whose 'T' differs MUST be stored and sampled back bit-exactly, with their own lengths.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-021", level=_M, title="CUDA storage", capability="cuda",
+            text="With CUDA storage, samples MUST come back on the storage device, bit-exactly.", depends_on=("BUF-006",)),
+    ),
+)  # fmt: skip

@@ -1,0 +1,228 @@
+"""Key contracts: which TensorDict keys hold which fields, with dtype and symbolic shape."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["LLM_LAYOUT_V1", "DTypeName", "Key", "Layout", "LayoutField", "key_str", "norm_key"]
+
+Key = Union[str, tuple[str, ...]]
+"""A TensorDict key: a string or a tuple of strings for nested keys."""
+
+DTypeName = Literal["bool", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+
+
+def norm_key(key: Key) -> tuple[str, ...]:
+    """Normalise a key to its tuple form.
+
+    Example:
+        >>> norm_key("advantage"), norm_key(("next", "reward"))
+        (('advantage',), ('next', 'reward'))
+    """
+    if isinstance(key, str):
+        return (key,)
+    if not key or not all(isinstance(k, str) and k for k in key):
+        raise ValueError(f"a key is a non-empty string or tuple of strings, found {key!r}")
+    return tuple(key)
+
+
+def key_str(key: Key) -> str:
+    """Show a key as TensorDict users write it.
+
+    Example:
+        >>> key_str(("tokens", "full")), key_str("advantage"), key_str(("advantage",))
+        ("('tokens', 'full')", "'advantage'", "'advantage'")
+    """
+    k = norm_key(key)
+    return repr(k[0]) if len(k) == 1 else repr(k)
+
+
+class LayoutField(BaseModel):
+    """One semantic field of a layout.
+
+    ``shapes`` lists the allowed symbolic shapes; ``"B"`` stands for all batch dims, other
+    symbols (``"T"``) must agree across the fields of one TensorDict.
+
+    Example:
+        >>> f = LayoutField(name="reward", key=("next", "reward"), dtype="float32",
+        ...                 shapes=(("B",),), meaning="per-sequence reward")
+        >>> f.key, f.required
+        (('next', 'reward'), False)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="Semantic name; contracts and remaps use it, not the key.")
+    key: tuple[str, ...] = Field(description="Default TensorDict key.")
+    dtype: DTypeName
+    shapes: tuple[tuple[str, ...], ...] = Field(description="Allowed symbolic shapes.")
+    required: bool = False
+    is_mask: bool = False
+    read_where: str | None = Field(
+        default=None, description="Mask field outside which values are unspecified."
+    )
+    meaning: str
+
+    @field_validator("key", mode="before")
+    @classmethod
+    def _key(cls, v: Key) -> tuple[str, ...]:
+        return norm_key(v)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> LayoutField:
+        if not self.shapes or any(not s or s[0] != "B" for s in self.shapes):
+            raise ValueError(f"field {self.name!r}: every shape starts with the batch symbol 'B'")
+        if self.is_mask and self.dtype != "bool":
+            raise ValueError(f"field {self.name!r}: a mask is bool")
+        return self
+
+
+class Layout(BaseModel):
+    """A named, versioned set of fields: the key contract of a TensorDict.
+
+    Example:
+        >>> from posttrain.contracts import LLM_LAYOUT_V1
+        >>> LLM_LAYOUT_V1.field("tokens").key
+        ('tokens', 'full')
+        >>> LLM_LAYOUT_V1.remap({"tokens": "input_ids"}).field("tokens").key
+        ('input_ids',)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    version: str
+    fields: tuple[LayoutField, ...]
+    implies: tuple[tuple[str, str], ...] = Field(
+        default=(), description="(a, b): mask a is True only where mask b is True."
+    )
+
+    @model_validator(mode="after")
+    def _unique(self) -> Layout:
+        names = [f.name for f in self.fields]
+        keys = [f.key for f in self.fields]
+        if len(set(names)) != len(names) or len(set(keys)) != len(keys):
+            raise ValueError(f"layout {self.name!r}: field names and keys must be unique")
+        for f in self.fields:
+            if f.read_where is not None and f.read_where not in names:
+                raise ValueError(f"field {f.name!r}: read_where names unknown {f.read_where!r}")
+        for a, b in self.implies:
+            if a not in names or b not in names:
+                raise ValueError(f"layout {self.name!r}: implies names unknown fields {a!r}, {b!r}")
+        return self
+
+    def field(self, name: str) -> LayoutField:
+        """The field with this semantic name."""
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(
+            f"layout {self.name} v{self.version} has no field {name!r}; "
+            f"fields: {', '.join(f.name for f in self.fields)}"
+        )
+
+    def key(self, name: str) -> tuple[str, ...]:
+        """The key of the field with this semantic name."""
+        return self.field(name).key
+
+    def remap(self, keys: Mapping[str, Key]) -> Layout:
+        """Return a copy whose fields live under other keys (like TorchRL's ``set_keys``)."""
+        for name in keys:
+            self.field(name)  # raises a KeyError naming the fields
+        fields = tuple(
+            f.model_copy(update={"key": norm_key(keys[f.name])}) if f.name in keys else f
+            for f in self.fields
+        )
+        return Layout(name=self.name, version=self.version, fields=fields, implies=self.implies)
+
+    def require(self, *names: str) -> Layout:
+        """Return a copy where these fields are required too (a consumer's needs)."""
+        for name in names:
+            self.field(name)
+        fields = tuple(
+            f.model_copy(update={"required": True}) if f.name in names else f for f in self.fields
+        )
+        return Layout(name=self.name, version=self.version, fields=fields, implies=self.implies)
+
+
+LLM_LAYOUT_V1 = Layout(
+    name="llm",
+    version="1.0",
+    fields=(
+        LayoutField(
+            name="tokens",
+            key=("tokens", "full"),
+            dtype="int64",
+            shapes=(("B", "T"),),
+            required=True,
+            meaning="prompt then response token ids",
+        ),
+        LayoutField(
+            name="attention_mask",
+            key=("masks", "all_attention_mask"),
+            dtype="bool",
+            shapes=(("B", "T"),),
+            required=True,
+            is_mask=True,
+            meaning="real (non-pad) tokens",
+        ),
+        LayoutField(
+            name="assistant_mask",
+            key=("masks", "all_assistant_mask"),
+            dtype="bool",
+            shapes=(("B", "T"),),
+            required=True,
+            is_mask=True,
+            meaning="tokens the policy loss trains on; implies attention_mask",
+        ),
+        LayoutField(
+            name="sample_log_probs",
+            key=("log_probs", "full"),
+            dtype="float32",
+            shapes=(("B", "T"),),
+            read_where="assistant_mask",
+            meaning="behaviour-policy log p(token_t | tokens before t)",
+        ),
+        LayoutField(
+            name="ref_log_probs",
+            key=("next", "ref_log_probs", "full"),
+            dtype="float32",
+            shapes=(("B", "T"),),
+            read_where="assistant_mask",
+            meaning="reference-policy log-probs, same alignment",
+        ),
+        LayoutField(
+            name="advantage",
+            key=("advantage",),
+            dtype="float32",
+            shapes=(("B",), ("B", "T")),
+            meaning="per-sequence or per-token advantage",
+        ),
+        LayoutField(
+            name="reward",
+            key=("next", "reward"),
+            dtype="float32",
+            shapes=(("B",),),
+            meaning="per-sequence reward",
+        ),
+        LayoutField(
+            name="policy_version",
+            key=("policy_version",),
+            dtype="int64",
+            shapes=(("B",),),
+            meaning="weights version that generated the sample",
+        ),
+        LayoutField(
+            name="group_id",
+            key=("group_id",),
+            dtype="int64",
+            shapes=(("B",),),
+            meaning="GRPO group (same prompt)",
+        ),
+    ),
+    implies=(("assistant_mask", "attention_mask"),),
+)
+"""The LLM layout v1: TorchRL's default keys, dtypes and shapes relative to batch dims."""

@@ -1,0 +1,101 @@
+"""Contract ``loss`` v1: a policy-gradient loss over the LLM layout."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, Union
+
+import torch
+from tensordict import TensorDictBase
+
+from posttrain.contracts.contract import Capability, Contract, Option
+from posttrain.contracts.requirements import Level, Requirement
+
+__all__ = ["AGGREGATIONS", "LOSS", "LossModuleV1", "LossOutput"]
+
+LossOutput = Union[TensorDictBase, Mapping[str, torch.Tensor]]
+"""What a loss returns: ``loss_*`` scalars that sum to the objective, plus diagnostics."""
+
+AGGREGATIONS = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
+"""How per-token terms become one scalar; the weight of token t of sequence i (m = assistant
+mask, L_i = its count in row i, B = rows, T_norm = a declared constant):
+token_mean m/sum(m); seq_mean_token_mean m/(B*L_i); seq_mean_token_sum m/B;
+seq_mean_token_sum_norm m/(B*T_norm)."""
+
+
+class LossModuleV1(Protocol):
+    """A loss: called on one LLM-layout TensorDict, returns ``loss_*`` scalars.
+
+    Mirrors TorchRL's ``LossModule`` (an ``nn.Module`` called on a TensorDict). The factory
+    receives the policy, an HF-style causal LM (``policy(input_ids=..., attention_mask=...)
+    .logits`` is [B, T, V]; logits at t predict token t+1).
+
+    Example:
+        >>> from posttrain.contracts import LossModuleV1
+        >>> def total(loss: LossModuleV1, td):
+        ...     out = loss(td)
+        ...     return sum(v for k, v in out.items() if k.startswith("loss_"))
+    """
+
+    def __call__(self, td: TensorDictBase, /) -> Any:
+        """Compute the loss terms for ``td``; never mutate it."""
+        ...
+
+
+_M, _S = Level.MUST, Level.SHOULD
+
+LOSS = Contract(
+    id="loss",
+    title="Policy-gradient loss",
+    purpose=(
+        "Turns a batch in the LLM layout (tokens, masks, behaviour log-probs, advantages) and a "
+        "policy into scalar loss terms. The `loss_*` entries sum to the objective; "
+        "`loss_objective` is the policy-gradient term. Only assistant-masked tokens may "
+        "influence anything."
+    ),
+    protocol=LossModuleV1,
+    factory="factory(policy) -> LossModuleV1  # policy: an HF-style causal LM the suite supplies",
+    uses_layout=True,
+    capabilities=(
+        Capability(name="kl_to_ref", text="Adds a KL penalty to the reference log-probs (`ref_log_probs`)."),
+        Capability(name="per_token_advantage", text="Accepts advantages of shape [B, T] as well as [B]."),
+        Capability(name="ragged", text="Accepts ragged batches (lazy stacks / jagged tensors)."),
+        Capability(name="diagnostics", text="Returns `clip_fraction`, `kl_approx` and `entropy` alongside the loss terms."),
+    ),
+    options=(
+        Option(name="aggregation", values=AGGREGATIONS, default="token_mean", text="How per-token terms are reduced to a scalar (see the weights above)."),
+    ),
+    requirements=(
+        Requirement(id="LOSS-001", level=_M, title="scalar finite terms",
+            text="`loss(td)` MUST return a TensorDict or mapping whose `loss_*` entries are finite scalar tensors, including `loss_objective`."),
+        Requirement(id="LOSS-002", level=_M, title="gradients reach the policy",
+            text="The sum of the `loss_*` entries MUST have a gradient that reaches the policy's parameters.", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-003", level=_M, title="aggregation weights",
+            text="At ratio 1, the gradient of `loss_objective` with respect to each token's log-prob MUST equal minus the advantage times the declared aggregation's weight.", depends_on=("LOSS-002",)),
+        Requirement(id="LOSS-004", level=_M, title="masked positions are inert",
+            text="Changing tokens, log-probs or advantages outside the assistant mask (NaN included) MUST NOT change any output.", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-005", level=_M, title="padding is inert",
+            text="Appending padding columns (attention and assistant mask False) MUST NOT change any output.", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-006", level=_M, title="batch order is inert",
+            text="Permuting the batch MUST NOT change any output beyond float reassociation.", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-007", level=_M, title="input not mutated",
+            text="`loss(td)` MUST NOT add, remove or change any entry of `td`.", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-008", level=_M, title="unknown options rejected",
+            text="Constructing a loss with an unknown option value or keyword argument MUST raise an error naming it."),
+        Requirement(id="LOSS-009", level=_M, title="bad layout rejected",
+            text="A batch missing a required field or with a wrong dtype MUST raise an error naming the key."),
+        Requirement(id="LOSS-010", level=_M, title="KL to reference", capability="kl_to_ref",
+            text="With reference log-probs equal to the policy's own, the KL term MUST be zero, and it MUST grow when they differ on assistant tokens only.", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-011", level=_M, title="per-token advantages", capability="per_token_advantage",
+            text="An advantage of shape [B, T] constant along T MUST give the same outputs as the [B] advantage.", depends_on=("LOSS-003",)),
+        Requirement(id="LOSS-012", level=_M, title="diagnostics over assistant tokens", capability="diagnostics",
+            text="`clip_fraction`, `kl_approx` and `entropy` MUST be averaged over assistant-masked tokens only (prompt and padding excluded).", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-013", level=_M, title="ragged equals padded", capability="ragged",
+            text="A ragged batch MUST give the same outputs as its right-padded form.", depends_on=("LOSS-001",)),
+    ),
+)  # fmt: skip

@@ -1,0 +1,59 @@
+"""Contract ``metrics`` v1: a sink for scalar metrics (TorchRL's ``Logger.log_scalar``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol
+
+from posttrain.contracts.contract import Capability, Contract
+from posttrain.contracts.requirements import Level, Requirement
+
+__all__ = ["METRICS", "METRIC_NAME", "MetricSinkV1"]
+
+METRIC_NAME = re.compile(r"^[a-z0-9_]+(/[a-z0-9_]+)*$")
+"""Metric names: lowercase path segments, e.g. ``policy/kl_ref/k3``."""
+
+
+class MetricSinkV1(Protocol):
+    """Where metrics go. TorchRL's loggers (``CSVLogger``, ``TensorboardLogger``) conform.
+
+    Example:
+        >>> def log_step(sink: MetricSinkV1, step: int, reward: float) -> None:
+        ...     sink.log_scalar("rollout/reward/mean", reward, step=step)
+    """
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> Any:
+        """Record ``value`` for ``name`` at ``step``."""
+        ...
+
+
+_M, _S = Level.MUST, Level.SHOULD
+
+METRICS = Contract(
+    id="metrics",
+    title="Metric sink",
+    purpose=(
+        "Receives scalar metrics named after the observability catalogue and stores them in a "
+        "real backend (CSV, TensorBoard, MLflow, W&B, JSONL), from which they read back unchanged."
+    ),
+    protocol=MetricSinkV1,
+    factory="factory(directory: pathlib.Path) -> MetricSinkV1  # plus a reader declared by the implementation",
+    capabilities=(
+        Capability(name="flush", text="`flush()` makes everything logged so far readable by the backend's own reader."),
+        Capability(name="cross_process", text="Several processes may log into one run."),
+    ),
+    requirements=(
+        Requirement(id="MET-001", level=_M, title="read back exactly",
+            text="Every logged (name, step, value) MUST read back from the backend with the same name, step and value (float32 rounding allowed)."),
+        Requirement(id="MET-002", level=_M, title="catalogue names",
+            text="Names matching `^[a-z0-9_]+(/[a-z0-9_]+)*$` MUST be stored unchanged, slashes included.", depends_on=("MET-001",)),
+        Requirement(id="MET-003", level=_M, title="steps kept apart",
+            text="Values logged for one name at different steps MUST all be kept, each with its step.", depends_on=("MET-001",)),
+        Requirement(id="MET-004", level=_S, title="non-finite values kept",
+            text="NaN and infinite values SHOULD be stored as such rather than dropped or replaced.", depends_on=("MET-001",)),
+        Requirement(id="MET-005", level=_M, title="flush", capability="flush",
+            text="After `flush()`, everything logged so far MUST be readable without closing the sink.", depends_on=("MET-001",)),
+        Requirement(id="MET-006", level=_M, title="several writers", capability="cross_process",
+            text="Metrics logged from several processes into one run MUST all read back.", depends_on=("MET-001",)),
+    ),
+)  # fmt: skip

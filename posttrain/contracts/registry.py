@@ -1,0 +1,30 @@
+"""Every contract, by id."""
+
+from __future__ import annotations
+
+from posttrain.contracts.buffer import BUFFER
+from posttrain.contracts.contract import Contract
+from posttrain.contracts.loss import LOSS
+from posttrain.contracts.metrics import METRICS
+from posttrain.contracts.rollout import ROLLOUT
+from posttrain.contracts.weight_sync import WEIGHT_SYNC
+
+__all__ = ["CONTRACTS", "get_contract"]
+
+CONTRACTS: dict[str, Contract] = {c.id: c for c in (BUFFER, ROLLOUT, WEIGHT_SYNC, LOSS, METRICS)}
+"""The v1 contracts in dependency order."""
+
+
+def get_contract(contract_id: str) -> Contract:
+    """Look a contract up by id, with an error that lists the known ids.
+
+    Example:
+        >>> get_contract("loss").requirement("LOSS-003").title
+        'aggregation weights'
+    """
+    try:
+        return CONTRACTS[contract_id]
+    except KeyError:
+        raise KeyError(
+            f"unknown contract {contract_id!r}; known contracts: {', '.join(CONTRACTS)}"
+        ) from None

@@ -1,0 +1,89 @@
+"""Contract ``rollout`` v1: a source of LLM-layout batches whose policy weights can change."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDictBase
+
+from posttrain.contracts.contract import Capability, Contract
+from posttrain.contracts.requirements import Level, Requirement
+
+__all__ = ["ROLLOUT", "RolloutSourceV1"]
+
+
+class RolloutSourceV1(Protocol):
+    """A pull-style rollout source (TorchRL's ``LLMCollector`` surface).
+
+    Iterating yields TensorDicts in the LLM layout, each item stamped with the
+    ``policy_version`` that generated it. The push-style twin (request in, response out) is a
+    separate contract so that neither grows a mode flag.
+
+    Example:
+        >>> def first_batch(src: RolloutSourceV1):
+        ...     batch = next(iter(src))
+        ...     src.update_policy_weights_({})  # new weights: the version rises
+        ...     return batch
+    """
+
+    def __iter__(self) -> Iterator[TensorDictBase]:
+        """Yield batches until the declared total is reached (or forever if none)."""
+        ...
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> Any:
+        """Load new weights (``None``: re-read the policy's own); later batches use them."""
+        ...
+
+    @property
+    def policy_version(self) -> int:
+        """The version stamped on batches generated from now on."""
+        ...
+
+    def shutdown(self) -> Any:
+        """Stop generating and free resources; idempotent."""
+        ...
+
+
+_M, _S = Level.MUST, Level.SHOULD
+
+ROLLOUT = Contract(
+    id="rollout",
+    title="Rollout source",
+    purpose=(
+        "Produces batches of generated sequences in the LLM layout from a policy whose weights "
+        "the trainer updates. Every item says which weights produced it, so staleness is "
+        "measurable and off-policy corrections are possible."
+    ),
+    protocol=RolloutSourceV1,
+    factory="factory(policy, prompts: list[list[int]], total_batches: int | None) -> RolloutSourceV1",
+    uses_layout=True,
+    capabilities=(
+        Capability(name="ragged", text="Yields ragged batches (lazy stacks / jagged tensors) instead of padded ones."),
+        Capability(name="log_probs", text="Stamps the behaviour log-probs (`sample_log_probs`) of generated tokens."),
+        Capability(name="groups", text="Generates several responses per prompt and stamps `group_id`."),
+    ),
+    requirements=(
+        Requirement(id="ROLL-001", level=_M, title="batches meet the layout",
+            text="Every batch MUST meet the LLM layout v1 (tokens, attention mask, assistant mask, policy_version) with the assistant mask covering generated tokens only."),
+        Requirement(id="ROLL-002", level=_M, title="prompt preserved",
+            text="The tokens before the first assistant token MUST be the prompt the source was given.", depends_on=("ROLL-001",)),
+        Requirement(id="ROLL-003", level=_M, title="version stamped",
+            text="Every item MUST carry `policy_version` equal to the source's `policy_version` when it was generated.", depends_on=("ROLL-001",)),
+        Requirement(id="ROLL-004", level=_M, title="version rises on update",
+            text="After `update_policy_weights_`, `policy_version` and the stamps of later batches MUST be greater than before.", depends_on=("ROLL-003",)),
+        Requirement(id="ROLL-005", level=_M, title="new weights used",
+            text="Batches generated after `update_policy_weights_` returns MUST come from the new weights (checked through the generated tokens or log-probs).", depends_on=("ROLL-004",)),
+        Requirement(id="ROLL-006", level=_M, title="declared end",
+            text="When a total is declared, iteration MUST stop after exactly that many batches.", depends_on=("ROLL-001",)),
+        Requirement(id="ROLL-007", level=_M, title="shutdown",
+            text="`shutdown()` MUST be idempotent, and iterating after it MUST raise a clear error instead of hanging."),
+        Requirement(id="ROLL-008", level=_M, title="behaviour log-probs", capability="log_probs",
+            text="`sample_log_probs` MUST equal the generating policy's log-probs of the generated tokens within 1e-4.", depends_on=("ROLL-001",)),
+        Requirement(id="ROLL-009", level=_M, title="groups stamped", capability="groups",
+            text="Items generated from the same prompt MUST share a `group_id` and items from different prompts MUST NOT.", depends_on=("ROLL-001",)),
+        Requirement(id="ROLL-010", level=_M, title="ragged batches", capability="ragged",
+            text="Ragged batches MUST hold, per item, exactly the tokens of its padded twin without the padding.", depends_on=("ROLL-001",)),
+    ),
+)  # fmt: skip

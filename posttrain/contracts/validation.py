@@ -1,0 +1,341 @@
+"""Checking a TensorDict against a layout: every violation at once, metadata first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, LayoutField, key_str, norm_key
+from posttrain.contracts.requirements import Level, Requirement
+
+__all__ = ["LAYOUT_REQUIREMENTS", "ContractViolation", "Violation", "check", "validate"]
+
+LAYOUT_REQUIREMENTS: tuple[Requirement, ...] = (
+    Requirement(
+        id="LAY-001",
+        level=Level.MUST,
+        title="required keys present",
+        text="A TensorDict MUST hold every field the consumer requires, under its (remapped) key.",
+    ),
+    Requirement(
+        id="LAY-002",
+        level=Level.MUST,
+        title="exact dtype",
+        text="Each field MUST have exactly its layout dtype (masks are bool); nothing is cast.",
+    ),
+    Requirement(
+        id="LAY-003",
+        level=Level.MUST,
+        title="shape",
+        text="Each field MUST have one of its symbolic shapes, 'B' being the TensorDict's batch "
+        "dims and every other symbol ('T') agreeing across fields.",
+    ),
+    Requirement(
+        id="LAY-004",
+        level=Level.MUST,
+        title="assistant mask within attention mask",
+        text="The assistant mask MUST be True only where the attention mask is True.",
+    ),
+    Requirement(
+        id="LAY-005",
+        level=Level.MUST,
+        title="data is detached",
+        text="Fields MUST NOT require grad: they are data, not part of the consumer's graph.",
+    ),
+    Requirement(
+        id="LAY-006",
+        level=Level.MUST,
+        title="no unexpected keys (strict)",
+        text="Where a consumer is strict (a buffer's stored schema), a TensorDict MUST NOT hold "
+        "keys outside the schema.",
+    ),
+    Requirement(
+        id="LAY-007",
+        level=Level.SHOULD,
+        title="log-probs finite where read",
+        text="Log-probs SHOULD be finite and <= 0 wherever their mask is True.",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: which key, what was expected, what was found, and the requirement id.
+
+    Example:
+        >>> v = Violation(("advantage",), "dtype float32", "dtype float64", "LAY-002")
+        >>> str(v)
+        "LAY-002 key 'advantage': expected dtype float32, found dtype float64"
+    """
+
+    key: tuple[str, ...]
+    expected: str
+    found: str
+    requirement: str
+
+    def __str__(self) -> str:
+        where = f"key {key_str(self.key)}" if self.key else "the batch"
+        return f"{self.requirement} {where}: expected {self.expected}, found {self.found}"
+
+
+class ContractViolation(ValueError):
+    """Raised when data breaks a contract; the message lists every violation, one per line.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> try:
+        ...     check(TensorDict({}, batch_size=[2]))
+        ... except ContractViolation as e:
+        ...     print(e.violations[0].requirement, e.violations[0].key)
+        LAY-001 ('tokens', 'full')
+    """
+
+    def __init__(self, violations: list[Violation], context: str = "") -> None:
+        self.violations = list(violations)
+        head = f"{context}: " if context else ""
+        lines = [f"{head}{len(self.violations)} contract violation(s)"]
+        lines += [f"  - {v}" for v in self.violations]
+        super().__init__("\n".join(lines))
+
+    @property
+    def requirement_ids(self) -> list[str]:
+        """The ids of the violated requirements, in report order, without repeats."""
+        return list(dict.fromkeys(v.requirement for v in self.violations))
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool, "int32": torch.int32, "int64": torch.int64,
+    "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float32": torch.float32, "float64": torch.float64,
+}  # fmt: skip
+
+_RAGGED = -1
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _fmt_shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join("ragged" if d == _RAGGED else str(d) for d in shape) + "]"
+
+
+def _fmt_symbolic(shape: tuple[str, ...]) -> str:
+    return "[" + ", ".join("*B" if s == "B" else s for s in shape) + "]"
+
+
+def _meta(td: TensorDictBase, key: tuple[str, ...]) -> tuple[torch.dtype, tuple[int, ...], bool]:
+    """dtype, shape (ragged dims as -1) and requires_grad, without touching the values."""
+    if isinstance(td, LazyStackedTensorDict):
+        # A lazy stack of unequal items cannot be densified; ask it for the shape instead.
+        shape = tuple(int(d) for d in td.get_item_shape(key))
+        first = td.tensordicts[0].get(key) if td.tensordicts else None
+        if first is None:
+            return torch.float32, shape, False
+        return first.dtype, shape, any(t.get(key).requires_grad for t in td.tensordicts)
+    t = td.get(key)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{type(t).__name__}")
+    if t.is_nested:
+        shape = tuple(s if type(s) is int else _RAGGED for s in t.shape)
+        return t.dtype, shape, t.requires_grad
+    return t.dtype, tuple(t.shape), t.requires_grad
+
+
+def validate(
+    td: TensorDictBase,
+    layout: Layout = LLM_LAYOUT_V1,
+    *,
+    require: tuple[str, ...] = (),
+    strict: bool = False,
+    ragged: bool = False,
+    deep: bool = False,
+) -> list[Violation]:
+    """Return every violation of ``layout`` by ``td`` (empty when it conforms).
+
+    Metadata only (keys, dtypes, shapes, requires_grad) unless ``deep=True``, which also reads
+    mask and log-prob values (LAY-004, LAY-007). ``require`` adds fields the consumer needs;
+    ``strict`` rejects keys outside the layout; ``ragged`` lets 'T' differ between items.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({("tokens", "full"): torch.zeros(2, 3, dtype=torch.int64),
+        ...                  ("masks", "all_attention_mask"): torch.ones(2, 3, dtype=torch.bool),
+        ...                  ("masks", "all_assistant_mask"): torch.ones(2, 3)}, batch_size=[2])
+        >>> [str(v) for v in validate(td)]
+        ["LAY-002 key ('masks', 'all_assistant_mask'): expected dtype bool, found dtype float32"]
+    """
+    if not isinstance(td, TensorDictBase):
+        raise TypeError(f"expected a TensorDict, found {type(td).__name__}")
+    if td.batch_dims < 1:
+        return [
+            Violation(
+                (), "at least one batch dim [B]", f"batch_size {list(td.batch_size)}", "LAY-003"
+            )
+        ]
+    required = set(require) | {f.name for f in layout.fields if f.required}
+    for name in require:
+        layout.field(name)
+    present = {norm_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
+    batch = tuple(td.batch_size)
+    out: list[Violation] = []
+    bound: dict[str, tuple[int, tuple[str, ...]]] = {}  # symbol -> (size, key that fixed it)
+    ok_fields: list[LayoutField] = []
+    for f in layout.fields:
+        if f.key not in present:
+            if f.name in required:
+                out.append(
+                    Violation(
+                        f.key,
+                        f"{f.name} ({f.dtype} {_fmt_symbolic(f.shapes[0])})",
+                        "no such key",
+                        "LAY-001",
+                    )
+                )
+            continue
+        try:
+            dtype, shape, grad = _meta(td, f.key)
+        except TypeError as e:
+            out.append(Violation(f.key, "a tensor", str(e), "LAY-003"))
+            continue
+        fine = True
+        if dtype != _DTYPES[f.dtype]:
+            out.append(
+                Violation(f.key, f"dtype {f.dtype}", f"dtype {_dtype_name(dtype)}", "LAY-002")
+            )
+            fine = False
+        shape_problem = _match_shape(f, shape, batch, bound, ragged)
+        if shape_problem is not None:
+            out.append(Violation(f.key, shape_problem[0], shape_problem[1], "LAY-003"))
+            fine = False
+        if grad:
+            out.append(
+                Violation(
+                    f.key,
+                    "a detached tensor (requires_grad=False)",
+                    "requires_grad=True",
+                    "LAY-005",
+                )
+            )
+        if fine:
+            ok_fields.append(f)
+    if strict:
+        known = {f.key for f in layout.fields}
+        for k in sorted(present - known):
+            out.append(
+                Violation(k, "no key outside the layout (strict)", "an unexpected key", "LAY-006")
+            )
+    if deep:
+        out += _deep(td, layout, {f.name for f in ok_fields})
+    return out
+
+
+def _match_shape(
+    f: LayoutField,
+    shape: tuple[int, ...],
+    batch: tuple[int, ...],
+    bound: dict[str, tuple[int, tuple[str, ...]]],
+    ragged: bool,
+) -> tuple[str, str] | None:
+    expected = " or ".join(_fmt_symbolic(s) for s in f.shapes)
+    where = f"batch dims {list(batch)}"
+    for sym in f.shapes:
+        trailing = sym[1:]
+        if len(shape) != len(batch) + len(trailing) or shape[: len(batch)] != batch:
+            continue
+        new: dict[str, tuple[int, tuple[str, ...]]] = {}
+        for s, d in zip(trailing, shape[len(batch) :], strict=False):
+            if d == _RAGGED:
+                if not ragged:
+                    return (f"{expected} with {s} fixed (not ragged)", f"shape {_fmt_shape(shape)}")
+                continue
+            prev = bound.get(s) or new.get(s)
+            if prev is not None and prev[0] != d:
+                return (
+                    f"{expected} with {s}={prev[0]} as at key {key_str(prev[1])}",
+                    f"shape {_fmt_shape(shape)} ({s}={d})",
+                )
+            if prev is None:
+                new[s] = (d, f.key)
+        bound.update(new)
+        return None
+    return (f"{expected} ({where})", f"shape {_fmt_shape(shape)}")
+
+
+def _deep(td: TensorDictBase, layout: Layout, ok: set[str]) -> list[Violation]:
+    out: list[Violation] = []
+    if isinstance(td, LazyStackedTensorDict):
+        items: list[TensorDictBase] = list(td.tensordicts)
+    else:
+        items = [td]
+    for a, b in layout.implies:
+        if a in ok and b in ok:
+            fa, fb = layout.field(a), layout.field(b)
+            bad = sum(int((t.get(fa.key) & ~t.get(fb.key)).sum()) for t in items)
+            if bad:
+                out.append(
+                    Violation(
+                        fa.key,
+                        f"True only where {key_str(fb.key)} is True",
+                        f"{bad} position(s) outside it",
+                        "LAY-004",
+                    )
+                )
+    for f in layout.fields:
+        if (
+            f.read_where is None
+            or f.name not in ok
+            or f.read_where not in ok
+            or not f.dtype.startswith("float")
+        ):
+            continue
+        mask_key = layout.field(f.read_where).key
+        bad = 0
+        for t in items:
+            v = t.get(f.key)[t.get(mask_key)]
+            bad += int((~torch.isfinite(v) | (v > 0)).sum())
+        if bad:
+            out.append(
+                Violation(
+                    f.key,
+                    f"finite values <= 0 where {key_str(mask_key)}",
+                    f"{bad} value(s) that are not",
+                    "LAY-007",
+                )
+            )
+    return out
+
+
+def check(
+    td: TensorDictBase,
+    layout: Layout = LLM_LAYOUT_V1,
+    *,
+    require: tuple[str, ...] = (),
+    strict: bool = False,
+    ragged: bool = False,
+    deep: bool = False,
+    context: str = "",
+) -> None:
+    """Raise one :class:`ContractViolation` listing every violation; return quietly otherwise.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({("tokens", "full"): torch.zeros(2, 3, dtype=torch.int64),
+        ...                  ("masks", "all_attention_mask"): torch.ones(2, 3, dtype=torch.bool),
+        ...                  ("masks", "all_assistant_mask"): torch.ones(2, 3, dtype=torch.bool)},
+        ...                 batch_size=[2])
+        >>> check(td)
+        >>> check(td, require=("advantage",))
+        Traceback (most recent call last):
+        ...
+        posttrain.contracts.validation.ContractViolation: 1 contract violation(s)
+          - LAY-001 key 'advantage': expected advantage (float32 [*B]), found no such key
+    """
+    violations = validate(td, layout, require=require, strict=strict, ragged=ragged, deep=deep)
+    if violations:
+        raise ContractViolation(violations, context)

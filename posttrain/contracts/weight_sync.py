@@ -1,0 +1,87 @@
+"""Contract ``weight_sync`` v1: move a policy's weights from the trainer to a generator."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from posttrain.contracts.contract import Capability, Contract
+from posttrain.contracts.requirements import Level, Requirement
+
+__all__ = ["WEIGHT_SYNC", "WeightReceiverV1", "WeightSenderV1"]
+
+
+class WeightSenderV1(Protocol):
+    """The trainer side: publishes a full set of named weights under a version.
+
+    TorchRL's transports disagree on ``send``/``send_weights`` signatures; this one is fixed:
+    named tensors plus an explicit, increasing version.
+
+    Example:
+        >>> def publish(sender: WeightSenderV1, model, step: int) -> None:
+        ...     sender.send(model.state_dict(), version=step)
+    """
+
+    def send(self, weights: Mapping[str, torch.Tensor], /, *, version: int) -> Any:
+        """Publish ``weights`` as ``version``; validated against the receiver before any write."""
+        ...
+
+
+class WeightReceiverV1(Protocol):
+    """The generator side: applies published weights to its model.
+
+    Example:
+        >>> def refresh(receiver: WeightReceiverV1) -> int:
+        ...     receiver.receive(timeout=5.0)
+        ...     return receiver.version
+    """
+
+    def receive(self, timeout: float | None = None) -> Any:
+        """Apply pending weights to the model, waiting at most ``timeout`` seconds."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """The version of the weights the model holds now."""
+        ...
+
+
+_M, _S = Level.MUST, Level.SHOULD
+
+WEIGHT_SYNC = Contract(
+    id="weight_sync",
+    title="Weight synchronisation",
+    purpose=(
+        "Copies the trainer's policy weights into the model a rollout source generates with, "
+        "and says which version it holds. A failed sync must never leave a half-updated model."
+    ),
+    protocol=WeightSenderV1,
+    extra_protocols=(WeightReceiverV1,),
+    factory="factory(receiver_model: torch.nn.Module) -> tuple[WeightSenderV1, WeightReceiverV1]",
+    capabilities=(
+        Capability(name="cross_process", text="Sender and receiver live in different processes."),
+        Capability(name="cuda", text="The receiver's model lives on a CUDA device."),
+    ),
+    requirements=(
+        Requirement(id="WS-001", level=_M, title="bit-exact after sync",
+            text="After `send(w, version=v)` and `receive()`, every receiver parameter and buffer MUST equal `w` bit-exactly."),
+        Requirement(id="WS-002", level=_M, title="version propagates",
+            text="After a sync, `receiver.version` MUST equal the version sent.", depends_on=("WS-001",)),
+        Requirement(id="WS-003", level=_M, title="no aliasing",
+            text="Changing the sender's tensors after a sync MUST NOT change the receiver's model.", depends_on=("WS-001",)),
+        Requirement(id="WS-004", level=_M, title="shape mismatch rejected atomically",
+            text="Weights with a wrong shape MUST raise an error naming the parameter and MUST leave the receiver's model and version unchanged.", depends_on=("WS-001",)),
+        Requirement(id="WS-005", level=_M, title="dtype mismatch rejected atomically",
+            text="Weights with a wrong dtype MUST raise an error naming the parameter and MUST leave the receiver unchanged.", depends_on=("WS-001",)),
+        Requirement(id="WS-006", level=_M, title="names checked atomically",
+            text="Weights with a missing or unknown name MUST raise an error naming it and MUST leave the receiver unchanged.", depends_on=("WS-001",)),
+        Requirement(id="WS-007", level=_S, title="latency reported",
+            text="The receiver SHOULD report the wall time of its last sync in seconds as `last_sync_s`.", depends_on=("WS-001",)),
+        Requirement(id="WS-008", level=_M, title="cross-process sync", capability="cross_process",
+            text="Across processes, WS-001 and WS-002 MUST hold for a receiver in another process.", depends_on=("WS-001",)),
+        Requirement(id="WS-009", level=_M, title="CUDA receiver", capability="cuda",
+            text="A receiver model on CUDA MUST end bit-exact with CPU weights sent to it.", depends_on=("WS-001",)),
+    ),
+)  # fmt: skip

@@ -1,0 +1,289 @@
+"""The reference replay buffer: a FIFO ring over one preallocated byte matrix."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from posttrain.contracts.layout import key_str, norm_key
+from posttrain.contracts.validation import ContractViolation, Violation
+
+__all__ = ["RingBuffer"]
+
+_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class _Column:
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # trailing (per-item) shape
+    offset: int  # byte offset inside a row
+    nbytes: int
+
+
+def _leaves(data: TensorDictBase) -> dict[tuple[str, ...], Any]:
+    return {norm_key(k): data.get(k) for k in data.keys(include_nested=True, leaves_only=True)}
+
+
+class RingBuffer:
+    """A FIFO replay buffer that conforms to ``ReplayBufferV1`` (and its checkpoint capability).
+
+    Every item is one row of a ``[capacity, row_bytes]`` uint8 matrix that packs all keys, so a
+    FIFO write is at most two slice copies per key and a sample is a single row gather for all
+    keys. The first ``extend`` fixes the schema; any later batch that differs in keys, dtypes or
+    trailing shapes is rejected before anything is written.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> rb = RingBuffer(capacity=3)
+        >>> rb.extend(TensorDict({"x": torch.arange(4.0)}, batch_size=[4])).tolist()
+        [0, 1, 2, 0]
+        >>> len(rb), sorted(rb.sample(9)["x"].unique().tolist())
+        (3, [1.0, 2.0, 3.0])
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        device: torch.device | str = "cpu",
+        sampling: str = "with_replacement",
+        seed: int | None = None,
+    ) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive int, found {capacity!r}")
+        if sampling not in ("with_replacement", "without_replacement"):
+            raise ValueError(
+                "sampling: expected 'with_replacement' or 'without_replacement', "
+                f"found {sampling!r}"
+            )
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.sampling = sampling
+        self._lock = threading.RLock()
+        self._gen = torch.Generator(device="cpu")
+        self._gen.manual_seed(
+            int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else seed
+        )
+        self._columns: dict[tuple[str, ...], _Column] | None = None
+        self._rows: torch.Tensor | None = None
+        self._cursor = 0
+        self._len = 0
+        self._write_count = 0
+        self._epoch: list[int] = []
+
+    # -- schema --------------------------------------------------------------------------
+    def _infer(self, leaves: dict[tuple[str, ...], Any]) -> dict[tuple[str, ...], _Column]:
+        bad = [
+            Violation(k, "a tensor", type(v).__name__, "BUF-011")
+            for k, v in leaves.items()
+            if not isinstance(v, torch.Tensor) or v.is_nested
+        ]
+        if bad:
+            raise ContractViolation(bad, "RingBuffer.extend")
+        cols: dict[tuple[str, ...], _Column] = {}
+        offset = 0
+        # Widest dtypes first keeps every column aligned to its element size.
+        for k, v in sorted(leaves.items(), key=lambda kv: -kv[1].element_size()):
+            nbytes = int(torch.Size(v.shape[1:]).numel()) * v.element_size()
+            cols[k] = _Column(v.dtype, tuple(v.shape[1:]), offset, nbytes)
+            offset += nbytes
+        return cols
+
+    def _violations(self, data: Any) -> list[Violation]:
+        if not isinstance(data, TensorDictBase):
+            return [Violation((), "a TensorDict", type(data).__name__, "BUF-001")]
+        if data.batch_dims != 1:
+            return [
+                Violation((), "batch dims [N]", f"batch_size {list(data.batch_size)}", "BUF-001")
+            ]
+        if self._columns is None:
+            return []
+        leaves = _leaves(data)
+        out: list[Violation] = []
+        for k, col in self._columns.items():
+            if k not in leaves:
+                out.append(
+                    Violation(
+                        k,
+                        f"{_dt(col.dtype)} {list(col.shape)} (stored schema)",
+                        "no such key",
+                        "BUF-009",
+                    )
+                )
+                continue
+            v = leaves[k]
+            if not isinstance(v, torch.Tensor) or v.is_nested:
+                out.append(
+                    Violation(k, f"a tensor of {_dt(col.dtype)}", type(v).__name__, "BUF-011")
+                )
+                continue
+            if v.dtype != col.dtype:
+                out.append(
+                    Violation(k, f"dtype {_dt(col.dtype)}", f"dtype {_dt(v.dtype)}", "BUF-011")
+                )
+            if tuple(v.shape[1:]) != col.shape:
+                out.append(
+                    Violation(
+                        k,
+                        f"item shape {list(col.shape)}",
+                        f"item shape {list(v.shape[1:])}",
+                        "BUF-012",
+                    )
+                )
+        for k in leaves:
+            if k not in self._columns:
+                out.append(
+                    Violation(k, "only keys of the stored schema", "an extra key", "BUF-010")
+                )
+        return out
+
+    def _views(self, rows: torch.Tensor) -> dict[tuple[str, ...], torch.Tensor]:
+        assert self._columns is not None
+        n = rows.shape[0]
+        out = {}
+        for k, c in self._columns.items():
+            out[k] = rows[:, c.offset : c.offset + c.nbytes].view(c.dtype).view(n, *c.shape)
+        return out
+
+    # -- ReplayBufferV1 ------------------------------------------------------------------
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        """Validate ``data`` against the stored schema, then write it; return the indices.
+
+        Raises ``ContractViolation`` naming every offending key, with the buffer unchanged.
+        """
+        with self._lock:
+            problems = self._violations(data)
+            if problems:
+                raise ContractViolation(problems, "RingBuffer.extend (buffer unchanged)")
+            n = int(data.batch_size[0])
+            leaves = _leaves(data)
+            if self._columns is None:
+                if n == 0:
+                    return torch.empty(0, dtype=torch.int64)
+                self._columns = self._infer(leaves)
+                row = sum(c.nbytes for c in self._columns.values())
+                row = -(-row // _ALIGN) * _ALIGN
+                self._rows = torch.empty(self.capacity, row, dtype=torch.uint8, device=self.device)
+            assert self._rows is not None
+            idx = (torch.arange(n, dtype=torch.int64) + self._cursor) % self.capacity
+            keep = min(n, self.capacity)  # of a batch longer than the ring, the tail survives
+            start = (self._cursor + n - keep) % self.capacity
+            views = self._views(self._rows)
+            first = min(keep, self.capacity - start)
+            for k, dst in views.items():
+                src = leaves[k][n - keep :]
+                dst[start : start + first].copy_(src[:first])
+                if first < keep:
+                    dst[: keep - first].copy_(src[first:])
+            self._cursor = (self._cursor + n) % self.capacity
+            self._len = min(self.capacity, self._len + n)
+            self._write_count += n
+            self._epoch = []
+            return idx
+
+    def sample(self, batch_size: int, /) -> TensorDict:
+        """Draw ``batch_size`` stored items (a copy) as a TensorDict with batch size [batch_size]."""
+        if not isinstance(batch_size, int) or batch_size < 0:
+            raise ValueError(f"batch_size: expected a non-negative int, found {batch_size!r}")
+        with self._lock:
+            if self._len == 0 or self._rows is None:
+                raise RuntimeError("cannot sample from an empty buffer: extend it first")
+            if self.sampling == "with_replacement":
+                idx = torch.randint(self._len, (batch_size,), generator=self._gen)
+            else:
+                idx = self._next_epoch_indices(batch_size)
+            rows = self._rows.index_select(0, idx.to(self._rows.device))
+        return TensorDict(self._views(rows), batch_size=[batch_size], device=self.device)
+
+    def _next_epoch_indices(self, n: int) -> torch.Tensor:
+        if n > self._len:
+            raise ValueError(
+                f"batch_size: without replacement at most len(buffer)={self._len}, found {n}"
+            )
+        out: list[int] = []
+        while len(out) < n:
+            if not self._epoch:
+                self._epoch = torch.randperm(self._len, generator=self._gen).tolist()
+            take = min(n - len(out), len(self._epoch))
+            out += self._epoch[:take]
+            del self._epoch[:take]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def write_count(self) -> int:
+        """Items written since creation (evicted ones included)."""
+        return self._write_count
+
+    def state_dict(self) -> dict[str, Any]:
+        """Contents, schema, write position and sampler state."""
+        with self._lock:
+            return {
+                "capacity": self.capacity,
+                "sampling": self.sampling,
+                "columns": None
+                if self._columns is None
+                else [
+                    (k, str(c.dtype), c.shape, c.offset, c.nbytes) for k, c in self._columns.items()
+                ],
+                "rows": None if self._rows is None else self._rows[: self._len].cpu().clone(),
+                "cursor": self._cursor,
+                "len": self._len,
+                "write_count": self._write_count,
+                "rng": self._gen.get_state(),
+                "epoch": list(self._epoch),
+            }
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
+        """Restore :meth:`state_dict`'s output; the next extend writes where the original would."""
+        if state_dict.get("capacity") != self.capacity:
+            raise ValueError(
+                f"state_dict['capacity']: expected {self.capacity}, found {state_dict.get('capacity')!r}"
+            )
+        cols = state_dict["columns"]
+        with self._lock:
+            if cols is None:
+                self._columns, self._rows = None, None
+            else:
+                self._columns = {
+                    tuple(k): _Column(getattr(torch, d.removeprefix("torch.")), tuple(s), o, b)
+                    for k, d, s, o, b in cols
+                }
+                saved = state_dict["rows"]
+                self._rows = torch.empty(
+                    self.capacity, saved.shape[1], dtype=torch.uint8, device=self.device
+                )
+                self._rows[: saved.shape[0]].copy_(saved)
+            self.sampling = state_dict["sampling"]
+            self._cursor = int(state_dict["cursor"])
+            self._len = int(state_dict["len"])
+            self._write_count = int(state_dict["write_count"])
+            self._gen.set_state(state_dict["rng"])
+            self._epoch = list(state_dict["epoch"])
+
+    # -- capability: checkpoint ----------------------------------------------------------
+    def dumps(self, path: str | os.PathLike[str], /) -> None:
+        """Save the state under directory ``path`` (created if needed)."""
+        os.makedirs(path, exist_ok=True)
+        torch.save(self.state_dict(), os.path.join(path, "ring_buffer.pt"))
+
+    def loads(self, path: str | os.PathLike[str], /) -> None:
+        """Restore what :meth:`dumps` saved under ``path``."""
+        self.load_state_dict(torch.load(os.path.join(path, "ring_buffer.pt"), weights_only=True))
+
+    def __repr__(self) -> str:
+        keys = "" if self._columns is None else ", ".join(key_str(k) for k in self._columns)
+        return f"RingBuffer(capacity={self.capacity}, len={self._len}, keys=[{keys}])"
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

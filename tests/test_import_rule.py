@@ -1,0 +1,109 @@
+"""The one-way import rule, checked on the source, and lazy optional dependencies."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "posttrain"
+CONTRACT_DEPS = {"torch", "tensordict", "pydantic", "typing_extensions"}
+OPTIONAL = {
+    "torchrl",
+    "trl",
+    "transformers",
+    "datasets",
+    "accelerate",
+    "tensorboard",
+    "mlflow",
+    "wandb",
+    "ray",
+}
+
+
+def _imports(path: Path, top_level_only: bool) -> list[str]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out: list[str] = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+    return out
+
+
+def _files(sub: str) -> list[Path]:
+    return sorted((PKG / sub).rglob("*.py")) if (PKG / sub).is_dir() else []
+
+
+def test_contracts_import_only_contracts_and_core_deps() -> None:
+    stdlib = set(sys.stdlib_module_names)
+    bad = []
+    for f in _files("contracts"):
+        for mod in _imports(f, top_level_only=False):
+            root = mod.split(".")[0]
+            if (
+                mod.startswith("posttrain.") and not mod.startswith("posttrain.contracts")
+            ) or root not in stdlib | CONTRACT_DEPS | {"posttrain", "__future__"}:
+                bad.append(f"{f.name}: {mod}")
+    assert not bad
+
+
+@pytest.mark.parametrize(
+    ("sub", "forbidden"),
+    [
+        (
+            "conformance",
+            ("posttrain.adapters", "posttrain.reference_impls", "posttrain.observability"),
+        ),
+        ("reference_impls", ("posttrain.conformance", "posttrain.adapters")),
+        ("adapters", ("posttrain.conformance",)),
+    ],
+)
+def test_no_upward_or_sideways_imports(sub: str, forbidden: tuple[str, ...]) -> None:
+    bad = [
+        f"{f.relative_to(PKG)}: {m}"
+        for f in _files(sub)
+        for m in _imports(f, False)
+        if m.startswith(forbidden)
+    ]
+    assert not bad
+
+
+def test_adapters_never_import_each_other() -> None:
+    bad = []
+    for d in (
+        sorted(p for p in (PKG / "adapters").glob("*") if p.is_dir())
+        if (PKG / "adapters").is_dir()
+        else []
+    ):
+        for f in d.rglob("*.py"):
+            for m in _imports(f, False):
+                if m.startswith("posttrain.adapters.") and not m.startswith(
+                    f"posttrain.adapters.{d.name}"
+                ):
+                    bad.append(f"{f.relative_to(PKG)}: {m}")
+    assert not bad
+
+
+def test_optional_dependencies_are_imported_lazily() -> None:
+    bad = [
+        f"{f.relative_to(PKG)}: {m}"
+        for f in sorted(PKG.rglob("*.py"))
+        for m in _imports(f, True)
+        if m.split(".")[0] in OPTIONAL
+    ]
+    assert not bad, "optional dependencies must be imported inside functions"
+
+
+def test_importing_posttrain_pulls_no_optional_dependency() -> None:
+    code = (
+        "import sys, posttrain, posttrain.contracts, posttrain.conformance, posttrain.reference_impls, posttrain.specgen;"
+        f"print(sorted(m for m in {sorted(OPTIONAL)!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
