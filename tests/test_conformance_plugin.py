@@ -111,3 +111,12 @@ def test_inert_without_options(pytester: pytest.Pytester) -> None:
     res = pytester.runpytest_inprocess()
     res.assert_outcomes(passed=1)
     assert "posttrain conformance" not in res.stdout.str()
+
+
+def test_every_registered_entry_point_is_an_implementation() -> None:
+    from posttrain.conformance import Implementation, discover
+
+    eps = discover()
+    assert {"reference-buffer", "reference-loss-token-mean"} <= set(eps)
+    for name, ep in eps.items():
+        assert isinstance(ep.load(), Implementation), name

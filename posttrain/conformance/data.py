@@ -19,9 +19,12 @@ def llm_batch(
     *,
     uid_start: int = 0,
     seed: int = 0,
+    vocab_size: int | None = None,
     layout: Layout = LLM_LAYOUT_V1,
 ) -> TensorDict:
     """``n`` items in the LLM layout with T=``t``; item i has uid ``uid_start + i`` in token 0.
+
+    With ``vocab_size`` every token is a valid id below it instead (no uid: for model inputs).
 
     Prompt of ``PROMPT_LEN`` tokens, a response of random length, right padding; every field of
     the layout is present, log-probs are NaN outside the assistant mask (as TorchRL writes).
@@ -32,8 +35,9 @@ def llm_batch(
         [10, 11, 12]
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + uid_start)
-    tokens = torch.randint(0, 1000, (n, t), generator=g)
-    tokens[:, 0] = torch.arange(uid_start, uid_start + n)
+    tokens = torch.randint(0, vocab_size or 1000, (n, t), generator=g)
+    if vocab_size is None:
+        tokens[:, 0] = torch.arange(uid_start, uid_start + n)
     lengths = torch.randint(PROMPT_LEN + 1, t + 1, (n,), generator=g)
     pos = torch.arange(t).expand(n, t)
     attn = pos < lengths[:, None]

@@ -15,6 +15,7 @@ Check = Callable[[Context], None]
 _CHECKS: dict[str, dict[str, Check]] = {}
 _SUITE_MODULES = {
     "buffer": "posttrain.conformance.suites.buffer",
+    "loss": "posttrain.conformance.suites.loss",
 }
 
 

@@ -11,6 +11,7 @@ Example:
     ('masks', 'all_assistant_mask')
 """
 
+from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.buffer import BUFFER, ReplayBufferV1, SupportsCheckpoint, SupportsPriority
 from posttrain.contracts.contract import Capability, Contract, DeclarationError, Option
 from posttrain.contracts.implementation import Implementation
@@ -65,5 +66,6 @@ __all__ = [
     "get_contract",
     "key_str",
     "norm_key",
+    "token_log_probs",
     "validate",
 ]

@@ -59,7 +59,11 @@ LOSS = Contract(
         "influence anything."
     ),
     protocol=LossModuleV1,
-    factory="factory(policy) -> LossModuleV1  # policy: an HF-style causal LM the suite supplies",
+    factory=(
+        "factory(policy, **overrides) -> LossModuleV1  # policy: an HF-style causal LM the suite "
+        "supplies; overrides only in LOSS-008; seq_mean_token_sum_norm reads "
+        "Implementation.extras['t_norm']"
+    ),
     uses_layout=True,
     capabilities=(
         Capability(name="kl_to_ref", text="Adds a KL penalty to the reference log-probs (`ref_log_probs`)."),
@@ -90,11 +94,11 @@ LOSS = Contract(
         Requirement(id="LOSS-009", level=_M, title="bad layout rejected",
             text="A batch missing a required field or with a wrong dtype MUST raise an error naming the key."),
         Requirement(id="LOSS-010", level=_M, title="KL to reference", capability="kl_to_ref",
-            text="With reference log-probs equal to the policy's own, the KL term MUST be zero, and it MUST grow when they differ on assistant tokens only.", depends_on=("LOSS-001",)),
+            text="With reference log-probs equal to the policy's own, `loss_kl` MUST be zero; it MUST become positive when they differ on assistant tokens and stay zero when they differ elsewhere only.", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-011", level=_M, title="per-token advantages", capability="per_token_advantage",
             text="An advantage of shape [B, T] constant along T MUST give the same outputs as the [B] advantage.", depends_on=("LOSS-003",)),
         Requirement(id="LOSS-012", level=_M, title="diagnostics over assistant tokens", capability="diagnostics",
-            text="`clip_fraction`, `kl_approx` and `entropy` MUST be averaged over assistant-masked tokens only (prompt and padding excluded).", depends_on=("LOSS-001",)),
+            text="`clip_fraction`, `kl_approx` and `entropy` MUST be averaged over assistant-masked tokens only (prompt and padding excluded) — at ratio 1 `clip_fraction` and `kl_approx` are 0, when every assistant token is clipped `clip_fraction` is 1, and `entropy` is the token mean of the full-vocabulary (or sampled) entropy.", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-013", level=_M, title="ragged equals padded", capability="ragged",
             text="A ragged batch MUST give the same outputs as its right-padded form.", depends_on=("LOSS-001",)),
     ),

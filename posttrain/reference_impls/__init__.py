@@ -6,10 +6,23 @@ Example:
     0
 """
 
+from functools import partial
+
 from posttrain.contracts import Implementation
+from posttrain.reference_impls.pg_loss import PolicyGradientLoss
 from posttrain.reference_impls.ring_buffer import RingBuffer
 
-__all__ = ["RING_BUFFER", "RingBuffer", "make_ring_buffer"]
+__all__ = [
+    "PG_LOSSES",
+    "PG_LOSS_SEQ_MEAN_TOKEN_MEAN",
+    "PG_LOSS_SEQ_MEAN_TOKEN_SUM",
+    "PG_LOSS_SEQ_MEAN_TOKEN_SUM_NORM",
+    "PG_LOSS_TOKEN_MEAN",
+    "RING_BUFFER",
+    "PolicyGradientLoss",
+    "RingBuffer",
+    "make_ring_buffer",
+]
 
 
 def make_ring_buffer(capacity: int) -> RingBuffer:
@@ -30,3 +43,33 @@ RING_BUFFER = Implementation(
     description="Reference FIFO ring buffer over one preallocated row-packed byte matrix.",
 )
 """The reference buffer's declaration (entry point ``reference-buffer``)."""
+
+
+def _pg_loss(aggregation: str) -> Implementation:
+    return Implementation(
+        "loss",
+        partial(
+            PolicyGradientLoss, aggregation=aggregation, kl_coef=0.05, entropy_coef=0.01, t_norm=16
+        ),
+        name=f"posttrain.PolicyGradientLoss[{aggregation}]",
+        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics"},
+        options={"aggregation": aggregation},
+        extras={"t_norm": 16},
+        description="Reference clipped policy-gradient loss with k3 KL to reference and entropy.",
+    )
+
+
+PG_LOSS_TOKEN_MEAN = _pg_loss("token_mean")
+PG_LOSS_SEQ_MEAN_TOKEN_MEAN = _pg_loss("seq_mean_token_mean")
+PG_LOSS_SEQ_MEAN_TOKEN_SUM = _pg_loss("seq_mean_token_sum")
+PG_LOSS_SEQ_MEAN_TOKEN_SUM_NORM = _pg_loss("seq_mean_token_sum_norm")
+PG_LOSSES: dict[str, Implementation] = {
+    i.resolved_options()["aggregation"]: i
+    for i in (
+        PG_LOSS_TOKEN_MEAN,
+        PG_LOSS_SEQ_MEAN_TOKEN_MEAN,
+        PG_LOSS_SEQ_MEAN_TOKEN_SUM,
+        PG_LOSS_SEQ_MEAN_TOKEN_SUM_NORM,
+    )
+}
+"""The reference loss in each aggregation (entry points ``reference-loss-<aggregation>``)."""

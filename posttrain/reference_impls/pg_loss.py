@@ -1,0 +1,141 @@
+"""The reference policy-gradient loss: PPO/GRPO-style clipped objective on the LLM layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from posttrain.contracts.alignment import token_log_probs
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.contracts.loss import AGGREGATIONS
+from posttrain.contracts.validation import check
+
+__all__ = ["PolicyGradientLoss"]
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    h = -(lp.exp() * lp).sum(-1)
+    return torch.cat([torch.zeros_like(h[:, :1]), h], dim=1)
+
+
+class PolicyGradientLoss(torch.nn.Module):
+    """Clipped policy-gradient loss with the four aggregations, k3 KL to reference and entropy.
+
+    Everything is computed only where the assistant mask is True (position 0, which no logit
+    predicts, is excluded too); values elsewhere, NaN included, are replaced before any
+    arithmetic so they cannot leak into outputs or gradients. Options are keyword-only and
+    validated: an unknown aggregation or a misspelt keyword raises.
+
+    Returns ``loss_objective`` (the policy-gradient term), ``loss_kl`` (``kl_coef`` times k3 KL
+    to the reference, if ``kl_coef > 0``), ``loss_entropy`` (``-entropy_coef`` times entropy, if
+    ``entropy_coef > 0``) and the diagnostics ``clip_fraction``, ``kl_approx`` (k3 KL from the
+    behaviour policy), ``entropy`` — all over assistant tokens, token-mean.
+
+    Example:
+        >>> import torch
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.conformance.data import llm_batch
+        >>> policy = tiny_causal_lm(vocab_size=64)
+        >>> td = llm_batch(2, 8, vocab_size=64)
+        >>> out = PolicyGradientLoss(policy, aggregation="seq_mean_token_mean")(td)
+        >>> sorted(k for k in out.keys() if k.startswith("loss_"))
+        ['loss_objective']
+        >>> PolicyGradientLoss(policy, aggregation="token_meen")
+        Traceback (most recent call last):
+        ...
+        ValueError: aggregation: expected one of ['token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm'], found 'token_meen'
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        aggregation: str = "token_mean",
+        clip_epsilon: float | tuple[float, float] = 0.2,
+        kl_coef: float = 0.0,
+        entropy_coef: float = 0.0,
+        t_norm: int | None = None,
+        layout: Layout = LLM_LAYOUT_V1,
+    ) -> None:
+        super().__init__()
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"aggregation: expected one of {list(AGGREGATIONS)}, found {aggregation!r}"
+            )
+        if aggregation == "seq_mean_token_sum_norm" and (not isinstance(t_norm, int) or t_norm < 1):
+            raise ValueError(
+                f"t_norm: seq_mean_token_sum_norm needs a positive int, found {t_norm!r}"
+            )
+        low, high = (
+            (clip_epsilon, clip_epsilon) if isinstance(clip_epsilon, (int, float)) else clip_epsilon
+        )
+        if not (0 <= low < 1 and high >= 0):
+            raise ValueError(
+                f"clip_epsilon: expected 0 <= low < 1 and high >= 0, found {clip_epsilon!r}"
+            )
+        self.policy = policy
+        self.aggregation = aggregation
+        self.clip = (float(low), float(high))
+        self.kl_coef = float(kl_coef)
+        self.entropy_coef = float(entropy_coef)
+        self.t_norm = t_norm
+        self.layout = layout
+        need = ["sample_log_probs", "advantage"] + (["ref_log_probs"] if kl_coef > 0 else [])
+        self._require = tuple(need)
+
+    def _weights(self, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.float()
+        b = m.shape[0]
+        if self.aggregation == "token_mean":
+            return m / m.sum().clamp_min(1)
+        if self.aggregation == "seq_mean_token_mean":
+            return m / (b * m.sum(-1, keepdim=True).clamp_min(1))
+        if self.aggregation == "seq_mean_token_sum":
+            return m / b
+        assert self.t_norm is not None
+        return m / (b * self.t_norm)
+
+    def forward(self, td: TensorDictBase) -> TensorDict:
+        """Compute the loss terms and diagnostics for ``td`` (never mutated)."""
+        check(td, self.layout, require=self._require, context=type(self).__name__)
+        k = self.layout.key
+        tokens = td.get(k("tokens"))
+        attn = td.get(k("attention_mask"))
+        mask = td.get(k("assistant_mask")) & attn
+        mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
+        logits = self.policy(input_ids=tokens, attention_mask=attn.long()).logits
+        logp = torch.where(mask, token_log_probs(logits, tokens), 0.0)
+        old = torch.where(mask, td.get(k("sample_log_probs")), 0.0)
+        adv = td.get(k("advantage"))
+        adv = adv[:, None].expand_as(logp) if adv.ndim == 1 else adv
+        adv = torch.where(mask, adv, 0.0)
+
+        log_ratio = logp - old
+        ratio = torch.where(mask, log_ratio.exp(), 1.0)
+        low, high = self.clip
+        clipped = ratio.clamp(1 - low, 1 + high)
+        pg1, pg2 = -adv * ratio, -adv * clipped
+        per_token = torch.where(pg2 > pg1, pg2, pg1)
+        w = self._weights(mask)
+        out: dict[str, torch.Tensor] = {"loss_objective": (per_token * w).sum()}
+
+        tm = mask.float() / mask.float().sum().clamp_min(1)  # token-mean weights for diagnostics
+        if self.kl_coef > 0:
+            ref = torch.where(mask, td.get(k("ref_log_probs")), 0.0)
+            d = ref - logp
+            k3 = torch.where(mask, d.exp() - d - 1, 0.0)
+            out["loss_kl"] = self.kl_coef * (k3 * w).sum()
+            out["kl_to_ref"] = (k3 * tm).sum().detach()
+        ent = _entropy(logits)
+        if self.entropy_coef > 0:
+            out["loss_entropy"] = -self.entropy_coef * (torch.where(mask, ent, 0.0) * w).sum()
+        with torch.no_grad():
+            active = (pg2 > pg1) & mask
+            out["clip_fraction"] = (active.float() * tm).sum()
+            d_old = old - logp
+            out["kl_approx"] = (torch.where(mask, d_old.exp() - d_old - 1, 0.0) * tm).sum()
+            out["entropy"] = (torch.where(mask, ent, 0.0) * tm).sum()
+        return TensorDict(out, batch_size=[])
