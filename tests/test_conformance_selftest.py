@@ -7,12 +7,17 @@ import torch
 
 from posttrain.conformance import Implementation, Status, checks_for, run
 from posttrain.contracts import CONTRACTS
-from posttrain.reference_impls import PG_LOSSES, RING_BUFFER
-from tests.mutants import buffers, losses
+from posttrain.reference_impls import IN_PROCESS_WEIGHT_SYNC, JSONL_SINK, PG_LOSSES, RING_BUFFER
+from tests.mutants import buffers, losses, sinks, weight_syncs
 
-MUTANTS: dict[str, dict[str, Implementation]] = {"buffer": buffers.MUTANTS, "loss": losses.MUTANTS}
-REFERENCES = [RING_BUFFER, *PG_LOSSES.values()]
-NEEDS_CUDA = {"BUF-021"}
+MUTANTS: dict[str, dict[str, Implementation]] = {
+    "buffer": buffers.MUTANTS,
+    "loss": losses.MUTANTS,
+    "weight_sync": weight_syncs.MUTANTS,
+    "metrics": sinks.MUTANTS,
+}
+REFERENCES = [RING_BUFFER, *PG_LOSSES.values(), IN_PROCESS_WEIGHT_SYNC, JSONL_SINK]
+NEEDS_CUDA = {"BUF-021", "WS-009"}
 
 
 @pytest.mark.parametrize("impl", REFERENCES, ids=lambda i: i.name)

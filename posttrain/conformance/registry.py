@@ -16,6 +16,8 @@ _CHECKS: dict[str, dict[str, Check]] = {}
 _SUITE_MODULES = {
     "buffer": "posttrain.conformance.suites.buffer",
     "loss": "posttrain.conformance.suites.loss",
+    "weight_sync": "posttrain.conformance.suites.weight_sync",
+    "metrics": "posttrain.conformance.suites.metrics",
 }
 
 

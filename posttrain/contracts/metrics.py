@@ -37,7 +37,10 @@ METRICS = Contract(
         "real backend (CSV, TensorBoard, MLflow, W&B, JSONL), from which they read back unchanged."
     ),
     protocol=MetricSinkV1,
-    factory="factory(directory: pathlib.Path) -> MetricSinkV1  # plus a reader declared by the implementation",
+    factory=(
+        "factory(directory: pathlib.Path) -> MetricSinkV1  # and Implementation.extras['reader']"
+        "(directory) -> {name: [(step, value), ...]}, reading through the backend's own reader"
+    ),
     capabilities=(
         Capability(name="flush", text="`flush()` makes everything logged so far readable by the backend's own reader."),
         Capability(name="cross_process", text="Several processes may log into one run."),

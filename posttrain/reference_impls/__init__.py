@@ -9,19 +9,32 @@ Example:
 from functools import partial
 
 from posttrain.contracts import Implementation
+from posttrain.reference_impls.jsonl_sink import JsonlSink, read_jsonl
 from posttrain.reference_impls.pg_loss import PolicyGradientLoss
 from posttrain.reference_impls.ring_buffer import RingBuffer
+from posttrain.reference_impls.weight_sync import (
+    InProcessReceiver,
+    InProcessSender,
+    in_process_weight_sync,
+)
 
 __all__ = [
+    "IN_PROCESS_WEIGHT_SYNC",
+    "JSONL_SINK",
     "PG_LOSSES",
     "PG_LOSS_SEQ_MEAN_TOKEN_MEAN",
     "PG_LOSS_SEQ_MEAN_TOKEN_SUM",
     "PG_LOSS_SEQ_MEAN_TOKEN_SUM_NORM",
     "PG_LOSS_TOKEN_MEAN",
     "RING_BUFFER",
+    "InProcessReceiver",
+    "InProcessSender",
+    "JsonlSink",
     "PolicyGradientLoss",
     "RingBuffer",
+    "in_process_weight_sync",
     "make_ring_buffer",
+    "read_jsonl",
 ]
 
 
@@ -73,3 +86,22 @@ PG_LOSSES: dict[str, Implementation] = {
     )
 }
 """The reference loss in each aggregation (entry points ``reference-loss-<aggregation>``)."""
+
+
+IN_PROCESS_WEIGHT_SYNC = Implementation(
+    "weight_sync",
+    in_process_weight_sync,
+    name="posttrain.in_process_weight_sync",
+    description="Reference in-process weight sync: validate names/shapes/dtypes, then copy.",
+)
+"""The reference weight sync's declaration (entry point ``reference-weight-sync``)."""
+
+JSONL_SINK = Implementation(
+    "metrics",
+    JsonlSink,
+    name="posttrain.JsonlSink",
+    capabilities={"flush", "cross_process"},
+    extras={"reader": read_jsonl},
+    description="Reference JSONL metrics sink, read back with read_jsonl.",
+)
+"""The reference metrics sink's declaration (entry point ``reference-metrics-jsonl``)."""

@@ -1,0 +1,145 @@
+"""The metrics-sink suite: one check per MET requirement (specs/metrics-v1.md).
+
+What is logged is read back through the backend's own reader, declared by the implementation
+as ``Implementation.extras["reader"](directory)``.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+from posttrain.conformance.context import ConformanceError, Context
+from posttrain.conformance.registry import requirement
+
+Scalars = dict[str, list[tuple[int, float]]]
+
+
+def _fail(msg: str) -> ConformanceError:
+    return ConformanceError(msg)
+
+
+def _read(ctx: Context, directory: Path) -> Scalars:
+    reader = ctx.impl.extras.get("reader")
+    if not callable(reader):
+        raise _fail(
+            "the implementation declares no reader: set Implementation.extras['reader'] to read(directory)"
+        )
+    got = reader(directory)
+    return {str(k): [(int(s), float(v)) for s, v in vals] for k, vals in dict(got).items()}
+
+
+def _finish(sink: Any) -> None:
+    for name in ("close", "flush"):
+        fn = getattr(sink, name, None)
+        if callable(fn):
+            fn()
+            return
+
+
+def _close(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-30)  # float32 backends round
+
+
+def _log_and_read(ctx: Context, entries: list[tuple[str, float, int]]) -> Scalars:
+    with ctx.tmpdir() as d:
+        sink = ctx.make(d)
+        for name, value, step in entries:
+            sink.log_scalar(name, value, step=step)
+        _finish(sink)
+        return _read(ctx, d)
+
+
+def _expect(got: Scalars, entries: list[tuple[str, float, int]], what: str) -> None:
+    for name, value, step in entries:
+        vals = got.get(name)
+        if vals is None:
+            raise _fail(
+                f"{what}: {name!r} logged but not read back; names read back: {sorted(got)}"
+            )
+        if not any(s == step and _close(v, value) for s, v in vals):
+            raise _fail(f"{what}: {name!r} at step {step} logged as {value!r}, read back {vals}")
+
+
+@requirement("MET-001")
+def read_back_exactly(ctx: Context) -> None:
+    # Plain names, one step each: slashes (MET-002) and repeated steps (MET-003) are checked apart.
+    entries = [("loss", 0.125, 0), ("reward", 1 / 3, 1), ("lr", -2.5e-3, 2)]
+    _expect(_log_and_read(ctx, entries), entries, "read back")
+
+
+@requirement("MET-002")
+def catalogue_names(ctx: Context) -> None:
+    entries = [
+        (n, float(i) + 0.5, 7)
+        for i, n in enumerate(
+            [
+                "policy/kl_ref/k3",
+                "time/weight_sync_s",
+                "perf/gen_tokens_per_s",
+                "buffer/utilization",
+                "step",
+            ]
+        )
+    ]
+    _expect(_log_and_read(ctx, entries), entries, "catalogue names")
+
+
+@requirement("MET-003")
+def steps_kept_apart(ctx: Context) -> None:
+    entries = [
+        ("rollout/reward/mean", v, s) for s, v in [(0, 0.5), (1, 0.25), (2, 0.75), (10, 1.0)]
+    ]
+    got = _log_and_read(ctx, entries)
+    _expect(got, entries, "one name at four steps")
+    n = len(got.get("rollout/reward/mean", []))
+    if n != 4:
+        raise _fail(f"one name logged at 4 steps reads back {n} values")
+
+
+@requirement("MET-004")
+def non_finite_kept(ctx: Context) -> None:
+    entries = [
+        ("policy/kl_ref/k3", math.nan, 0),
+        ("policy/kl_ref/k3", math.inf, 1),
+        ("policy/kl_ref/k3", -math.inf, 2),
+    ]
+    _expect(_log_and_read(ctx, entries), entries, "non-finite values")
+
+
+@requirement("MET-005")
+def flush_makes_readable(ctx: Context) -> None:
+    with ctx.tmpdir() as d:
+        sink = ctx.make(d)
+        sink.log_scalar("rollout/reward/mean", 0.5, step=1)
+        sink.flush()
+        got = _read(ctx, d)
+        _expect(got, [("rollout/reward/mean", 0.5, 1)], "after flush(), before close")
+        _finish(sink)
+
+
+def _child(factory: Any, directory: str, k: int) -> None:
+    sink = factory(Path(directory))
+    for step in range(3):
+        sink.log_scalar(f"worker/w{k}", float(step + 10 * k), step=step)
+    _finish(sink)
+
+
+@requirement("MET-006")
+def several_writers(ctx: Context) -> None:
+    mp = multiprocessing.get_context("spawn")
+    with ctx.tmpdir() as d:
+        procs = [mp.Process(target=_child, args=(ctx.impl.factory, str(d), k)) for k in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+            if p.exitcode != 0:
+                raise _fail(f"a writer process exited with {p.exitcode}")
+        got = _read(ctx, d)
+    entries = [(f"worker/w{k}", float(s + 10 * k), s) for k in range(2) for s in range(3)]
+    _expect(got, entries, "two processes logging into one run")

@@ -1,0 +1,197 @@
+"""The weight-sync suite: one check per WS requirement (specs/weight_sync-v1.md).
+
+The receiver's model is a tiny real HF causal LM; the sender publishes the ``state_dict`` of a
+twin built with another seed, so every parameter differs before a sync.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from posttrain.conformance.context import ConformanceError, Context, NotApplicable
+from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.conformance.registry import requirement
+from posttrain.conformance.suites._compare import bits_equal
+
+Weights = dict[str, torch.Tensor]
+
+
+def _fail(msg: str) -> ConformanceError:
+    return ConformanceError(msg)
+
+
+def _setup(ctx: Context) -> tuple[Any, Any, Any, Weights]:
+    receiver_model = tiny_causal_lm(seed=ctx.seed)
+    source = {
+        n: t.detach().clone() for n, t in tiny_causal_lm(seed=ctx.seed + 1).state_dict().items()
+    }
+    pair = ctx.make(receiver_model)
+    if not isinstance(pair, tuple) or len(pair) != 2:
+        raise _fail(
+            f"the factory returned {type(pair).__name__}, expected a (sender, receiver) tuple"
+        )
+    return pair[0], pair[1], receiver_model, source
+
+
+def _sync(sender: Any, receiver: Any, weights: Weights, version: int) -> None:
+    sender.send(weights, version=version)
+    receiver.receive(timeout=10.0)
+
+
+def _diff(model: Any, weights: Weights) -> list[str]:
+    own = model.state_dict()
+    return [
+        n
+        for n, t in weights.items()
+        if n not in own or not bits_equal(own[n].detach().cpu(), t.detach().cpu())
+    ]
+
+
+def _expect_equal(model: Any, weights: Weights, what: str) -> None:
+    bad = _diff(model, weights)
+    if bad:
+        raise _fail(
+            f"{what}: {len(bad)} of {len(weights)} tensors differ from what was sent, e.g. {bad[:3]}"
+        )
+
+
+@requirement("WS-001")
+def bit_exact_after_sync(ctx: Context) -> None:
+    sender, receiver, model, source = _setup(ctx)
+    if not _diff(model, source):
+        raise _fail("suite error: sender and receiver start equal")
+    _sync(sender, receiver, source, 1)
+    _expect_equal(model, source, "after send(version=1) and receive()")
+
+
+@requirement("WS-002")
+def version_propagates(ctx: Context) -> None:
+    sender, receiver, _model, source = _setup(ctx)
+    for v in (1, 2, 5):
+        _sync(sender, receiver, source, v)
+        if receiver.version != v:
+            raise _fail(f"after syncing version {v}, receiver.version is {receiver.version!r}")
+
+
+@requirement("WS-003")
+def no_aliasing(ctx: Context) -> None:
+    sender, receiver, model, source = _setup(ctx)
+    _sync(sender, receiver, source, 1)
+    snapshot = {n: t.clone() for n, t in source.items()}
+    with torch.no_grad():
+        for t in source.values():
+            t.add_(1)
+    _expect_equal(model, snapshot, "after the sender changed its tensors in place following a sync")
+
+
+def _rejects(
+    ctx: Context, change: Callable[[Weights], Weights], what: str, name: str | None = None
+) -> None:
+    """A bad send must raise naming the tensor (default: the last one) and change nothing."""
+    sender, receiver, model, source = _setup(ctx)
+    name = name or _last(source)
+    _sync(sender, receiver, source, 1)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    other = {n: t + 0.5 for n, t in source.items()}
+    bad = change(other)
+    problems: list[str] = []
+    try:
+        sender.send(bad, version=2)
+        receiver.receive(timeout=1.0)
+    except Exception as e:
+        if name not in str(e):
+            problems.append(f"raised {type(e).__name__} without naming {name!r}: {str(e)[:200]}")
+    else:
+        problems.append("was accepted")
+    changed = _diff(model, before)
+    if changed:
+        problems.append(
+            f"the receiver's model changed ({len(changed)} tensors, e.g. {changed[:3]})"
+        )
+    if receiver.version != 1:
+        problems.append(f"receiver.version went from 1 to {receiver.version!r}")
+    if problems:
+        raise _fail(f"weights with {what}: " + "; ".join(problems))
+
+
+def _last(weights: Weights) -> str:
+    return list(weights)[-1]
+
+
+@requirement("WS-004")
+def shape_mismatch_rejected(ctx: Context) -> None:
+    def change(w: Weights) -> Weights:
+        n = _last(w)
+        return {**w, n: torch.cat([w[n], w[n][:1]])}
+
+    _rejects(ctx, change, "the last tensor one row too long")
+
+
+@requirement("WS-005")
+def dtype_mismatch_rejected(ctx: Context) -> None:
+    _rejects(ctx, lambda w: {**w, _last(w): w[_last(w)].double()}, "the last tensor as float64")
+
+
+@requirement("WS-006")
+def names_checked(ctx: Context) -> None:
+    _rejects(
+        ctx, lambda w: {n: t for n, t in w.items() if n != _last(w)}, "the last tensor missing"
+    )
+    _rejects(
+        ctx,
+        lambda w: {**w, "model.extra_head.weight": torch.zeros(2)},
+        "an unknown name",
+        "model.extra_head.weight",
+    )
+
+
+@requirement("WS-007")
+def latency_reported(ctx: Context) -> None:
+    sender, receiver, _model, source = _setup(ctx)
+    _sync(sender, receiver, source, 1)
+    s = getattr(receiver, "last_sync_s", None)
+    if not isinstance(s, (int, float)) or not s >= 0:
+        raise _fail(f"receiver.last_sync_s is {s!r} after a sync; expected seconds (a number >= 0)")
+
+
+@requirement("WS-008")
+def cross_process(ctx: Context) -> None:
+    sender, receiver, _model, source = _setup(ctx)
+    pid = getattr(receiver, "pid", None)
+    if not isinstance(pid, int) or pid == os.getpid():
+        raise _fail(
+            f"capability cross_process declared, but receiver.pid is {pid!r} (this process is {os.getpid()})"
+        )
+    _sync(sender, receiver, source, 1)
+    if receiver.version != 1:
+        raise _fail(
+            f"across processes, receiver.version is {receiver.version!r} after syncing version 1"
+        )
+    fetch = getattr(receiver, "state_dict", None)
+    if callable(fetch):
+        _expect_equal_mapping(fetch(), source)
+
+
+def _expect_equal_mapping(got: Any, want: Weights) -> None:
+    bad = [n for n, t in want.items() if n not in got or not bits_equal(got[n].detach().cpu(), t)]
+    if bad:
+        raise _fail(
+            f"across processes: {len(bad)} tensors differ from what was sent, e.g. {bad[:3]}"
+        )
+
+
+@requirement("WS-009")
+def cuda_receiver(ctx: Context) -> None:
+    if not torch.cuda.is_available():
+        raise NotApplicable("capability 'cuda' declared, but this machine has no CUDA device")
+    receiver_model = tiny_causal_lm(seed=ctx.seed).cuda()
+    source = {
+        n: t.detach().clone() for n, t in tiny_causal_lm(seed=ctx.seed + 1).state_dict().items()
+    }
+    sender, receiver = ctx.make(receiver_model)
+    _sync(sender, receiver, source, 1)
+    _expect_equal(receiver_model, source, "CUDA receiver after a sync of CPU weights")

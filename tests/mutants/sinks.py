@@ -1,0 +1,89 @@
+"""Deliberately broken metric sinks: each must fail the suite with its requirement's id."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from posttrain.contracts import Implementation
+from posttrain.reference_impls import JsonlSink, read_jsonl
+from posttrain.reference_impls.jsonl_sink import FILE_NAME
+
+__all__ = ["MUTANTS"]
+
+
+class RoundsValues(JsonlSink):
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        super().log_scalar(name, round(value, 2), step)
+
+
+class FlattensNames(JsonlSink):
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        super().log_scalar(name.replace("/", "_"), value, step)
+
+
+class LastValueOnly(JsonlSink):
+    """Keeps one value per name: a later step overwrites an earlier one."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        self.close()
+        rows = (
+            [json.loads(x) for x in self.path.read_text().splitlines()]
+            if self.path.exists()
+            else []
+        )
+        rows = [r for r in rows if r["name"] != name] + [
+            {"name": name, "step": int(step or 0), "value": value}
+        ]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+class DropsNonFinite(JsonlSink):
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        if math.isfinite(value):
+            super().log_scalar(name, value, step)
+
+
+class BuffersUntilClose(JsonlSink):
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__(directory)
+        self._lines: list[tuple[str, float, int | None]] = []
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        self._lines.append((name, value, step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for line in self._lines:
+            super().log_scalar(*line)
+        self._lines = []
+        super().close()
+
+
+class TruncatesOnOpen(JsonlSink):
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__(directory)
+        Path(directory, FILE_NAME).write_text("")
+
+
+def _impl(req: str, cls: type[JsonlSink], **kw: Any) -> Implementation:
+    kw.setdefault("capabilities", {"flush"})
+    return Implementation(
+        "metrics", cls, name=f"mutant-{req}-{cls.__name__}", extras={"reader": read_jsonl}, **kw
+    )
+
+
+MUTANTS: dict[str, Implementation] = {
+    "MET-001": _impl("MET-001", RoundsValues),
+    "MET-002": _impl("MET-002", FlattensNames),
+    "MET-003": _impl("MET-003", LastValueOnly),
+    "MET-004": _impl("MET-004", DropsNonFinite),
+    "MET-005": _impl("MET-005", BuffersUntilClose),
+    "MET-006": _impl("MET-006", TruncatesOnOpen, capabilities={"cross_process"}),
+}
+"""Requirement id -> a sink that breaks exactly that requirement."""

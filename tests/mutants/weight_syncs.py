@@ -1,0 +1,126 @@
+"""Deliberately broken weight syncs: each must fail the suite with its requirement's id."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from posttrain.contracts import Implementation
+from posttrain.reference_impls import InProcessReceiver, InProcessSender
+
+__all__ = ["MUTANTS"]
+
+
+class SkipsLastTensor(InProcessReceiver):
+    def receive(self, timeout: float | None = None) -> int | None:
+        last = list(self.model.state_dict())[-1]
+        keep = self.model.state_dict()[last].clone()
+        v = super().receive(timeout)
+        with torch.no_grad():
+            self.model.state_dict()[last].copy_(keep)
+        return v
+
+
+class VersionStuck(InProcessReceiver):
+    def receive(self, timeout: float | None = None) -> int | None:
+        v = super().receive(timeout)
+        self._version = 0
+        return v
+
+
+class Aliases(InProcessReceiver):
+    """Assigns the sent tensors themselves (``load_state_dict(assign=True)`` without a copy)."""
+
+    def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.check(weights)
+        self._pending = (dict(weights), version)
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if self._pending is None:
+            return None
+        weights, version = self._pending
+        self._pending = None
+        self.model.load_state_dict(weights, assign=True)
+        self._version = version
+        self.last_sync_s = 0.0
+        return version
+
+
+class CopiesUntilItBreaks(InProcessReceiver):
+    """No validation: copies tensor by tensor, so a bad one stops it half-way."""
+
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if self._pending is None:
+            return None
+        weights, version = self._pending
+        self._pending = None
+        with torch.no_grad():
+            for n, t in self.model.state_dict().items():
+                t.copy_(weights[n]) if t.shape == weights[n].shape else t.copy_(
+                    weights[n].reshape(t.shape)
+                )
+        self._version = version
+        return version
+
+
+class CastsDtypes(InProcessReceiver):
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        super().check({n: (t.to(own[n].dtype) if n in own else t) for n, t in weights.items()})
+
+
+class NonStrictNames(InProcessReceiver):
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        super().check({**own, **{n: t for n, t in weights.items() if n in own}})
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if self._pending is None:
+            return None
+        weights, version = self._pending
+        self._pending = None
+        self.model.load_state_dict(
+            {n: t for n, t in weights.items() if n in self.model.state_dict()}, strict=False
+        )
+        self._version = version
+        self.last_sync_s = 0.0
+        return version
+
+
+class NoLatency(InProcessReceiver):
+    def receive(self, timeout: float | None = None) -> int | None:
+        v = super().receive(timeout)
+        del self.last_sync_s
+        return v
+
+
+def _factory(cls: type[InProcessReceiver]) -> Any:
+    def make(model: torch.nn.Module) -> tuple[InProcessSender, InProcessReceiver]:
+        r = cls(model)
+        return InProcessSender(r), r
+
+    make.__name__ = cls.__name__
+    return make
+
+
+def _impl(req: str, cls: type[InProcessReceiver], **kw: Any) -> Implementation:
+    return Implementation("weight_sync", _factory(cls), name=f"mutant-{req}-{cls.__name__}", **kw)
+
+
+MUTANTS: dict[str, Implementation] = {
+    "WS-001": _impl("WS-001", SkipsLastTensor),
+    "WS-002": _impl("WS-002", VersionStuck),
+    "WS-003": _impl("WS-003", Aliases),
+    "WS-004": _impl("WS-004", CopiesUntilItBreaks),
+    "WS-005": _impl("WS-005", CastsDtypes),
+    "WS-006": _impl("WS-006", NonStrictNames),
+    "WS-007": _impl("WS-007", NoLatency),
+    "WS-008": _impl("WS-008", InProcessReceiver, capabilities={"cross_process"}),
+    "WS-009": _impl("WS-009", InProcessReceiver, capabilities={"cuda"}),
+}
+"""Requirement id -> a weight sync that breaks exactly that requirement."""
