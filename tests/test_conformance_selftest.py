@@ -7,16 +7,23 @@ import torch
 
 from posttrain.conformance import Implementation, Status, checks_for, run
 from posttrain.contracts import CONTRACTS
-from posttrain.reference_impls import IN_PROCESS_WEIGHT_SYNC, JSONL_SINK, PG_LOSSES, RING_BUFFER
-from tests.mutants import buffers, losses, sinks, weight_syncs
+from posttrain.reference_impls import (
+    HF_ROLLOUT,
+    IN_PROCESS_WEIGHT_SYNC,
+    JSONL_SINK,
+    PG_LOSSES,
+    RING_BUFFER,
+)
+from tests.mutants import buffers, losses, rollouts, sinks, weight_syncs
 
 MUTANTS: dict[str, dict[str, Implementation]] = {
     "buffer": buffers.MUTANTS,
     "loss": losses.MUTANTS,
+    "rollout": rollouts.MUTANTS,
     "weight_sync": weight_syncs.MUTANTS,
     "metrics": sinks.MUTANTS,
 }
-REFERENCES = [RING_BUFFER, *PG_LOSSES.values(), IN_PROCESS_WEIGHT_SYNC, JSONL_SINK]
+REFERENCES = [RING_BUFFER, *PG_LOSSES.values(), HF_ROLLOUT, IN_PROCESS_WEIGHT_SYNC, JSONL_SINK]
 NEEDS_CUDA = {"BUF-021", "WS-009"}
 
 
@@ -60,3 +67,7 @@ def test_dependants_of_a_failed_foundation_are_blocked() -> None:
     rows = {r.id: r for r in rep.results}
     assert rows["BUF-002"].message == "BUF-002: blocked by BUF-001"
     assert rows["BUF-013"].status is Status.PASS  # independent of BUF-001
+
+
+def test_every_contract_has_a_mutant_set() -> None:
+    assert set(MUTANTS) == set(CONTRACTS)

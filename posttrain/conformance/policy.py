@@ -46,3 +46,34 @@ def tiny_causal_lm(
         model: Any = LlamaForCausalLM(cfg)
     model.train(False)
     return model
+
+
+def forced_token_weights(model: Any, token: int) -> dict[str, torch.Tensor]:
+    """Weights for a tiny Llama that emits ``token`` after any input, whatever came before.
+
+    The residual stream is the embedding alone (attention and MLP outputs zeroed), every
+    embedding is the first unit vector, and only ``token``'s output row reads that unit: its
+    logit beats every other by ~280. Used to see, through generated tokens alone, that new
+    weights are in use.
+
+    Example:
+        >>> m = tiny_causal_lm(vocab_size=64)
+        >>> _ = m.load_state_dict(forced_token_weights(m, 7))
+        >>> m(input_ids=torch.tensor([[5, 9, 11]])).logits[0, -1].argmax().item()
+        7
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        w = t.detach().clone()
+        if name.endswith("embed_tokens.weight"):
+            w.zero_()
+            w[:, 0] = 1.0
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            w.zero_()
+        elif name.endswith("norm.weight"):
+            w.fill_(1.0)
+        elif name == "lm_head.weight":
+            w.zero_()
+            w[token, 0] = 50.0
+        out[name] = w
+    return out

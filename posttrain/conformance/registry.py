@@ -16,6 +16,7 @@ _CHECKS: dict[str, dict[str, Check]] = {}
 _SUITE_MODULES = {
     "buffer": "posttrain.conformance.suites.buffer",
     "loss": "posttrain.conformance.suites.loss",
+    "rollout": "posttrain.conformance.suites.rollout",
     "weight_sync": "posttrain.conformance.suites.weight_sync",
     "metrics": "posttrain.conformance.suites.metrics",
 }

@@ -57,7 +57,10 @@ ROLLOUT = Contract(
         "measurable and off-policy corrections are possible."
     ),
     protocol=RolloutSourceV1,
-    factory="factory(policy, prompts: list[list[int]], total_batches: int | None) -> RolloutSourceV1",
+    factory=(
+        "factory(policy, prompts: list[list[int]], total_batches: int | None, *, "
+        "max_new_tokens: int) -> RolloutSourceV1  # policy: an HF causal LM the suite supplies"
+    ),
     uses_layout=True,
     capabilities=(
         Capability(name="ragged", text="Yields ragged batches (lazy stacks / jagged tensors) instead of padded ones."),
@@ -84,6 +87,6 @@ ROLLOUT = Contract(
         Requirement(id="ROLL-009", level=_M, title="groups stamped", capability="groups",
             text="Items generated from the same prompt MUST share a `group_id` and items from different prompts MUST NOT.", depends_on=("ROLL-001",)),
         Requirement(id="ROLL-010", level=_M, title="ragged batches", capability="ragged",
-            text="Ragged batches MUST hold, per item, exactly the tokens of its padded twin without the padding.", depends_on=("ROLL-001",)),
+            text="Ragged batches MUST hold, per item, exactly its real tokens: no padding, the attention mask True throughout.", depends_on=("ROLL-001",)),
     ),
 )  # fmt: skip

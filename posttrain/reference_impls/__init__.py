@@ -9,6 +9,7 @@ Example:
 from functools import partial
 
 from posttrain.contracts import Implementation
+from posttrain.reference_impls.hf_rollout import HFRolloutSource
 from posttrain.reference_impls.jsonl_sink import JsonlSink, read_jsonl
 from posttrain.reference_impls.pg_loss import PolicyGradientLoss
 from posttrain.reference_impls.ring_buffer import RingBuffer
@@ -19,6 +20,7 @@ from posttrain.reference_impls.weight_sync import (
 )
 
 __all__ = [
+    "HF_ROLLOUT",
     "IN_PROCESS_WEIGHT_SYNC",
     "JSONL_SINK",
     "PG_LOSSES",
@@ -27,6 +29,7 @@ __all__ = [
     "PG_LOSS_SEQ_MEAN_TOKEN_SUM_NORM",
     "PG_LOSS_TOKEN_MEAN",
     "RING_BUFFER",
+    "HFRolloutSource",
     "InProcessReceiver",
     "InProcessSender",
     "JsonlSink",
@@ -105,3 +108,13 @@ JSONL_SINK = Implementation(
     description="Reference JSONL metrics sink, read back with read_jsonl.",
 )
 """The reference metrics sink's declaration (entry point ``reference-metrics-jsonl``)."""
+
+
+HF_ROLLOUT = Implementation(
+    "rollout",
+    partial(HFRolloutSource, num_samples=2),
+    name="posttrain.HFRolloutSource",
+    capabilities={"log_probs", "groups"},
+    description="Reference in-process rollout source over Hugging Face generate (2 samples per prompt).",
+)
+"""The reference rollout source's declaration (entry point ``reference-rollout-hf``)."""

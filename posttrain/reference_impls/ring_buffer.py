@@ -41,10 +41,10 @@ class RingBuffer:
     Example:
         >>> import torch
         >>> from tensordict import TensorDict
-        >>> rb = RingBuffer(capacity=3)
+        >>> rb = RingBuffer(capacity=3, seed=0)
         >>> rb.extend(TensorDict({"x": torch.arange(4.0)}, batch_size=[4])).tolist()
         [0, 1, 2, 0]
-        >>> len(rb), sorted(rb.sample(9)["x"].unique().tolist())
+        >>> len(rb), sorted(rb.sample(64)["x"].unique().tolist())
         (3, [1.0, 2.0, 3.0])
     """
 

@@ -1,0 +1,268 @@
+"""The rollout suite: one check per ROLL requirement (specs/rollout-v1.md).
+
+The suite supplies a tiny real HF causal LM and four prompts; to see that new weights are in
+use it loads weights that force one token, then looks at what was generated.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+
+from posttrain.conformance.context import ConformanceError, Context
+from posttrain.conformance.policy import forced_token_weights, tiny_causal_lm
+from posttrain.conformance.registry import requirement
+from posttrain.contracts.alignment import token_log_probs
+from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.contracts.validation import validate
+
+V = 64
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15, 16]]
+FORCED = 42
+MAX_NEW = 4
+K = LLM_LAYOUT_V1.key
+
+
+def _fail(msg: str) -> ConformanceError:
+    return ConformanceError(msg)
+
+
+def _source(ctx: Context, total: int | None = 3) -> tuple[Any, Any]:
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    return policy, ctx.make(policy, [list(p) for p in PROMPTS], total, max_new_tokens=MAX_NEW)
+
+
+def _items(batch: TensorDictBase) -> list[TensorDictBase]:
+    if isinstance(batch, LazyStackedTensorDict):
+        return list(batch.tensordicts)
+    return [batch[i] for i in range(batch.batch_size[0])]
+
+
+def _rows(batch: TensorDictBase) -> list[tuple[list[int], list[bool], list[bool]]]:
+    """Per item: tokens, attention mask, assistant mask (as lists)."""
+    return [
+        (
+            it.get(K("tokens")).tolist(),
+            it.get(K("attention_mask")).tolist(),
+            it.get(K("assistant_mask")).tolist(),
+        )
+        for it in _items(batch)
+    ]
+
+
+def _responses(batch: TensorDictBase) -> list[list[int]]:
+    return [[t for t, a in zip(toks, asst, strict=True) if a] for toks, _att, asst in _rows(batch)]
+
+
+def _first(it: Iterator[TensorDictBase], what: str) -> TensorDictBase:
+    try:
+        return next(it)
+    except StopIteration:
+        raise _fail(f"{what}: the source stopped before yielding a batch") from None
+
+
+def _versions(batch: TensorDictBase) -> set[int]:
+    return {int(v) for v in batch.get(K("policy_version")).reshape(-1).tolist()}
+
+
+@requirement("ROLL-001")
+def batches_meet_layout(ctx: Context) -> None:
+    _policy, src = _source(ctx)
+    try:
+        for n, batch in enumerate(src):
+            bad = validate(
+                batch, require=("policy_version",), deep=True, ragged="ragged" in ctx.capabilities
+            )
+            if bad:
+                raise _fail(f"batch {n} breaks the LLM layout: " + "; ".join(str(v) for v in bad))
+            for i, (_toks, att, asst) in enumerate(_rows(batch)):
+                first = asst.index(True) if True in asst else None
+                if first is None:
+                    raise _fail(f"batch {n}, item {i}: no assistant token (nothing generated?)")
+                if not all(asst[first : first + sum(asst)]):
+                    raise _fail(
+                        f"batch {n}, item {i}: the assistant mask {asst} is not one contiguous response"
+                    )
+                if first == 0 or not all(att[:first]):
+                    raise _fail(
+                        f"batch {n}, item {i}: assistant tokens must follow a prompt; masks {att} / {asst}"
+                    )
+            if n == 1:
+                break
+    finally:
+        src.shutdown()
+
+
+@requirement("ROLL-002")
+def prompt_preserved(ctx: Context) -> None:
+    _policy, src = _source(ctx)
+    try:
+        batch = _first(iter(src), "first batch")
+    finally:
+        src.shutdown()
+    seen = []
+    for i, (toks, _att, asst) in enumerate(_rows(batch)):
+        prompt = toks[: asst.index(True)]
+        if prompt not in PROMPTS:
+            raise _fail(
+                f"item {i}: the tokens before the response are {prompt}, not one of the prompts {PROMPTS}"
+            )
+        seen.append(prompt)
+    missing = [p for p in PROMPTS if p not in seen]
+    if missing:
+        raise _fail(f"the first batch answers none of the prompts {missing}")
+
+
+@requirement("ROLL-003")
+def version_stamped(ctx: Context) -> None:
+    _policy, src = _source(ctx)
+    try:
+        want = src.policy_version
+        batch = _first(iter(src), "first batch")
+    finally:
+        src.shutdown()
+    got = _versions(batch)
+    if got != {int(want)}:
+        raise _fail(
+            f"items carry policy_version {sorted(got)}; the source's policy_version was {want}"
+        )
+
+
+@requirement("ROLL-004")
+def version_rises(ctx: Context) -> None:
+    policy, src = _source(ctx, total=None)
+    try:
+        it = iter(src)
+        before = _versions(_first(it, "first batch"))
+        v0 = src.policy_version
+        src.update_policy_weights_(policy.state_dict())
+        if not src.policy_version > v0:
+            raise _fail(
+                f"policy_version went from {v0} to {src.policy_version} across update_policy_weights_"
+            )
+        after = _versions(_first(it, "batch after the update"))
+        if not min(after) > max(before):
+            raise _fail(
+                f"stamps before the update {sorted(before)}, after {sorted(after)}: they must rise"
+            )
+    finally:
+        src.shutdown()
+
+
+@requirement("ROLL-005")
+def new_weights_used(ctx: Context) -> None:
+    policy, src = _source(ctx, total=None)
+    try:
+        it = iter(src)
+        old = _responses(_first(it, "first batch"))
+        if all(all(t == FORCED for t in r) for r in old):
+            raise _fail(f"suite error: the initial policy already emits only token {FORCED}")
+        src.update_policy_weights_(forced_token_weights(policy, FORCED))
+        new = _responses(_first(it, "batch after the update"))
+    finally:
+        src.shutdown()
+    wrong = [r for r in new if any(t != FORCED for t in r)]
+    if wrong:
+        raise _fail(
+            f"after loading weights that always emit token {FORCED}, responses {wrong} contain other tokens: old weights still in use"
+        )
+
+
+@requirement("ROLL-006")
+def declared_end(ctx: Context) -> None:
+    _policy, src = _source(ctx, total=3)
+    try:
+        n = 0
+        for _ in src:
+            n += 1
+            if n > 10:
+                break
+    finally:
+        src.shutdown()
+    if n != 3:
+        raise _fail(
+            f"declared total 3 batches, iteration yielded {n if n <= 10 else 'more than 10'}"
+        )
+
+
+@requirement("ROLL-007")
+def shutdown(ctx: Context) -> None:
+    _policy, src = _source(ctx, total=None)
+    _first(iter(src), "first batch")
+    src.shutdown()
+    src.shutdown()  # idempotent: must not raise
+    outcome: list[str] = []
+
+    def attempt() -> None:
+        try:
+            next(iter(src))
+            outcome.append("yielded a batch")
+        except StopIteration:
+            outcome.append("stopped silently (StopIteration)")
+        except Exception:
+            outcome.append("raised")
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(timeout=20)
+    if t.is_alive():
+        raise _fail("iterating after shutdown() hangs (no answer within 20 s)")
+    if outcome != ["raised"]:
+        raise _fail(f"iterating after shutdown() {outcome[0]}; expected a clear error")
+
+
+@requirement("ROLL-008")
+def behaviour_log_probs(ctx: Context) -> None:
+    policy, src = _source(ctx)
+    try:
+        batch = _first(iter(src), "first batch")
+    finally:
+        src.shutdown()
+    for i, it in enumerate(_items(batch)):
+        toks = it.get(K("tokens"))[None]
+        asst = it.get(K("assistant_mask"))[None]
+        with torch.no_grad():
+            want = token_log_probs(
+                policy(
+                    input_ids=toks, attention_mask=it.get(K("attention_mask"))[None].long()
+                ).logits,
+                toks,
+            )
+        got = it.get(K("sample_log_probs"))[None]
+        if not torch.allclose(got[asst], want[asst], atol=1e-4, rtol=0):
+            raise _fail(
+                f"item {i}: sample_log_probs {got[asst].tolist()} differ from the policy's {want[asst].tolist()}"
+            )
+
+
+@requirement("ROLL-009")
+def groups_stamped(ctx: Context) -> None:
+    _policy, src = _source(ctx)
+    try:
+        batch = _first(iter(src), "first batch")
+    finally:
+        src.shutdown()
+    gids = batch.get(K("group_id")).reshape(-1).tolist()
+    prompts = [toks[: asst.index(True)] for toks, _a, asst in _rows(batch)]
+    for i in range(len(gids)):
+        for j in range(i + 1, len(gids)):
+            if (gids[i] == gids[j]) != (prompts[i] == prompts[j]):
+                raise _fail(
+                    f"items {i} and {j}: prompts {prompts[i]} / {prompts[j]} but group ids {gids[i]} / {gids[j]}"
+                )
+
+
+@requirement("ROLL-010")
+def ragged_batches(ctx: Context) -> None:
+    _policy, src = _source(ctx)
+    try:
+        batch = _first(iter(src), "first batch")
+    finally:
+        src.shutdown()
+    for i, (_toks, att, _asst) in enumerate(_rows(batch)):
+        if not all(att):
+            raise _fail(f"item {i} of a ragged batch is padded: attention mask {att}")
