@@ -120,3 +120,32 @@ def test_every_registered_entry_point_is_an_implementation() -> None:
     assert {"reference-buffer", "reference-loss-token-mean"} <= set(eps)
     for name, ep in eps.items():
         assert isinstance(ep.load(), Implementation), name
+
+
+def test_two_contracts_in_one_run(pytester: pytest.Pytester) -> None:
+    report = pytester.path / "r.json"
+    res = pytester.runpytest_inprocess(
+        "--conformance=buffer,loss",
+        "--conformance-impl=reference-buffer",
+        "--conformance-impl=reference-loss-seq-mean-token-sum",
+        f"--conformance-report={report}",
+    )
+    assert res.ret == 0
+    res.assert_outcomes(passed=17 + 12, skipped=4 + 1)
+    data = json.loads(report.read_text())
+    assert [d["run"]["contract"] for d in data] == ["buffer", "loss"]
+    assert data[1]["run"]["options"] == {"aggregation": "seq_mean_token_sum"}
+
+
+@pytest.mark.parametrize(
+    "name", ["reference-rollout-hf", "reference-weight-sync", "reference-metrics-jsonl"]
+)
+def test_other_references_pass_through_pytest(pytester: pytest.Pytester, name: str) -> None:
+    contract = {
+        "reference-rollout-hf": "rollout",
+        "reference-weight-sync": "weight_sync",
+        "reference-metrics-jsonl": "metrics",
+    }[name]
+    res = pytester.runpytest_inprocess(f"--conformance={contract}", f"--conformance-impl={name}")
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["*conforms (every MUST)*"])
