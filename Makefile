@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest report specs specs-check bench clean
+.PHONY: install test lint typecheck pytest report specs specs-check bench torchrl-report clean
 
 install: $(STAMP)
 
@@ -39,6 +39,9 @@ report: $(STAMP)
 
 specs: $(STAMP)
 	$(BIN)/python -m posttrain.specgen specs
+
+torchrl-report: $(STAMP)
+	RL_WARNINGS=0 $(BIN)/python scripts/publish_torchrl_report.py docs/reports
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q -p no:randomly --benchmark-only

@@ -11,7 +11,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain.contracts.layout import key_str, norm_key
-from posttrain.contracts.validation import ContractViolation, Violation
+from posttrain.contracts.schema import ItemSchema, batch_violations
+from posttrain.contracts.validation import ContractViolation
 
 __all__ = ["RingBuffer"]
 
@@ -71,6 +72,7 @@ class RingBuffer:
         self._gen.manual_seed(
             int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else seed
         )
+        self._schema: ItemSchema | None = None
         self._columns: dict[tuple[str, ...], _Column] | None = None
         self._rows: torch.Tensor | None = None
         self._cursor = 0
@@ -79,70 +81,15 @@ class RingBuffer:
         self._epoch: list[int] = []
 
     # -- schema --------------------------------------------------------------------------
-    def _infer(self, leaves: dict[tuple[str, ...], Any]) -> dict[tuple[str, ...], _Column]:
-        bad = [
-            Violation(k, "a tensor", type(v).__name__, "BUF-011")
-            for k, v in leaves.items()
-            if not isinstance(v, torch.Tensor) or v.is_nested
-        ]
-        if bad:
-            raise ContractViolation(bad, "RingBuffer.extend")
+    def _layout(self, schema: ItemSchema) -> dict[tuple[str, ...], _Column]:
         cols: dict[tuple[str, ...], _Column] = {}
         offset = 0
         # Widest dtypes first keeps every column aligned to its element size.
-        for k, v in sorted(leaves.items(), key=lambda kv: -kv[1].element_size()):
-            nbytes = int(torch.Size(v.shape[1:]).numel()) * v.element_size()
-            cols[k] = _Column(v.dtype, tuple(v.shape[1:]), offset, nbytes)
+        for k, c in sorted(schema.columns.items(), key=lambda kc: -kc[1].dtype.itemsize):
+            nbytes = int(torch.Size(c.shape).numel()) * c.dtype.itemsize
+            cols[k] = _Column(c.dtype, c.shape, offset, nbytes)
             offset += nbytes
         return cols
-
-    def _violations(self, data: Any) -> list[Violation]:
-        if not isinstance(data, TensorDictBase):
-            return [Violation((), "a TensorDict", type(data).__name__, "BUF-001")]
-        if data.batch_dims != 1:
-            return [
-                Violation((), "batch dims [N]", f"batch_size {list(data.batch_size)}", "BUF-001")
-            ]
-        if self._columns is None:
-            return []
-        leaves = _leaves(data)
-        out: list[Violation] = []
-        for k, col in self._columns.items():
-            if k not in leaves:
-                out.append(
-                    Violation(
-                        k,
-                        f"{_dt(col.dtype)} {list(col.shape)} (stored schema)",
-                        "no such key",
-                        "BUF-009",
-                    )
-                )
-                continue
-            v = leaves[k]
-            if not isinstance(v, torch.Tensor) or v.is_nested:
-                out.append(
-                    Violation(k, f"a tensor of {_dt(col.dtype)}", type(v).__name__, "BUF-011")
-                )
-                continue
-            if v.dtype != col.dtype:
-                out.append(
-                    Violation(k, f"dtype {_dt(col.dtype)}", f"dtype {_dt(v.dtype)}", "BUF-011")
-                )
-            if tuple(v.shape[1:]) != col.shape:
-                out.append(
-                    Violation(
-                        k,
-                        f"item shape {list(col.shape)}",
-                        f"item shape {list(v.shape[1:])}",
-                        "BUF-012",
-                    )
-                )
-        for k in leaves:
-            if k not in self._columns:
-                out.append(
-                    Violation(k, "only keys of the stored schema", "an extra key", "BUF-010")
-                )
-        return out
 
     def _views(self, rows: torch.Tensor) -> dict[tuple[str, ...], torch.Tensor]:
         assert self._columns is not None
@@ -159,15 +106,22 @@ class RingBuffer:
         Raises ``ContractViolation`` naming every offending key, with the buffer unchanged.
         """
         with self._lock:
-            problems = self._violations(data)
-            if problems:
-                raise ContractViolation(problems, "RingBuffer.extend (buffer unchanged)")
+            context = "RingBuffer.extend (buffer unchanged)"
+            if self._schema is None:
+                problems = batch_violations(data)
+                if problems:
+                    raise ContractViolation(problems, context)
+                if int(data.batch_size[0]) == 0:
+                    return torch.empty(0, dtype=torch.int64)
+                schema = ItemSchema.of(data)
+            else:
+                schema = self._schema
+                schema.check(data, context)
             n = int(data.batch_size[0])
             leaves = _leaves(data)
             if self._columns is None:
-                if n == 0:
-                    return torch.empty(0, dtype=torch.int64)
-                self._columns = self._infer(leaves)
+                self._schema = schema
+                self._columns = self._layout(schema)
                 row = sum(c.nbytes for c in self._columns.values())
                 row = -(-row // _ALIGN) * _ALIGN
                 self._rows = torch.empty(self.capacity, row, dtype=torch.uint8, device=self.device)
@@ -230,11 +184,7 @@ class RingBuffer:
             return {
                 "capacity": self.capacity,
                 "sampling": self.sampling,
-                "columns": None
-                if self._columns is None
-                else [
-                    (k, str(c.dtype), c.shape, c.offset, c.nbytes) for k, c in self._columns.items()
-                ],
+                "schema": None if self._schema is None else self._schema.to_state(),
                 "rows": None if self._rows is None else self._rows[: self._len].cpu().clone(),
                 "cursor": self._cursor,
                 "len": self._len,
@@ -249,15 +199,13 @@ class RingBuffer:
             raise ValueError(
                 f"state_dict['capacity']: expected {self.capacity}, found {state_dict.get('capacity')!r}"
             )
-        cols = state_dict["columns"]
+        schema = state_dict["schema"]
         with self._lock:
-            if cols is None:
-                self._columns, self._rows = None, None
+            if schema is None:
+                self._schema, self._columns, self._rows = None, None, None
             else:
-                self._columns = {
-                    tuple(k): _Column(getattr(torch, d.removeprefix("torch.")), tuple(s), o, b)
-                    for k, d, s, o, b in cols
-                }
+                self._schema = ItemSchema.from_state(schema)
+                self._columns = self._layout(self._schema)
                 saved = state_dict["rows"]
                 self._rows = torch.empty(
                     self.capacity, saved.shape[1], dtype=torch.uint8, device=self.device
@@ -283,7 +231,3 @@ class RingBuffer:
     def __repr__(self) -> str:
         keys = "" if self._columns is None else ", ".join(key_str(k) for k in self._columns)
         return f"RingBuffer(capacity={self.capacity}, len={self._len}, keys=[{keys}])"
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

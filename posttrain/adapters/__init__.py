@@ -1,0 +1,1 @@
+"""Thin adapters that make framework components conform; each imports its framework lazily."""

@@ -1,0 +1,139 @@
+"""Validate-then-write around a TorchRL replay buffer: no copy, metadata checks only."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from posttrain.contracts.schema import ItemSchema, batch_violations
+from posttrain.contracts.validation import ContractViolation
+
+__all__ = ["ValidatedReplayBuffer"]
+
+_SCHEMA_FILE = "posttrain_schema.json"
+_STATE_FILE = "posttrain_state.pt"
+
+
+class ValidatedReplayBuffer:
+    """Makes a TorchRL ``ReplayBuffer`` conform to ``ReplayBufferV1``.
+
+    TorchRL 0.14's ``extend`` is not atomic and accepts batches that do not match what is
+    stored (a missing key is left uninitialised or zero-filled, an extra key is added or
+    dropped, a wrong dtype or shape fails half-way). This adapter fixes the schema at the first
+    write and checks every later batch against it (keys, dtypes, item shapes: metadata only)
+    before handing it, untouched, to the wrapped buffer. Everything else is delegated.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+        >>> rb = ValidatedReplayBuffer(TensorDictReplayBuffer(storage=LazyTensorStorage(8)))
+        >>> rb.extend(TensorDict({"x": torch.zeros(2, 3)}, batch_size=[2])).tolist()
+        [0, 1]
+        >>> rb.extend(TensorDict({"y": torch.zeros(2, 3)}, batch_size=[2]))
+        Traceback (most recent call last):
+        ...
+        posttrain.contracts.validation.ContractViolation: extend (buffer unchanged): 2 contract violation(s)
+          - BUF-009 key 'x': expected float32 [3] (stored schema), found no such key
+          - BUF-010 key 'y': expected only keys of the stored schema, found an extra key
+        >>> len(rb)
+        2
+    """
+
+    def __init__(self, rb: Any, *, ragged: bool = False) -> None:
+        self.rb = rb
+        self.ragged = ragged
+        self._schema: ItemSchema | None = None
+        self._lock = threading.Lock()
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        """Check ``data`` against the stored schema, then extend the wrapped buffer."""
+        with self._lock:
+            if self._schema is None:
+                problems = batch_violations(data)
+                if problems:
+                    raise ContractViolation(problems, "extend (buffer unchanged)")
+                if int(data.batch_size[0]) == 0:
+                    return torch.empty(0, dtype=torch.int64)
+                schema = ItemSchema.of(data, ragged=self.ragged)
+            else:
+                schema = self._schema
+                schema.check(data)
+            idx: torch.Tensor = self.rb.extend(data)
+            self._schema = schema
+            return idx
+
+    def sample(self, batch_size: int, /) -> Any:
+        """Exactly ``batch_size`` items from the wrapped buffer.
+
+        TorchRL's ``SamplerWithoutReplacement`` returns only the rest of the current epoch when
+        fewer items are left; the adapter tops the batch up from the next epoch, which keeps
+        the every-item-once-per-epoch order.
+        """
+        out = self.rb.sample(batch_size)
+        got = int(out.batch_size[0]) if isinstance(out, TensorDictBase) else batch_size
+        if got >= batch_size:
+            return out
+        if batch_size > len(self.rb):
+            raise ValueError(
+                f"batch_size: without replacement at most len(buffer)={len(self.rb)}, found {batch_size}"
+            )
+        parts = [out]
+        while got < batch_size:
+            more = self.rb.sample(batch_size - got)
+            parts.append(more)
+            got += int(more.batch_size[0])
+        return torch.cat(parts, 0)
+
+    def __len__(self) -> int:
+        return len(self.rb)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped buffer's state plus the stored schema."""
+        return {
+            "rb": self.rb.state_dict(),
+            "schema": None if self._schema is None else self._schema.to_state(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self.rb.load_state_dict(state_dict["rb"])
+        s = state_dict["schema"]
+        self._schema = None if s is None else ItemSchema.from_state(s)
+
+    def dumps(self, path: str | os.PathLike[str], /) -> None:
+        """The wrapped buffer's ``dumps``, plus the schema beside it.
+
+        TorchRL's list-backed storages (``LazyStackStorage``) refuse ``dumps``; for those the
+        adapter saves ``state_dict()`` with ``torch.save`` instead.
+        """
+        Path(path).mkdir(parents=True, exist_ok=True)
+        try:
+            self.rb.dumps(path)
+        except NotImplementedError:
+            torch.save(self.rb.state_dict(), Path(path, _STATE_FILE))
+        state = None if self._schema is None else self._schema.to_state()
+        Path(path, _SCHEMA_FILE).write_text(json.dumps(state))
+
+    def loads(self, path: str | os.PathLike[str], /) -> None:
+        """The wrapped buffer's ``loads`` (or the saved ``state_dict``), plus the schema."""
+        fallback = Path(path, _STATE_FILE)
+        if fallback.exists():
+            self.rb.load_state_dict(torch.load(fallback, weights_only=False))
+        else:
+            self.rb.loads(path)
+        state = json.loads(Path(path, _SCHEMA_FILE).read_text())
+        self._schema = None if state is None else ItemSchema.from_state(state)
+
+    def update_priority(self, index: Any, priority: Any, /) -> None:
+        """Delegate to the wrapped buffer."""
+        self.rb.update_priority(index, priority)
+
+    def __repr__(self) -> str:
+        return f"ValidatedReplayBuffer({self.rb!r})"

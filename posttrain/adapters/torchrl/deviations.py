@@ -1,0 +1,117 @@
+"""TorchRL's deviations from the contracts, each with a minimal repro a maintainer can paste.
+
+Each repro is plain TorchRL code ending in ``assert`` statements that hold *because of* the
+deviation; ``tests/test_torchrl_buffers.py`` runs them, so a fix upstream shows up here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEVIATIONS", "Deviation"]
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """One way a TorchRL component breaks a requirement, with its repro.
+
+    Example:
+        >>> DEVIATIONS[0].requirements
+        ('BUF-009',)
+    """
+
+    requirements: tuple[str, ...]
+    component: str
+    title: str
+    repro: str
+
+
+_HEAD = """import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8))
+rb.extend(TensorDict({"a": torch.ones(2), "b": torch.ones(2)}, batch_size=[2]))
+"""
+
+DEVIATIONS: tuple[Deviation, ...] = (
+    Deviation(
+        ("BUF-009",),
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage, LazyStackStorage",
+        "extend accepts a batch with a stored key missing",
+        _HEAD
+        + """rb.extend(TensorDict({"a": torch.ones(2)}, batch_size=[2]))  # no "b": accepted
+assert len(rb) == 4  # rows 2-3 of "b" hold whatever the storage had (uninitialised / zeros)
+""",
+    ),
+    Deviation(
+        ("BUF-010",),
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage, LazyStackStorage",
+        "extend accepts a batch with a key the buffer does not store",
+        _HEAD
+        + """rb.extend(TensorDict({"a": torch.ones(2), "b": torch.ones(2), "c": torch.ones(2)}, batch_size=[2]))
+assert len(rb) == 4  # "c" was accepted (LazyTensorStorage adds a column, LazyMemmapStorage drops it)
+""",
+    ),
+    Deviation(
+        ("BUF-011",),
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
+        "a wrong dtype fails half-way: the error names no key and the write position still advances",
+        _HEAD
+        + """try:
+    rb.extend(TensorDict({"a": torch.ones(2), "b": torch.ones(2, dtype=torch.float64)}, batch_size=[2]))
+except RuntimeError as e:
+    assert "'b'" not in str(e)  # "Index put requires the source and destination dtypes match"
+else:
+    raise SystemExit("accepted: a different deviation")
+assert len(rb) == 4  # the failed write counts: two rows of garbage are now sampleable
+""",
+    ),
+    Deviation(
+        ("BUF-012",),
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
+        "a wrong item shape fails half-way: the error names no key and the write position still advances",
+        _HEAD
+        + """try:
+    rb.extend(TensorDict({"a": torch.ones(2), "b": torch.ones(2, 3)}, batch_size=[2]))
+except RuntimeError as e:
+    assert "'b'" not in str(e)  # "shape mismatch: value tensor of shape [2, 3] cannot be broadcast ..."
+else:
+    raise SystemExit("accepted: a different deviation")
+assert len(rb) == 4
+""",
+    ),
+    Deviation(
+        ("BUF-004",),
+        "ReplayBuffer / SamplerWithoutReplacement",
+        "sample(n) returns fewer than n items when the current epoch has fewer left",
+        """import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, SamplerWithoutReplacement, TensorDictReplayBuffer
+
+rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8), sampler=SamplerWithoutReplacement())
+rb.extend(TensorDict({"a": torch.arange(5)}, batch_size=[5]))
+rb.sample(4)
+assert rb.sample(5).batch_size == torch.Size([1])  # asked for 5
+""",
+    ),
+    Deviation(
+        ("BUF-018",),
+        "ReplayBuffer / LazyStackStorage (ListStorage)",
+        "dumps refuses list-backed storages, so ragged buffers cannot be checkpointed with it",
+        """import tempfile
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
+
+rb = TensorDictReplayBuffer(storage=LazyStackStorage(8))
+rb.extend(TensorDict({"a": torch.arange(2)}, batch_size=[2]))
+try:
+    rb.dumps(tempfile.mkdtemp())
+    raise SystemExit("dumps worked: the deviation is fixed")
+except NotImplementedError as e:
+    assert "ListStorage" in str(e)
+""",
+    ),
+)
+"""Known deviations of TorchRL 0.14.1's buffers, found by the buffer suite."""

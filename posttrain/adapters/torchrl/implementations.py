@@ -1,0 +1,108 @@
+"""TorchRL's own buffers as conformance targets: raw, and through the adapter.
+
+Each ``Implementation`` here is registered under the ``posttrain.implementations`` entry-point
+group so ``make report`` shows TorchRL's rows. Factories import TorchRL lazily.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from posttrain.adapters.torchrl.buffer import ValidatedReplayBuffer
+from posttrain.contracts.implementation import Implementation
+
+__all__ = [
+    "ADAPTED_LAZY_MEMMAP",
+    "ADAPTED_LAZY_STACK",
+    "ADAPTED_LAZY_TENSOR",
+    "ADAPTED_LAZY_TENSOR_NO_REPLACEMENT",
+    "RAW_LAZY_MEMMAP",
+    "RAW_LAZY_STACK",
+    "RAW_LAZY_TENSOR",
+    "RAW_LAZY_TENSOR_NO_REPLACEMENT",
+    "prioritized_unavailable",
+]
+
+
+def _torchrl() -> Any:
+    try:
+        import torchrl.data as data
+    except ImportError as e:  # pragma: no cover - only without the extra
+        raise ImportError(
+            "the TorchRL adapters need torchrl: pip install 'posttrain[torchrl]'"
+        ) from e
+    return data
+
+
+def prioritized_unavailable() -> str | None:
+    """Why TorchRL's prioritized sampler cannot run here (its C++ extension), or None.
+
+    Example:
+        >>> reason = prioritized_unavailable()
+        >>> reason is None or "C++" in reason
+        True
+    """
+    data = _torchrl()
+    try:
+        data.PrioritizedSampler(2, alpha=1.0, beta=1.0)
+    except RuntimeError as e:
+        return f"torchrl's C++ extension did not load against this torch ({e})"
+    return None
+
+
+def _storage(kind: str, capacity: int) -> Any:
+    data = _torchrl()
+    if kind == "tensor":
+        return data.LazyTensorStorage(capacity)
+    if kind == "memmap":
+        return data.LazyMemmapStorage(
+            capacity, scratch_dir=tempfile.mkdtemp(prefix="posttrain-memmap-")
+        )
+    return data.LazyStackStorage(capacity)
+
+
+def _factory(
+    kind: str, *, without_replacement: bool = False, adapted: bool = False
+) -> Callable[[int], Any]:
+    def make(capacity: int) -> Any:
+        data = _torchrl()
+        sampler = data.SamplerWithoutReplacement() if without_replacement else data.RandomSampler()
+        rb = data.TensorDictReplayBuffer(storage=_storage(kind, capacity), sampler=sampler)
+        return ValidatedReplayBuffer(rb, ragged=kind == "stack") if adapted else rb
+
+    make.__name__ = f"{'adapted' if adapted else 'raw'}_{kind}"
+    return make
+
+
+def _impl(
+    kind: str, label: str, *, adapted: bool, without_replacement: bool = False
+) -> Implementation:
+    caps = {"checkpoint", "thread_safe"} | ({"ragged"} if kind == "stack" else set())
+    wrapper = "ValidatedReplayBuffer(" if adapted else ""
+    sampler = "SamplerWithoutReplacement" if without_replacement else "RandomSampler"
+    return Implementation(
+        "buffer",
+        _factory(kind, without_replacement=without_replacement, adapted=adapted),
+        name=f"{wrapper}TensorDictReplayBuffer({label}, {sampler}){')' if adapted else ''}",
+        capabilities=caps,
+        options={"sampling": "without_replacement" if without_replacement else "with_replacement"},
+        unavailable={
+            "priority": "PrioritizedSampler needs torchrl's C++ extension (see prioritized_unavailable())"
+        },
+    )
+
+
+RAW_LAZY_TENSOR = _impl("tensor", "LazyTensorStorage", adapted=False)
+RAW_LAZY_TENSOR_NO_REPLACEMENT = _impl(
+    "tensor", "LazyTensorStorage", adapted=False, without_replacement=True
+)
+RAW_LAZY_MEMMAP = _impl("memmap", "LazyMemmapStorage", adapted=False)
+RAW_LAZY_STACK = _impl("stack", "LazyStackStorage", adapted=False)
+ADAPTED_LAZY_TENSOR = _impl("tensor", "LazyTensorStorage", adapted=True)
+ADAPTED_LAZY_TENSOR_NO_REPLACEMENT = _impl(
+    "tensor", "LazyTensorStorage", adapted=True, without_replacement=True
+)
+ADAPTED_LAZY_MEMMAP = _impl("memmap", "LazyMemmapStorage", adapted=True)
+ADAPTED_LAZY_STACK = _impl("stack", "LazyStackStorage", adapted=True)

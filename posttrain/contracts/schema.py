@@ -1,0 +1,174 @@
+"""A buffer's stored schema: keys, dtypes and per-item shapes fixed by the first write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+
+from posttrain.contracts.layout import norm_key
+from posttrain.contracts.validation import ContractViolation, Violation
+
+__all__ = ["RAGGED", "Column", "ItemSchema", "batch_violations"]
+
+RAGGED = -1
+"""An item dimension whose size differs between items."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """One key of the schema: dtype and per-item shape (``RAGGED`` where sizes vary).
+
+    Example:
+        >>> Column(torch.int64, (8,)).describe()
+        'int64 [8]'
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def describe(self) -> str:
+        """``dtype [shape]`` as the error messages show it."""
+        dims = ", ".join("ragged" if d == RAGGED else str(d) for d in self.shape)
+        return f"{str(self.dtype).removeprefix('torch.')} [{dims}]"
+
+
+def batch_violations(data: Any) -> list[Violation]:
+    """A batch for a buffer is a TensorDict with one batch dim ``[N]``.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> [str(v) for v in batch_violations(TensorDict({}, batch_size=[2, 3]))]
+        ['BUF-001 the batch: expected batch dims [N], found batch_size [2, 3]']
+    """
+    if not isinstance(data, TensorDictBase):
+        return [Violation((), "a TensorDict", type(data).__name__, "BUF-001")]
+    if data.batch_dims != 1:
+        return [Violation((), "batch dims [N]", f"batch_size {list(data.batch_size)}", "BUF-001")]
+    return []
+
+
+def _columns(data: TensorDictBase) -> dict[tuple[str, ...], Column | str]:
+    """Each leaf's column, or the type name of a leaf that is not a tensor."""
+    out: dict[tuple[str, ...], Column | str] = {}
+    lazy = isinstance(data, LazyStackedTensorDict) and data.stack_dim == 0
+    for k in data.keys(include_nested=True, leaves_only=True):
+        key = norm_key(k)
+        if lazy:
+            parts = [t.get(k) for t in data.tensordicts]
+            if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+                out[key] = type(parts[0]).__name__ if parts else "nothing"
+                continue
+            dtypes = {p.dtype for p in parts}
+            shape = tuple(int(d) for d in data.get_item_shape(k))[1:]
+            out[key] = Column(parts[0].dtype, shape) if len(dtypes) == 1 else "mixed dtypes"
+            continue
+        v = data.get(k)
+        if not isinstance(v, torch.Tensor):
+            out[key] = type(v).__name__
+        elif v.is_nested:
+            out[key] = Column(v.dtype, tuple(d if type(d) is int else RAGGED for d in v.shape[1:]))
+        else:
+            out[key] = Column(v.dtype, tuple(v.shape[1:]))
+    return out
+
+
+class ItemSchema:
+    """Keys, dtypes and item shapes a buffer accepts; ``violations`` says what a batch breaks.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> s = ItemSchema.of(TensorDict({"x": torch.zeros(2, 3)}, batch_size=[2]))
+        >>> [str(v) for v in s.violations(TensorDict({"x": torch.zeros(2, 4).long()}, batch_size=[2]))]
+        ["BUF-011 key 'x': expected dtype float32, found dtype int64", "BUF-012 key 'x': expected item shape [3], found item shape [4]"]
+    """
+
+    def __init__(self, columns: dict[tuple[str, ...], Column]) -> None:
+        self.columns = dict(columns)
+
+    @classmethod
+    def of(cls, data: TensorDictBase, *, ragged: bool = False) -> ItemSchema:
+        """The schema a first write fixes; raises :class:`ContractViolation` for bad leaves."""
+        bad = batch_violations(data)
+        cols = _columns(data) if not bad else {}
+        bad += [
+            Violation(k, "a tensor", c, "BUF-011") for k, c in cols.items() if isinstance(c, str)
+        ]
+        if not ragged:
+            bad += [
+                Violation(
+                    k, "fixed item shapes (this buffer is not ragged)", c.describe(), "BUF-012"
+                )
+                for k, c in cols.items()
+                if isinstance(c, Column) and RAGGED in c.shape
+            ]
+        if bad:
+            raise ContractViolation(bad, "extend (buffer unchanged)")
+        return cls({k: c for k, c in cols.items() if isinstance(c, Column)})
+
+    def violations(self, data: Any) -> list[Violation]:
+        """Every way ``data`` differs from the schema (BUF-009 to BUF-012), without reading values."""
+        bad = batch_violations(data)
+        if bad:
+            return bad
+        got = _columns(data)
+        out: list[Violation] = []
+        for k, col in self.columns.items():
+            c = got.get(k)
+            if c is None:
+                out.append(
+                    Violation(k, f"{col.describe()} (stored schema)", "no such key", "BUF-009")
+                )
+            elif isinstance(c, str):
+                out.append(Violation(k, f"a tensor of {col.describe()}", c, "BUF-011"))
+            else:
+                if c.dtype != col.dtype:
+                    out.append(
+                        Violation(k, f"dtype {_dt(col.dtype)}", f"dtype {_dt(c.dtype)}", "BUF-011")
+                    )
+                if not _shape_fits(c.shape, col.shape):
+                    out.append(
+                        Violation(
+                            k,
+                            f"item shape {_dims(col.shape)}",
+                            f"item shape {_dims(c.shape)}",
+                            "BUF-012",
+                        )
+                    )
+        out += [
+            Violation(k, "only keys of the stored schema", "an extra key", "BUF-010")
+            for k in got
+            if k not in self.columns
+        ]
+        return out
+
+    def check(self, data: Any, context: str = "extend (buffer unchanged)") -> None:
+        """Raise one :class:`ContractViolation` listing every violation."""
+        bad = self.violations(data)
+        if bad:
+            raise ContractViolation(bad, context)
+
+    def to_state(self) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
+        """A picklable, ``weights_only``-loadable form."""
+        return [(k, _dt(c.dtype), c.shape) for k, c in self.columns.items()]
+
+    @classmethod
+    def from_state(cls, state: list[Any]) -> ItemSchema:
+        """Rebuild from :meth:`to_state`."""
+        return cls({tuple(k): Column(getattr(torch, d), tuple(s)) for k, d, s in state})
+
+
+def _shape_fits(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    return len(got) == len(want) and all(
+        w == RAGGED or g == w for g, w in zip(got, want, strict=True)
+    )
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join("ragged" if d == RAGGED else str(d) for d in shape) + "]"
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

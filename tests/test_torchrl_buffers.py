@@ -1,0 +1,87 @@
+"""TorchRL's real buffers through the suite: the raw deviations are found, the adapter conforms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import posttrain.adapters.torchrl.implementations as trl_impls
+from posttrain.adapters.torchrl import ValidatedReplayBuffer
+from posttrain.adapters.torchrl.deviations import DEVIATIONS, Deviation
+from posttrain.conformance import Implementation, Status, run
+from posttrain.contracts import ContractViolation
+
+ATOMICITY = {"BUF-009", "BUF-010", "BUF-011", "BUF-012"}
+
+# What TorchRL 0.14.1 really does; a change upstream changes these sets and this test says so.
+RAW_FAILURES = {
+    "RAW_LAZY_TENSOR": ATOMICITY,
+    "RAW_LAZY_TENSOR_NO_REPLACEMENT": ATOMICITY | {"BUF-004"},  # sample(n) returns the epoch's rest
+    "RAW_LAZY_MEMMAP": ATOMICITY,
+    "RAW_LAZY_STACK": ATOMICITY | {"BUF-018"},  # ListStorage refuses dumps/loads
+}
+
+
+def _failing(impl: Implementation) -> tuple[set[str], dict[str, str]]:
+    rep = run(impl)
+    rows = [r for r in rep.results if r.status in (Status.FAIL, Status.ERROR)]
+    return {r.id for r in rows if "blocked by" not in r.message}, {r.id: r.message for r in rows}
+
+
+@pytest.mark.parametrize("name", sorted(RAW_FAILURES))
+def test_raw_torchrl_deviations_are_found(name: str) -> None:
+    failing, messages = _failing(getattr(trl_impls, name))
+    assert failing == RAW_FAILURES[name], messages
+
+
+def test_raw_messages_are_precise() -> None:
+    _, messages = _failing(trl_impls.RAW_LAZY_TENSOR)
+    assert messages["BUF-009"].startswith(
+        "BUF-009: extend with key ('masks', 'all_attention_mask') missing: was accepted; len went from 6 to 8"
+    )
+    assert "raised RuntimeError without naming 'full'" in messages["BUF-011"]
+    assert (
+        "the next extend wrote at [1, 2, 3, 4]; an untouched buffer writes at [6, 7, 0, 1]"
+        in messages["BUF-012"]
+    )
+
+
+@pytest.mark.parametrize("name", [n for n in trl_impls.__all__ if n.startswith("ADAPTED_")])
+def test_adapted_torchrl_conforms(name: str) -> None:
+    failing, messages = _failing(getattr(trl_impls, name))
+    assert not failing, messages
+
+
+def test_priority_is_reported_unavailable_with_its_reason() -> None:
+    rep = run(trl_impls.ADAPTED_LAZY_TENSOR)
+    row = {r.id: r for r in rep.results}["BUF-017"]
+    assert row.status is Status.NOT_APPLICABLE
+    assert "C++ extension" in row.message
+    reason = trl_impls.prioritized_unavailable()
+    assert reason is None or "C++ extension" in reason
+
+
+def test_adapter_adds_no_copy() -> None:
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    inner = TensorDictReplayBuffer(storage=LazyTensorStorage(4))
+    rb = ValidatedReplayBuffer(inner)
+    td = TensorDict({"x": torch.arange(3.0)}, batch_size=[3])
+    rb.extend(td)
+    with pytest.raises(
+        ContractViolation, match="BUF-011 key 'x': expected dtype float32, found dtype float64"
+    ):
+        rb.extend(TensorDict({"x": torch.arange(3.0, dtype=torch.float64)}, batch_size=[3]))
+    assert len(inner) == 3
+    assert inner.write_count == 3
+
+
+@pytest.mark.parametrize("deviation", DEVIATIONS, ids=lambda d: "-".join(d.requirements))
+def test_each_published_repro_still_reproduces(deviation: Deviation) -> None:
+    exec(compile(deviation.repro, f"<repro {deviation.title}>", "exec"), {})
+
+
+def test_every_raw_failure_has_a_published_repro() -> None:
+    found = set().union(*RAW_FAILURES.values())
+    assert found == {r for d in DEVIATIONS for r in d.requirements}
