@@ -29,7 +29,7 @@ class PolicyGradientLoss(torch.nn.Module):
     arithmetic so they cannot leak into outputs or gradients. Options are keyword-only and
     validated: an unknown aggregation or a misspelt keyword raises.
 
-    Returns ``loss_objective`` (the policy-gradient term), ``loss_kl`` (``kl_coef`` times k3 KL
+    Returns ``loss_objective`` (the policy-gradient term), ``loss_kl_to_ref`` (``kl_coef`` times k3 KL
     to the reference, if ``kl_coef > 0``), ``loss_entropy`` (``-entropy_coef`` times entropy, if
     ``entropy_coef > 0``) and the diagnostics ``clip_fraction``, ``kl_approx`` (k3 KL from the
     behaviour policy), ``entropy`` — all over assistant tokens, token-mean.
@@ -127,7 +127,7 @@ class PolicyGradientLoss(torch.nn.Module):
             ref = torch.where(mask, td.get(k("ref_log_probs")), 0.0)
             d = ref - logp
             k3 = torch.where(mask, d.exp() - d - 1, 0.0)
-            out["loss_kl"] = self.kl_coef * (k3 * w).sum()
+            out["loss_kl_to_ref"] = self.kl_coef * (k3 * w).sum()
             out["kl_to_ref"] = (k3 * tm).sum().detach()
         ent = _entropy(logits)
         if self.entropy_coef > 0:

@@ -117,7 +117,10 @@ class KlOverAttention(_Edit):
         ref = td.get(RLP).nan_to_num(0.0)
         own = td.get(SLP).nan_to_num(0.0)
         d = (ref - own) * att
-        out.set("loss_kl", out.get("loss_kl") + self.kl_coef * (d.exp() - d - 1).sum() / att.sum())
+        out.set(
+            "loss_kl_to_ref",
+            out.get("loss_kl_to_ref") + self.kl_coef * (d.exp() - d - 1).sum() / att.sum(),
+        )
         return out
 
 

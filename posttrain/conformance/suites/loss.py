@@ -320,26 +320,28 @@ def kl_to_reference(ctx: Context) -> None:
     def kl(batch: TensorDictBase) -> float:
         with torch.no_grad():
             terms = _loss_terms(loss(batch))
-        if "loss_kl" not in terms:
-            raise _fail(f"capability kl_to_ref declared but no 'loss_kl' among {sorted(terms)}")
-        return float(terms["loss_kl"])
+        if "loss_kl_to_ref" not in terms:
+            raise _fail(
+                f"capability kl_to_ref declared but no 'loss_kl_to_ref' among {sorted(terms)}"
+            )
+        return float(terms["loss_kl_to_ref"])
 
     same = kl(td.clone())
     if abs(same) > 1e-6:
         raise _fail(
-            f"loss_kl is {same:.6g} with reference log-probs equal to the policy's own; expected 0"
+            f"loss_kl_to_ref is {same:.6g} with reference log-probs equal to the policy's own; expected 0"
         )
     outside = td.clone()
     outside.set(RLP, torch.where(td.get(ASST), td.get(RLP), -3.0))
     if abs(kl(outside)) > 1e-6:
         raise _fail(
-            f"loss_kl is {kl(outside):.6g} when reference log-probs differ only outside the assistant mask; expected 0"
+            f"loss_kl_to_ref is {kl(outside):.6g} when reference log-probs differ only outside the assistant mask; expected 0"
         )
     inside = td.clone()
     inside.set(RLP, td.get(RLP) - 0.5)
     if not kl(inside) > 1e-6:
         raise _fail(
-            f"loss_kl is {kl(inside):.6g} when reference log-probs differ by 0.5 on assistant tokens; expected > 0"
+            f"loss_kl_to_ref is {kl(inside):.6g} when reference log-probs differ by 0.5 on assistant tokens; expected > 0"
         )
 
 
