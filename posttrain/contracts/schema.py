@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from posttrain.contracts.layout import norm_key
+from posttrain.contracts.layout import leaf_items, norm_key
 from posttrain.contracts.validation import ContractViolation, Violation
 
-__all__ = ["RAGGED", "Column", "ItemSchema", "batch_violations"]
+__all__ = ["RAGGED", "Column", "ItemSchema", "batch_violations", "leaf_items"]
 
 RAGGED = -1
 """An item dimension whose size differs between items."""
@@ -50,28 +50,31 @@ def batch_violations(data: Any) -> list[Violation]:
     return []
 
 
-def _columns(data: TensorDictBase) -> dict[tuple[str, ...], Column | str]:
+def _columns(
+    data: TensorDictBase, leaves: dict[tuple[str, ...], Any] | None = None
+) -> dict[tuple[str, ...], Column | str]:
     """Each leaf's column, or the type name of a leaf that is not a tensor."""
     out: dict[tuple[str, ...], Column | str] = {}
-    lazy = isinstance(data, LazyStackedTensorDict) and data.stack_dim == 0
+    if not (isinstance(data, LazyStackedTensorDict) and data.stack_dim == 0):
+        for key, v in (leaf_items(data) if leaves is None else leaves).items():
+            if not isinstance(v, torch.Tensor):
+                out[key] = type(v).__name__
+            elif v.is_nested:
+                out[key] = Column(
+                    v.dtype, tuple(d if type(d) is int else RAGGED for d in v.shape[1:])
+                )
+            else:
+                out[key] = Column(v.dtype, tuple(v.shape[1:]))
+        return out
     for k in data.keys(include_nested=True, leaves_only=True):
         key = norm_key(k)
-        if lazy:
-            parts = [t.get(k) for t in data.tensordicts]
-            if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
-                out[key] = type(parts[0]).__name__ if parts else "nothing"
-                continue
-            dtypes = {p.dtype for p in parts}
-            shape = tuple(int(d) for d in data.get_item_shape(k))[1:]
-            out[key] = Column(parts[0].dtype, shape) if len(dtypes) == 1 else "mixed dtypes"
+        parts = [t.get(k) for t in data.tensordicts]
+        if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+            out[key] = type(parts[0]).__name__ if parts else "nothing"
             continue
-        v = data.get(k)
-        if not isinstance(v, torch.Tensor):
-            out[key] = type(v).__name__
-        elif v.is_nested:
-            out[key] = Column(v.dtype, tuple(d if type(d) is int else RAGGED for d in v.shape[1:]))
-        else:
-            out[key] = Column(v.dtype, tuple(v.shape[1:]))
+        dtypes = {p.dtype for p in parts}
+        shape = tuple(int(d) for d in data.get_item_shape(k))[1:]
+        out[key] = Column(parts[0].dtype, shape) if len(dtypes) == 1 else "mixed dtypes"
     return out
 
 
@@ -108,12 +111,14 @@ class ItemSchema:
             raise ContractViolation(bad, "extend (buffer unchanged)")
         return cls({k: c for k, c in cols.items() if isinstance(c, Column)})
 
-    def violations(self, data: Any) -> list[Violation]:
+    def violations(
+        self, data: Any, leaves: dict[tuple[str, ...], Any] | None = None
+    ) -> list[Violation]:
         """Every way ``data`` differs from the schema (BUF-009 to BUF-012), without reading values."""
         bad = batch_violations(data)
         if bad:
             return bad
-        got = _columns(data)
+        got = _columns(data, leaves)
         out: list[Violation] = []
         for k, col in self.columns.items():
             c = got.get(k)
@@ -144,11 +149,15 @@ class ItemSchema:
         ]
         return out
 
-    def check(self, data: Any, context: str = "extend (buffer unchanged)") -> None:
-        """Raise one :class:`ContractViolation` listing every violation."""
-        bad = self.violations(data)
+    def check(
+        self, data: Any, context: str = "extend (buffer unchanged)"
+    ) -> dict[tuple[str, ...], Any]:
+        """Raise one :class:`ContractViolation` listing every violation; return the leaves."""
+        leaves = leaf_items(data) if isinstance(data, TensorDictBase) else {}
+        bad = self.violations(data, leaves)
         if bad:
             raise ContractViolation(bad, context)
+        return leaves
 
     def to_state(self) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
         """A picklable, ``weights_only``-loadable form."""

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, LayoutField, key_str, norm_key
+from posttrain.contracts.layout import (
+    LLM_LAYOUT_V1,
+    Layout,
+    LayoutField,
+    key_str,
+    leaf_items,
+    norm_key,
+)
 from posttrain.contracts.requirements import Level, Requirement
 
 __all__ = ["LAYOUT_REQUIREMENTS", "ContractViolation", "Violation", "check", "validate"]
@@ -136,7 +144,10 @@ def _meta(td: TensorDictBase, key: tuple[str, ...]) -> tuple[torch.dtype, tuple[
         if first is None:
             return torch.float32, shape, False
         return first.dtype, shape, any(t.get(key).requires_grad for t in td.tensordicts)
-    t = td.get(key)
+    return _tensor_meta(td.get(key))
+
+
+def _tensor_meta(t: Any) -> tuple[torch.dtype, tuple[int, ...], bool]:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{type(t).__name__}")
     if t.is_nested:
@@ -180,7 +191,13 @@ def validate(
     required = set(require) | {f.name for f in layout.fields if f.required}
     for name in require:
         layout.field(name)
-    present = {norm_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
+    lazy = isinstance(td, LazyStackedTensorDict)
+    leaves = None if lazy else leaf_items(td)
+    present = (
+        {norm_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
+        if leaves is None
+        else set(leaves)
+    )
     batch = tuple(td.batch_size)
     out: list[Violation] = []
     bound: dict[str, tuple[int, tuple[str, ...]]] = {}  # symbol -> (size, key that fixed it)
@@ -198,7 +215,7 @@ def validate(
                 )
             continue
         try:
-            dtype, shape, grad = _meta(td, f.key)
+            dtype, shape, grad = _meta(td, f.key) if leaves is None else _tensor_meta(leaves[f.key])
         except TypeError as e:
             out.append(Violation(f.key, "a tensor", str(e), "LAY-003"))
             continue

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.contracts.layout import key_str, norm_key
-from posttrain.contracts.schema import ItemSchema, batch_violations
+from posttrain.contracts.layout import key_str
+from posttrain.contracts.schema import ItemSchema, batch_violations, leaf_items
 from posttrain.contracts.validation import ContractViolation
 
 __all__ = ["RingBuffer"]
@@ -25,10 +25,6 @@ class _Column:
     shape: tuple[int, ...]  # trailing (per-item) shape
     offset: int  # byte offset inside a row
     nbytes: int
-
-
-def _leaves(data: TensorDictBase) -> dict[tuple[str, ...], Any]:
-    return {norm_key(k): data.get(k) for k in data.keys(include_nested=True, leaves_only=True)}
 
 
 class RingBuffer:
@@ -74,6 +70,7 @@ class RingBuffer:
         )
         self._schema: ItemSchema | None = None
         self._columns: dict[tuple[str, ...], _Column] | None = None
+        self._dst: dict[tuple[str, ...], torch.Tensor] | None = None
         self._rows: torch.Tensor | None = None
         self._cursor = 0
         self._len = 0
@@ -90,6 +87,14 @@ class RingBuffer:
             cols[k] = _Column(c.dtype, c.shape, offset, nbytes)
             offset += nbytes
         return cols
+
+    def _allocate(self, schema: ItemSchema) -> None:
+        self._schema = schema
+        self._columns = self._layout(schema)
+        row = sum(c.nbytes for c in self._columns.values())
+        row = -(-row // _ALIGN) * _ALIGN
+        self._rows = torch.empty(self.capacity, row, dtype=torch.uint8, device=self.device)
+        self._dst = self._views(self._rows)  # typed views of the whole ring, made once
 
     def _views(self, rows: torch.Tensor) -> dict[tuple[str, ...], torch.Tensor]:
         assert self._columns is not None
@@ -114,24 +119,18 @@ class RingBuffer:
                 if int(data.batch_size[0]) == 0:
                     return torch.empty(0, dtype=torch.int64)
                 schema = ItemSchema.of(data)
+                leaves = leaf_items(data)
+                self._allocate(schema)
             else:
-                schema = self._schema
-                schema.check(data, context)
+                leaves = self._schema.check(data, context)
             n = int(data.batch_size[0])
-            leaves = _leaves(data)
-            if self._columns is None:
-                self._schema = schema
-                self._columns = self._layout(schema)
-                row = sum(c.nbytes for c in self._columns.values())
-                row = -(-row // _ALIGN) * _ALIGN
-                self._rows = torch.empty(self.capacity, row, dtype=torch.uint8, device=self.device)
             assert self._rows is not None
+            assert self._dst is not None
             idx = (torch.arange(n, dtype=torch.int64) + self._cursor) % self.capacity
             keep = min(n, self.capacity)  # of a batch longer than the ring, the tail survives
             start = (self._cursor + n - keep) % self.capacity
-            views = self._views(self._rows)
             first = min(keep, self.capacity - start)
-            for k, dst in views.items():
+            for k, dst in self._dst.items():
                 src = leaves[k][n - keep :]
                 dst[start : start + first].copy_(src[:first])
                 if first < keep:
@@ -202,14 +201,11 @@ class RingBuffer:
         schema = state_dict["schema"]
         with self._lock:
             if schema is None:
-                self._schema, self._columns, self._rows = None, None, None
+                self._schema, self._columns, self._rows, self._dst = None, None, None, None
             else:
-                self._schema = ItemSchema.from_state(schema)
-                self._columns = self._layout(self._schema)
+                self._allocate(ItemSchema.from_state(schema))
+                assert self._rows is not None
                 saved = state_dict["rows"]
-                self._rows = torch.empty(
-                    self.capacity, saved.shape[1], dtype=torch.uint8, device=self.device
-                )
                 self._rows[: saved.shape[0]].copy_(saved)
             self.sampling = state_dict["sampling"]
             self._cursor = int(state_dict["cursor"])
