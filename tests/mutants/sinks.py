@@ -65,17 +65,29 @@ class BuffersUntilClose(JsonlSink):
         super().close()
 
 
-class TruncatesOnOpen(JsonlSink):
+class FilePerProcess(JsonlSink):
+    """Each process writes its own file..."""
+
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         super().__init__(directory)
-        Path(directory, FILE_NAME).write_text("")
+        self.path = Path(directory) / f"metrics-{os.getpid()}.jsonl"
 
 
-def _impl(req: str, cls: type[JsonlSink], **kw: Any) -> Implementation:
+def read_newest_file(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
+    """...and the reader reads only the newest one: the last writer wins."""
+    files = sorted(Path(directory).glob("metrics-*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
+    if not files:
+        return read_jsonl(directory)
+    tmp = Path(directory) / "newest"
+    tmp.mkdir(exist_ok=True)
+    (tmp / FILE_NAME).write_text(files[-1].read_text())
+    return read_jsonl(tmp)
+
+
+def _impl(req: str, cls: type[JsonlSink], reader: Any = read_jsonl, **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"flush"})
-    return Implementation(
-        "metrics", cls, name=f"mutant-{req}-{cls.__name__}", extras={"reader": read_jsonl}, **kw
-    )
+    name = f"mutant-{req}-{cls.__name__}"
+    return Implementation("metrics", cls, name=name, extras={"reader": reader}, **kw)
 
 
 MUTANTS: dict[str, Implementation] = {
@@ -84,6 +96,6 @@ MUTANTS: dict[str, Implementation] = {
     "MET-003": _impl("MET-003", LastValueOnly),
     "MET-004": _impl("MET-004", DropsNonFinite),
     "MET-005": _impl("MET-005", BuffersUntilClose),
-    "MET-006": _impl("MET-006", TruncatesOnOpen, capabilities={"cross_process"}),
+    "MET-006": _impl("MET-006", FilePerProcess, read_newest_file, capabilities={"cross_process"}),
 }
 """Requirement id -> a sink that breaks exactly that requirement."""

@@ -11,6 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 from posttrain.adapters.torchrl.buffer import ValidatedReplayBuffer
+from posttrain.adapters.torchrl.loggers import (
+    csv_logger,
+    read_tensorboard,
+    read_torchrl_csv,
+    tensorboard_logger,
+)
 from posttrain.contracts.implementation import Implementation
 
 __all__ = [
@@ -18,10 +24,12 @@ __all__ = [
     "ADAPTED_LAZY_STACK",
     "ADAPTED_LAZY_TENSOR",
     "ADAPTED_LAZY_TENSOR_NO_REPLACEMENT",
+    "CSV_LOGGER",
     "RAW_LAZY_MEMMAP",
     "RAW_LAZY_STACK",
     "RAW_LAZY_TENSOR",
     "RAW_LAZY_TENSOR_NO_REPLACEMENT",
+    "TENSORBOARD_LOGGER",
     "prioritized_unavailable",
 ]
 
@@ -106,3 +114,21 @@ ADAPTED_LAZY_TENSOR_NO_REPLACEMENT = _impl(
 )
 ADAPTED_LAZY_MEMMAP = _impl("memmap", "LazyMemmapStorage", adapted=True)
 ADAPTED_LAZY_STACK = _impl("stack", "LazyStackStorage", adapted=True)
+
+
+CSV_LOGGER = Implementation(
+    "metrics",
+    csv_logger,
+    name="torchrl.CSVLogger",
+    capabilities={"flush", "cross_process"},
+    extras={"reader": read_torchrl_csv},
+    description="TorchRL's CSVLogger, read back from its scalars/<name>.csv files.",
+)
+TENSORBOARD_LOGGER = Implementation(
+    "metrics",
+    tensorboard_logger,
+    name="torchrl.TensorboardLogger",
+    capabilities={"flush", "cross_process"},
+    extras={"reader": read_tensorboard},
+    description="TorchRL's TensorboardLogger, read back with TensorBoard's EventAccumulator.",
+)

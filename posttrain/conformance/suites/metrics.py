@@ -126,6 +126,9 @@ def _child(factory: Any, directory: str, k: int) -> None:
     sink = factory(Path(directory))
     for step in range(3):
         sink.log_scalar(f"worker/w{k}", float(step + 10 * k), step=step)
+        sink.log_scalar(
+            "worker/all", float(step + 10 * k), step=step + 10 * k
+        )  # one name, both writers
     _finish(sink)
 
 
@@ -142,4 +145,5 @@ def several_writers(ctx: Context) -> None:
                 raise _fail(f"a writer process exited with {p.exitcode}")
         got = _read(ctx, d)
     entries = [(f"worker/w{k}", float(s + 10 * k), s) for k in range(2) for s in range(3)]
+    entries += [("worker/all", float(s + 10 * k), s + 10 * k) for k in range(2) for s in range(3)]
     _expect(got, entries, "two processes logging into one run")
