@@ -7,6 +7,7 @@ items carry unique ids, so a sample can be traced back to the write it came from
 from __future__ import annotations
 
 import io
+import itertools
 import threading
 from typing import Any
 
@@ -21,6 +22,7 @@ from posttrain.contracts.layout import LLM_LAYOUT_V1, key_str
 
 CAP = 8
 T = 8
+_UID_BASES = itertools.count(1)
 
 
 def _fail(msg: str) -> ConformanceError:
@@ -36,7 +38,9 @@ class _Run:
         self.rb: Any = ctx.make(capacity)
         self.table = Table()
         self.fifo: list[int] = []
-        self.next_uid = 0
+        # Fresh uids per run: a buffer's unwritten memory may hold another run's rows, which
+        # must never pass for this run's items.
+        self.next_uid = next(_UID_BASES) * 100_000
 
     def batch(self, n: int, t: int = T) -> TensorDictBase:
         td = llm_batch(n, t, uid_start=self.next_uid, seed=self.ctx.seed)
@@ -55,17 +59,17 @@ class _Run:
     def stored(self) -> set[int]:
         """The uids the buffer holds, found by sampling (and each sample checked bit-exactly).
 
-        Draws ``sample(len)`` until every expected item showed up (at most 60 times): never more
-        than ``len`` at once, so only BUF-007 depends on drawing beyond ``len``.
+        Draws ``sample(len)`` at least 10 and at most 60 times, until every expected item showed
+        up: never more than ``len`` at once, so only BUF-007 depends on drawing beyond ``len``.
         """
         n = len(self.rb)
         if n == 0:
             return set()
         seen: set[int] = set()
         allowed, want = set(self.table.items), set(self.fifo)
-        for _ in range(60):
+        for draw in range(60):
             seen.update(self.table.check_sample(self.rb.sample(n), allowed))
-            if seen >= want:
+            if draw >= 9 and seen >= want:  # at least 10 draws, so stray rows get their chance
                 break
         return seen
 
@@ -448,7 +452,7 @@ def thread_safety(ctx: Context) -> None:
 def ragged_items(ctx: Context) -> None:
     rb = ctx.make(CAP)
     table = Table()
-    td = ragged_llm_batch([5, 7, 6, 9], seed=ctx.seed)
+    td = ragged_llm_batch([5, 7, 6, 9], uid_start=next(_UID_BASES) * 100_000, seed=ctx.seed)
     rb.extend(td)
     table.add(td)
     seen: set[int] = set()
