@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEVIATIONS", "Deviation"]
+__all__ = ["DEVIATIONS", "LOSS_DEVIATIONS", "Deviation"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +115,56 @@ except NotImplementedError as e:
     ),
 )
 """Known deviations of TorchRL 0.14.1's buffers, found by the buffer suite."""
+
+_LOSS_HEAD = """import torch
+from tensordict import TensorDict
+from torchrl.objectives.llm import GRPOLoss
+"""
+
+LOSS_DEVIATIONS: tuple[Deviation, ...] = (
+    Deviation(
+        ("LOSS-008",),
+        "GRPOLoss (and DAPO, CISPOLoss)",
+        "an unknown aggregation silently falls back to token_mean, and misspelt keyword arguments are swallowed by **kwargs",
+        _LOSS_HEAD
+        + """loss = GRPOLoss(None, aggregation="token_meen", entropy_coef=0.5)  # typo'd value, typo'd keyword
+assert loss.aggregation == "token_meen"   # kept as given; forward() then takes the token_mean branch
+assert loss.entropy_coeff == 0.01         # the intended 0.5 went into **kwargs and was ignored
+""",
+    ),
+    Deviation(
+        ("LOSS-001",),
+        "GRPOLoss (and DAPO, CISPOLoss) with aggregation='prompt_mean'",
+        "prompt_mean returns loss terms of shape [1] instead of scalars",
+        """# Needs an actor; with posttrain installed the suite's tiny policy is at hand:
+from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
+from posttrain.conformance.data import llm_batch
+from posttrain.conformance.policy import tiny_causal_lm
+from torchrl.objectives.llm import GRPOLoss
+
+loss = GRPOLoss(transformers_actor(tiny_causal_lm()), masking_strategy="rlhf", aggregation="prompt_mean")
+out = loss(to_torchrl_layout(llm_batch(4, 10, vocab_size=64)))
+assert out.loss_objective.shape == (1,)
+""",
+    ),
+    Deviation(
+        ("LOSS-005", "LOSS-012"),
+        "GRPOLoss (and DAPO, CISPOLoss)",
+        "entropy, clip_fraction and kl_approx are averaged over every position of the padded batch, so padding and prompt length change them",
+        """from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
+from posttrain.conformance.data import llm_batch
+from posttrain.conformance.policy import tiny_causal_lm
+from torchrl.objectives.llm import GRPOLoss
+import torch
+
+loss = GRPOLoss(transformers_actor(tiny_causal_lm()), masking_strategy="rlhf")
+td = llm_batch(4, 10, vocab_size=64)
+padded = td.apply(lambda x: torch.cat([x, x.new_zeros(4, 3)], 1) if x.ndim == 2 else x)
+with torch.no_grad():
+    a = loss(to_torchrl_layout(td)).entropy
+    b = loss(to_torchrl_layout(padded)).entropy
+assert not torch.isclose(a, b)  # three padding columns changed the reported entropy
+""",
+    ),
+)
+"""Known deviations of TorchRL 0.14.1's LLM losses, found by the loss suite."""

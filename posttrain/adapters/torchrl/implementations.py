@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from posttrain.adapters.torchrl.buffer import ValidatedReplayBuffer
@@ -17,14 +18,28 @@ from posttrain.adapters.torchrl.loggers import (
     read_torchrl_csv,
     tensorboard_logger,
 )
+from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.contracts.implementation import Implementation
 
 __all__ = [
+    "ADAPTED_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN",
+    "ADAPTED_CISPOLOSS_TOKEN_MEAN",
+    "ADAPTED_DAPO_SEQ_MEAN_TOKEN_MEAN",
+    "ADAPTED_DAPO_TOKEN_MEAN",
+    "ADAPTED_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN",
+    "ADAPTED_GRPOLOSS_TOKEN_MEAN",
     "ADAPTED_LAZY_MEMMAP",
     "ADAPTED_LAZY_STACK",
     "ADAPTED_LAZY_TENSOR",
     "ADAPTED_LAZY_TENSOR_NO_REPLACEMENT",
     "CSV_LOGGER",
+    "LOSSES",
+    "RAW_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN",
+    "RAW_CISPOLOSS_TOKEN_MEAN",
+    "RAW_DAPO_SEQ_MEAN_TOKEN_MEAN",
+    "RAW_DAPO_TOKEN_MEAN",
+    "RAW_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN",
+    "RAW_GRPOLOSS_TOKEN_MEAN",
     "RAW_LAZY_MEMMAP",
     "RAW_LAZY_STACK",
     "RAW_LAZY_TENSOR",
@@ -132,3 +147,46 @@ TENSORBOARD_LOGGER = Implementation(
     extras={"reader": read_tensorboard},
     description="TorchRL's TensorboardLogger, read back with TensorBoard's EventAccumulator.",
 )
+
+
+def _loss(cls_name: str, aggregation: str, *, adapted: bool) -> Implementation:
+    torchrl_name = {"token_mean": "token_mean", "seq_mean_token_mean": "prompt_mean"}[aggregation]
+    wrapper = "ContractLoss(" if adapted else ""
+    return Implementation(
+        "loss",
+        partial(make_loss(cls_name, adapted=adapted), aggregation=aggregation),
+        name=f"{wrapper}{cls_name}(TransformersWrapper, aggregation={torchrl_name!r}){')' if adapted else ''}",
+        capabilities={"diagnostics"},
+        options={"aggregation": aggregation},
+        description="TorchRL LLM loss around a TransformersWrapper of the suite's policy (masking_strategy='rlhf')."
+        + ("" if adapted else " Raw: only the advantage is reshaped to TorchRL's [B, T, 1]."),
+    )
+
+
+RAW_GRPOLOSS_TOKEN_MEAN = _loss("GRPOLoss", "token_mean", adapted=False)
+ADAPTED_GRPOLOSS_TOKEN_MEAN = _loss("GRPOLoss", "token_mean", adapted=True)
+RAW_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN = _loss("GRPOLoss", "seq_mean_token_mean", adapted=False)
+ADAPTED_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN = _loss("GRPOLoss", "seq_mean_token_mean", adapted=True)
+RAW_DAPO_TOKEN_MEAN = _loss("DAPO", "token_mean", adapted=False)
+ADAPTED_DAPO_TOKEN_MEAN = _loss("DAPO", "token_mean", adapted=True)
+RAW_DAPO_SEQ_MEAN_TOKEN_MEAN = _loss("DAPO", "seq_mean_token_mean", adapted=False)
+ADAPTED_DAPO_SEQ_MEAN_TOKEN_MEAN = _loss("DAPO", "seq_mean_token_mean", adapted=True)
+RAW_CISPOLOSS_TOKEN_MEAN = _loss("CISPOLoss", "token_mean", adapted=False)
+ADAPTED_CISPOLOSS_TOKEN_MEAN = _loss("CISPOLoss", "token_mean", adapted=True)
+RAW_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN = _loss("CISPOLoss", "seq_mean_token_mean", adapted=False)
+ADAPTED_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN = _loss("CISPOLoss", "seq_mean_token_mean", adapted=True)
+LOSSES: dict[str, Implementation] = {
+    "torchrl-raw-grpoloss-token-mean": RAW_GRPOLOSS_TOKEN_MEAN,
+    "torchrl-adapted-grpoloss-token-mean": ADAPTED_GRPOLOSS_TOKEN_MEAN,
+    "torchrl-raw-grpoloss-seq-mean-token-mean": RAW_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN,
+    "torchrl-adapted-grpoloss-seq-mean-token-mean": ADAPTED_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN,
+    "torchrl-raw-dapo-token-mean": RAW_DAPO_TOKEN_MEAN,
+    "torchrl-adapted-dapo-token-mean": ADAPTED_DAPO_TOKEN_MEAN,
+    "torchrl-raw-dapo-seq-mean-token-mean": RAW_DAPO_SEQ_MEAN_TOKEN_MEAN,
+    "torchrl-adapted-dapo-seq-mean-token-mean": ADAPTED_DAPO_SEQ_MEAN_TOKEN_MEAN,
+    "torchrl-raw-cispoloss-token-mean": RAW_CISPOLOSS_TOKEN_MEAN,
+    "torchrl-adapted-cispoloss-token-mean": ADAPTED_CISPOLOSS_TOKEN_MEAN,
+    "torchrl-raw-cispoloss-seq-mean-token-mean": RAW_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN,
+    "torchrl-adapted-cispoloss-seq-mean-token-mean": ADAPTED_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN,
+}
+"""TorchRL's LLM losses, raw and adapted, in each aggregation they offer, by entry-point name."""

@@ -1,0 +1,156 @@
+"""TorchRL's LLM losses (GRPOLoss, DAPO, CISPOLoss) on the LLM layout v1."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.contracts.validation import check
+
+__all__ = ["TORCHRL_AGGREGATIONS", "ContractLoss", "to_torchrl_layout", "transformers_actor"]
+
+TORCHRL_AGGREGATIONS = {"token_mean": "token_mean", "seq_mean_token_mean": "prompt_mean"}
+"""Contract aggregation -> GRPOLoss's name for it (TorchRL has no seq_mean_token_sum[_norm])."""
+
+_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy")
+
+
+def _word_level_tokenizer(config: Any) -> Any:
+    """A tokenizer whose ids are the model's vocabulary (token mode needs ids, not text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {
+        "<pad>": config.pad_token_id or 0,
+        "<s>": config.bos_token_id or 1,
+        "</s>": config.eos_token_id or 2,
+    }
+    vocab = {**{f"t{i}": i for i in range(config.vocab_size)}, **specials}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast: Any = PreTrainedTokenizerFast  # untyped constructor
+    return fast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<pad>",
+    )
+
+
+def transformers_actor(policy: Any, tokenizer: Any = None) -> Any:
+    """A TorchRL ``TransformersWrapper`` computing log-probs of given tokens (no generation).
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm  # doctest: +SKIP
+        >>> actor = transformers_actor(tiny_causal_lm())  # doctest: +SKIP
+    """
+    from torchrl.modules.llm import TransformersWrapper
+
+    return TransformersWrapper(
+        policy,
+        tokenizer=tokenizer if tokenizer is not None else _word_level_tokenizer(policy.config),
+        input_mode="tokens",
+        generate=False,
+        return_log_probs=True,
+        pad_output=True,
+    )
+
+
+def to_torchrl_layout(td: TensorDictBase) -> TensorDictBase:
+    """A shallow copy whose advantage has GRPOLoss's shape [B, T, 1] (a view, no data copy).
+
+    Example:
+        >>> from posttrain.conformance.data import llm_batch
+        >>> to_torchrl_layout(llm_batch(2, 5)).get("advantage").shape
+        torch.Size([2, 5, 1])
+    """
+    key = LLM_LAYOUT_V1.key("advantage")
+    out = td.copy()
+    adv = td.get(key)
+    t = td.get(LLM_LAYOUT_V1.key("tokens")).shape[-1]
+    adv = (
+        adv[..., None, None].expand(*adv.shape, t, 1)
+        if adv.ndim == td.batch_dims
+        else adv[..., None]
+    )
+    out.set(key, adv)
+    return out
+
+
+class ContractLoss(torch.nn.Module):
+    """A TorchRL LLM loss made to conform to ``LossModuleV1`` (thin: no copy of the data).
+
+    Validates the batch against the LLM layout, maps the advantage to [B, T, 1], returns a
+    TensorDict of the terms TorchRL computed (``None`` entries dropped), makes every term a
+    scalar (``prompt_mean`` returns shape [1]) and averages ``clip_fraction``, ``kl_approx``
+    and ``entropy`` over the tokens the loss trains on (TorchRL averages them over every
+    position of the padded batch; its values are 0 outside the mask, so a rescale is exact).
+    """
+
+    def __init__(self, loss: Any) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, td: TensorDictBase) -> TensorDict:
+        """Compute the wrapped loss on ``td`` (never mutated)."""
+        check(td, require=("sample_log_probs", "advantage"), context=type(self.loss).__name__)
+        out = self.loss(to_torchrl_layout(td))
+        flat = out.to_tensordict() if hasattr(out, "to_tensordict") else out
+        terms = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        for k, v in terms.items():
+            if k.startswith("loss_") and v.numel() == 1:
+                terms[k] = v.reshape(())
+        mask = td.get(LLM_LAYOUT_V1.key("assistant_mask")) & torch.isfinite(
+            td.get(LLM_LAYOUT_V1.key("sample_log_probs"))
+        )
+        share = mask.numel() / mask.sum().clamp_min(1)
+        for k in _DIAGNOSTICS:
+            if k in terms:
+                terms[k] = terms[k] * share
+        return TensorDict(terms, batch_size=[])
+
+
+def make_loss(cls_name: str, *, adapted: bool) -> Any:
+    """A loss factory ``factory(policy, **options)`` for a TorchRL LLM loss class."""
+
+    def factory(policy: Any, aggregation: str = "token_mean", **kwargs: Any) -> Any:
+        import torchrl.objectives.llm as llm
+
+        cls = getattr(llm, cls_name)
+        if adapted:
+            if aggregation not in TORCHRL_AGGREGATIONS:
+                raise ValueError(
+                    f"aggregation: expected one of {sorted(TORCHRL_AGGREGATIONS)}, found {aggregation!r}"
+                )
+            known = set(inspect.signature(cls.__init__).parameters) - {
+                "self",
+                "kwargs",
+                "actor_network",
+            }
+            unknown = sorted(set(kwargs) - known)
+            if unknown:
+                raise TypeError(
+                    f"{cls_name}: unknown keyword argument(s) {unknown}; accepted: {sorted(known)}"
+                )
+        agg = TORCHRL_AGGREGATIONS.get(aggregation, aggregation)
+        loss = cls(transformers_actor(policy), masking_strategy="rlhf", aggregation=agg, **kwargs)
+        return ContractLoss(loss) if adapted else _LayoutOnly(loss)
+
+    factory.__name__ = f"{'adapted' if adapted else 'raw'}_{cls_name}"
+    return factory
+
+
+class _LayoutOnly(torch.nn.Module):
+    """The raw row: only the advantage's shape is mapped, everything else is TorchRL's."""
+
+    def __init__(self, loss: Any) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, td: TensorDictBase) -> Any:
+        return self.loss(to_torchrl_layout(td))
