@@ -6,8 +6,8 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict
 
+from posttrain.conformance.data import llm_batch
 from posttrain.contracts import LLM_LAYOUT_V1, ContractViolation, check, validate
-from tests.helpers import llm_batch
 
 K = LLM_LAYOUT_V1.key
 
@@ -20,27 +20,27 @@ def _one(td: TensorDict, **kw: object) -> ContractViolation:
 
 
 def test_valid_batch_passes_metadata_and_deep_checks() -> None:
-    td = llm_batch()
+    td = llm_batch(4, 8)
     assert validate(td) == []
     assert validate(td, deep=True, strict=True) == []
 
 
 def test_missing_key_names_key_and_id() -> None:
-    e = _one(llm_batch().exclude(K("attention_mask")))
+    e = _one(llm_batch(4, 8).exclude(K("attention_mask")))
     assert e.requirement_ids == ["LAY-001"]
     assert "('masks', 'all_attention_mask')" in str(e)
     assert "no such key" in str(e)
 
 
 def test_optional_field_required_by_consumer() -> None:
-    td = llm_batch().exclude(K("advantage"))
+    td = llm_batch(4, 8).exclude(K("advantage"))
     assert validate(td) == []
     e = _one(td, require=("advantage",))
     assert "LAY-001 key 'advantage'" in str(e)
 
 
 def test_extra_dims_rejected() -> None:
-    td = llm_batch()
+    td = llm_batch(4, 8)
     td.set(K("tokens"), td.get(K("tokens")).unsqueeze(-1), inplace=False)
     e = _one(td)
     assert e.requirement_ids == ["LAY-003"]
@@ -50,7 +50,7 @@ def test_extra_dims_rejected() -> None:
 
 
 def test_wrong_dtype_rejected_without_cast() -> None:
-    td = llm_batch()
+    td = llm_batch(4, 8)
     td.set(K("sample_log_probs"), td.get(K("sample_log_probs")).double())
     e = _one(td)
     assert str(e.violations[0]) == (
@@ -59,7 +59,7 @@ def test_wrong_dtype_rejected_without_cast() -> None:
 
 
 def test_non_bool_mask_rejected() -> None:
-    td = llm_batch()
+    td = llm_batch(4, 8)
     td.set(K("assistant_mask"), td.get(K("assistant_mask")).long())
     e = _one(td)
     assert e.requirement_ids == ["LAY-002"]
@@ -68,7 +68,7 @@ def test_non_bool_mask_rejected() -> None:
 
 
 def test_assistant_mask_outside_attention_mask_rejected_when_deep() -> None:
-    td = llm_batch()
+    td = llm_batch(4, 8)
     asst = td.get(K("assistant_mask")).clone()
     asst[0, -1] = True
     td.set(
@@ -76,6 +76,8 @@ def test_assistant_mask_outside_attention_mask_rejected_when_deep() -> None:
         td.get(K("attention_mask")).clone().index_fill_(1, torch.tensor([7]), False),
     )
     td.set(K("assistant_mask"), asst)
+    for name in ("sample_log_probs", "ref_log_probs"):  # finite where the new mask reads them
+        td.set(K(name), td.get(K(name)).nan_to_num(-1.0))
     assert validate(td) == []  # metadata only by default
     e = _one(td, deep=True)
     assert e.requirement_ids == ["LAY-004"]
@@ -84,7 +86,7 @@ def test_assistant_mask_outside_attention_mask_rejected_when_deep() -> None:
 
 
 def test_log_probs_with_requires_grad_rejected() -> None:
-    td = llm_batch()
+    td = llm_batch(4, 8)
     td.set(K("sample_log_probs"), td.get(K("sample_log_probs")).requires_grad_())
     e = _one(td)
     assert e.requirement_ids == ["LAY-005"]
@@ -93,7 +95,7 @@ def test_log_probs_with_requires_grad_rejected() -> None:
 
 
 def test_time_dims_must_agree_across_fields() -> None:
-    td = llm_batch()
+    td = llm_batch(4, 8)
     td.set(K("sample_log_probs"), torch.zeros(4, 9), inplace=False)
     e = _one(td)
     assert "T=8 as at key ('tokens', 'full')" in str(e)
@@ -101,7 +103,7 @@ def test_time_dims_must_agree_across_fields() -> None:
 
 
 def test_advantage_per_sequence_or_per_token() -> None:
-    td = llm_batch()
+    td = llm_batch(4, 8)
     td.set(K("advantage"), torch.zeros(4, 8))
     assert validate(td) == []
     td.set(K("advantage"), torch.zeros(4, 8, 2), inplace=False)
@@ -109,7 +111,7 @@ def test_advantage_per_sequence_or_per_token() -> None:
 
 
 def test_strict_rejects_unexpected_keys() -> None:
-    td = llm_batch().set("junk", torch.zeros(4))
+    td = llm_batch(4, 8).set("junk", torch.zeros(4))
     assert validate(td) == []
     e = _one(td, strict=True)
     assert e.requirement_ids == ["LAY-006"]
@@ -117,7 +119,7 @@ def test_strict_rejects_unexpected_keys() -> None:
 
 
 def test_every_violation_reported_at_once() -> None:
-    td = llm_batch().exclude(K("tokens"))
+    td = llm_batch(4, 8).exclude(K("tokens"))
     td.set(K("advantage"), torch.zeros(4, dtype=torch.float64))
     td.set(K("reward"), torch.zeros(4, 2))
     with pytest.raises(ContractViolation) as info:
@@ -128,7 +130,7 @@ def test_every_violation_reported_at_once() -> None:
 
 def test_remapped_keys() -> None:
     layout = LLM_LAYOUT_V1.remap({"tokens": "input_ids"})
-    td = llm_batch()
+    td = llm_batch(4, 8)
     td.rename_key_(K("tokens"), "input_ids")
     assert validate(td, layout) == []
     assert validate(td)[0].requirement == "LAY-001"
@@ -137,7 +139,7 @@ def test_remapped_keys() -> None:
 
 
 def test_multiple_batch_dims() -> None:
-    td = llm_batch(b=6).reshape(2, 3)
+    td = llm_batch(6, 8).reshape(2, 3)
     assert validate(td, deep=True) == []
 
 
@@ -152,14 +154,14 @@ def test_validation_reads_no_values() -> None:
 
 
 def test_ragged_lazy_stack() -> None:
-    items = [llm_batch(b=1, t=t, seed=t)[0] for t in (5, 7)]
+    items = [llm_batch(1, t, seed=t)[0] for t in (5, 7)]
     td = LazyStackedTensorDict.lazy_stack(items, 0)
     assert [v.requirement for v in validate(td)] == ["LAY-003"] * 5
     assert validate(td, ragged=True, deep=True) == []
 
 
 def test_jagged_nested_tensor_needs_ragged() -> None:
-    td = llm_batch(b=2, t=6)
+    td = llm_batch(2, 6)
     toks = torch.nested.nested_tensor([torch.arange(3), torch.arange(5)], layout=torch.jagged)
     td2 = TensorDict({K("tokens"): toks}, batch_size=[2])
     layout = LLM_LAYOUT_V1.remap({})
