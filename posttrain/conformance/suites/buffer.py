@@ -424,8 +424,9 @@ def thread_safety(ctx: Context) -> None:
     def read() -> None:
         try:
             while not done.is_set():
-                if len(r.rb):
-                    r.table.check_sample(r.rb.sample(4), set(r.table.items))
+                n = min(4, len(r.rb))  # len only grows here; never ask beyond it
+                if n:
+                    r.table.check_sample(r.rb.sample(n), set(r.table.items))
         except Exception as e:
             errors.append(f"reader raised {type(e).__name__}: {e}")
 
