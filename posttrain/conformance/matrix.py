@@ -54,6 +54,13 @@ def _rows(reports: dict[str, Report]) -> list[tuple[str, Report, str]]:
     ]
 
 
+def _by_contract(reports: dict[str, Report]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name, rep in reports.items():
+        out.setdefault(str(rep.run.get("contract")), []).append(name)
+    return out
+
+
 def render_markdown(reports: dict[str, Report]) -> str:
     """The matrix as Markdown: a summary table, then one table of requirements per contract."""
     lines = [
@@ -68,10 +75,7 @@ def render_markdown(reports: dict[str, Report]) -> str:
             f"| {name} | {rep.run.get('contract')} v{rep.run.get('contract_version', '?')} | {c['PASS']} | {c['FAIL']} "
             f"| {c['ERROR']} | {c['NOT_APPLICABLE']} | {verdict} | {rep.run.get('duration_s', '')} |"
         )
-    by_contract: dict[str, list[str]] = {}
-    for name, rep in reports.items():
-        by_contract.setdefault(str(rep.run.get("contract")), []).append(name)
-    for contract, names in by_contract.items():
+    for contract, names in _by_contract(reports).items():
         lines += [
             "",
             f"## {contract}",
@@ -117,10 +121,7 @@ def render_html(reports: dict[str, Report]) -> str:
         "td,th{border:1px solid #999;padding:3px 8px;text-align:left}</style></head><body>",
         "<h1>posttrain conformance matrix</h1>",
     ]
-    by_contract: dict[str, list[str]] = {}
-    for name, rep in reports.items():
-        by_contract.setdefault(str(rep.run.get("contract")), []).append(name)
-    for contract, names in by_contract.items():
+    for contract, names in _by_contract(reports).items():
         parts.append(f"<h2>{html.escape(contract)}</h2><table><tr><th>requirement</th>")
         parts += [f"<th>{html.escape(n)}</th>" for n in names]
         parts.append("</tr>")

@@ -65,6 +65,15 @@ def _first(it: Iterator[TensorDictBase], what: str) -> TensorDictBase:
         raise _fail(f"{what}: the source stopped before yielding a batch") from None
 
 
+def _first_batch(ctx: Context) -> tuple[Any, TensorDictBase]:
+    """The policy and the first batch of a fresh source, which is then shut down."""
+    policy, src = _source(ctx)
+    try:
+        return policy, _first(iter(src), "first batch")
+    finally:
+        src.shutdown()
+
+
 def _versions(batch: TensorDictBase) -> set[int]:
     return {int(v) for v in batch.get(K("policy_version")).reshape(-1).tolist()}
 
@@ -99,11 +108,7 @@ def batches_meet_layout(ctx: Context) -> None:
 
 @requirement("ROLL-002")
 def prompt_preserved(ctx: Context) -> None:
-    _policy, src = _source(ctx)
-    try:
-        batch = _first(iter(src), "first batch")
-    finally:
-        src.shutdown()
+    _policy, batch = _first_batch(ctx)
     seen = []
     for i, (toks, _att, asst) in enumerate(_rows(batch)):
         prompt = toks[: asst.index(True)]
@@ -217,11 +222,7 @@ def shutdown(ctx: Context) -> None:
 
 @requirement("ROLL-008")
 def behaviour_log_probs(ctx: Context) -> None:
-    policy, src = _source(ctx)
-    try:
-        batch = _first(iter(src), "first batch")
-    finally:
-        src.shutdown()
+    policy, batch = _first_batch(ctx)
     for i, it in enumerate(_items(batch)):
         toks = it.get(K("tokens"))[None]
         asst = it.get(K("assistant_mask"))[None]
@@ -241,11 +242,7 @@ def behaviour_log_probs(ctx: Context) -> None:
 
 @requirement("ROLL-009")
 def groups_stamped(ctx: Context) -> None:
-    _policy, src = _source(ctx)
-    try:
-        batch = _first(iter(src), "first batch")
-    finally:
-        src.shutdown()
+    _policy, batch = _first_batch(ctx)
     gids = batch.get(K("group_id")).reshape(-1).tolist()
     prompts = [toks[: asst.index(True)] for toks, _a, asst in _rows(batch)]
     for i in range(len(gids)):
@@ -258,11 +255,7 @@ def groups_stamped(ctx: Context) -> None:
 
 @requirement("ROLL-010")
 def ragged_batches(ctx: Context) -> None:
-    _policy, src = _source(ctx)
-    try:
-        batch = _first(iter(src), "first batch")
-    finally:
-        src.shutdown()
+    _policy, batch = _first_batch(ctx)
     for i, (_toks, att, _asst) in enumerate(_rows(batch)):
         if not all(att):
             raise _fail(f"item {i} of a ragged batch is padded: attention mask {att}")
