@@ -55,6 +55,15 @@ def test_mutant_fails_with_its_requirement_id(contract: str, req_id: str) -> Non
     assert "blocked by" not in row.message
 
 
+@pytest.mark.parametrize(
+    ("req_id", "impl"), losses.EXTRA_MUTANTS, ids=lambda x: x if isinstance(x, str) else x.name
+)
+def test_extra_mutant_fails_with_its_requirement_id(req_id: str, impl: Implementation) -> None:
+    row = {r.id: r for r in run(impl).results}[req_id]
+    assert row.status in (Status.FAIL, Status.ERROR), f"{req_id} survived {impl.name}: {row}"
+    assert row.message.startswith(f"{req_id}: ")
+
+
 def test_should_failure_does_not_fail_the_run() -> None:
     rep = run(buffers.MUTANTS["BUF-015"])
     assert rep.ok  # BUF-015 is a SHOULD

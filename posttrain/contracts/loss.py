@@ -94,7 +94,7 @@ LOSS = Contract(
         Requirement(id="LOSS-009", level=_M, title="bad layout rejected",
             text="A batch missing a required field or with a wrong dtype MUST raise an error naming the key."),
         Requirement(id="LOSS-010", level=_M, title="KL to reference", capability="kl_to_ref",
-            text="With reference log-probs equal to the policy's own, `loss_kl_to_ref` MUST be zero; it MUST become positive when they differ on assistant tokens and stay zero when they differ elsewhere only.", depends_on=("LOSS-001",)),
+            text="With reference log-probs equal to the policy's own, `loss_kl_to_ref` MUST be zero; it MUST become positive when they differ on assistant tokens, stay zero when they differ elsewhere only, and stay the same when padding columns are appended (it is reduced over assistant tokens, not positions).", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-011", level=_M, title="per-token advantages", capability="per_token_advantage",
             text="An advantage of shape [B, T] constant along T MUST give the same outputs as the [B] advantage.", depends_on=("LOSS-003",)),
         Requirement(id="LOSS-012", level=_M, title="diagnostics over assistant tokens", capability="diagnostics",

@@ -16,7 +16,7 @@ from tensordict import TensorDict, TensorDictBase
 from posttrain.contracts import AGGREGATIONS, LLM_LAYOUT_V1, Implementation
 from posttrain.reference_impls import PolicyGradientLoss
 
-__all__ = ["MUTANTS"]
+__all__ = ["EXTRA_MUTANTS", "MUTANTS"]
 
 K = LLM_LAYOUT_V1.key
 ASST, ATT, SLP, RLP, ADV = (
@@ -124,6 +124,16 @@ class KlOverAttention(_Edit):
         return out
 
 
+class KlOverPositions(
+    _Edit
+):  # TorchRL GRPOLoss._kl_to_ref: masked k3, then .mean() over all positions
+    def post(self, out: TensorDict, td: TensorDictBase) -> TensorDict:
+        mask = td.get(ASST)
+        d = torch.where(mask, td.get(RLP) - td.get(SLP), 0.0)
+        out.set("loss_kl_to_ref", self.kl_coef * (d.expm1() - d).mean())
+        return out
+
+
 class SumsTokenAdvantages(_Edit):
     def pre(self, td: TensorDictBase) -> TensorDictBase:
         adv = td.get(ADV)
@@ -169,3 +179,8 @@ MUTANTS: dict[str, Implementation] = {
     "LOSS-013": _impl("LOSS-013", PolicyGradientLoss, capabilities={"ragged"}),
 }
 """Requirement id -> a loss that breaks exactly that requirement."""
+
+EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("LOSS-010", _impl("LOSS-010", KlOverPositions)),
+]
+"""Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""

@@ -166,5 +166,43 @@ with torch.no_grad():
 assert not torch.isclose(a, b)  # three padding columns changed the reported entropy
 """,
     ),
+    Deviation(
+        ("LOSS-009",),
+        "GRPOLoss (and DAPO, CISPOLoss)",
+        "behaviour log-probs of the wrong dtype (float64) are accepted silently",
+        """from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
+from posttrain.conformance.data import llm_batch
+from posttrain.conformance.policy import tiny_causal_lm
+from torchrl.objectives.llm import GRPOLoss
+import torch
+
+loss = GRPOLoss(transformers_actor(tiny_causal_lm()), masking_strategy="rlhf")
+td = llm_batch(4, 10, vocab_size=64)
+td.set(("log_probs", "full"), td.get(("log_probs", "full")).double())
+out = loss(to_torchrl_layout(td))  # accepted: no error names the key or the dtype
+assert torch.isfinite(out.loss_objective).all()
+""",
+    ),
+    Deviation(
+        ("LOSS-010",),
+        "GRPOLoss (and DAPO, CISPOLoss) with kl_to_ref_coeff",
+        "the KL to the reference is averaged over every position of the padded batch, so padding dilutes it",
+        """from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
+from posttrain.conformance.data import llm_batch
+from posttrain.conformance.policy import tiny_causal_lm
+from torchrl.objectives.llm import GRPOLoss
+import torch
+
+ref = ("next", "ref_log_probs", "full")
+loss = GRPOLoss(transformers_actor(tiny_causal_lm()), masking_strategy="rlhf", kl_to_ref_coeff=0.1)
+td = llm_batch(4, 10, vocab_size=64)
+td.set(ref, td.get(("log_probs", "full")) - 0.5)  # the same gap on every assistant token
+padded = td.apply(lambda x: torch.cat([x, x.new_zeros(4, 3)], 1) if x.ndim == 2 else x)
+with torch.no_grad():
+    a = loss(to_torchrl_layout(td)).loss_kl_to_ref
+    b = loss(to_torchrl_layout(padded)).loss_kl_to_ref
+assert b < a  # three padding columns shrank the KL penalty (it is .mean() over positions)
+""",
+    ),
 )
 """Known deviations of TorchRL 0.14.1's LLM losses, found by the loss suite."""

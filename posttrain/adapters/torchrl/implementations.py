@@ -28,6 +28,7 @@ __all__ = [
     "ADAPTED_DAPO_TOKEN_MEAN",
     "ADAPTED_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN",
     "ADAPTED_GRPOLOSS_TOKEN_MEAN",
+    "ADAPTED_GRPOLOSS_TOKEN_MEAN_KL",
     "ADAPTED_LAZY_MEMMAP",
     "ADAPTED_LAZY_STACK",
     "ADAPTED_LAZY_TENSOR",
@@ -40,6 +41,7 @@ __all__ = [
     "RAW_DAPO_TOKEN_MEAN",
     "RAW_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN",
     "RAW_GRPOLOSS_TOKEN_MEAN",
+    "RAW_GRPOLOSS_TOKEN_MEAN_KL",
     "RAW_LAZY_MEMMAP",
     "RAW_LAZY_STACK",
     "RAW_LAZY_TENSOR",
@@ -149,14 +151,19 @@ TENSORBOARD_LOGGER = Implementation(
 )
 
 
-def _loss(cls_name: str, aggregation: str, *, adapted: bool) -> Implementation:
+_KL_COEFF = 0.1
+
+
+def _loss(cls_name: str, aggregation: str, *, adapted: bool, kl: bool = False) -> Implementation:
     torchrl_name = {"token_mean": "token_mean", "seq_mean_token_mean": "prompt_mean"}[aggregation]
     wrapper = "ContractLoss(" if adapted else ""
+    extra = {"kl_to_ref_coeff": _KL_COEFF} if kl else {}
+    shown = f", kl_to_ref_coeff={_KL_COEFF}" if kl else ""
     return Implementation(
         "loss",
-        partial(make_loss(cls_name, adapted=adapted), aggregation=aggregation),
-        name=f"{wrapper}{cls_name}(TransformersWrapper, aggregation={torchrl_name!r}){')' if adapted else ''}",
-        capabilities={"diagnostics"},
+        partial(make_loss(cls_name, adapted=adapted), aggregation=aggregation, **extra),
+        name=f"{wrapper}{cls_name}(TransformersWrapper, aggregation={torchrl_name!r}{shown}){')' if adapted else ''}",
+        capabilities={"diagnostics"} | ({"kl_to_ref"} if kl else set()),
         options={"aggregation": aggregation},
         description="TorchRL LLM loss around a TransformersWrapper of the suite's policy (masking_strategy='rlhf')."
         + ("" if adapted else " Raw: only the advantage is reshaped to TorchRL's [B, T, 1]."),
@@ -175,6 +182,8 @@ RAW_CISPOLOSS_TOKEN_MEAN = _loss("CISPOLoss", "token_mean", adapted=False)
 ADAPTED_CISPOLOSS_TOKEN_MEAN = _loss("CISPOLoss", "token_mean", adapted=True)
 RAW_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN = _loss("CISPOLoss", "seq_mean_token_mean", adapted=False)
 ADAPTED_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN = _loss("CISPOLoss", "seq_mean_token_mean", adapted=True)
+RAW_GRPOLOSS_TOKEN_MEAN_KL = _loss("GRPOLoss", "token_mean", adapted=False, kl=True)
+ADAPTED_GRPOLOSS_TOKEN_MEAN_KL = _loss("GRPOLoss", "token_mean", adapted=True, kl=True)
 LOSSES: dict[str, Implementation] = {
     "torchrl-raw-grpoloss-token-mean": RAW_GRPOLOSS_TOKEN_MEAN,
     "torchrl-adapted-grpoloss-token-mean": ADAPTED_GRPOLOSS_TOKEN_MEAN,
@@ -188,5 +197,7 @@ LOSSES: dict[str, Implementation] = {
     "torchrl-adapted-cispoloss-token-mean": ADAPTED_CISPOLOSS_TOKEN_MEAN,
     "torchrl-raw-cispoloss-seq-mean-token-mean": RAW_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN,
     "torchrl-adapted-cispoloss-seq-mean-token-mean": ADAPTED_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN,
+    "torchrl-raw-grpoloss-token-mean-kl": RAW_GRPOLOSS_TOKEN_MEAN_KL,
+    "torchrl-adapted-grpoloss-token-mean-kl": ADAPTED_GRPOLOSS_TOKEN_MEAN_KL,
 }
 """TorchRL's LLM losses, raw and adapted, in each aggregation they offer, by entry-point name."""

@@ -16,7 +16,8 @@ __all__ = ["TORCHRL_AGGREGATIONS", "ContractLoss", "to_torchrl_layout", "transfo
 TORCHRL_AGGREGATIONS = {"token_mean": "token_mean", "seq_mean_token_mean": "prompt_mean"}
 """Contract aggregation -> GRPOLoss's name for it (TorchRL has no seq_mean_token_sum[_norm])."""
 
-_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy")
+# Terms TorchRL averages over every position of the padded batch (values are 0 off the mask).
+_POSITION_MEANS = ("clip_fraction", "kl_approx", "entropy", "loss_kl_to_ref", "kl_to_ref")
 
 
 def _word_level_tokenizer(config: Any) -> Any:
@@ -71,7 +72,9 @@ def to_torchrl_layout(td: TensorDictBase) -> TensorDictBase:
     """
     key = LLM_LAYOUT_V1.key("advantage")
     out = td.copy()
-    adv = td.get(key)
+    adv = td.get(key, None)
+    if adv is None:  # leave the error to the loss, which names the key
+        return out
     t = td.get(LLM_LAYOUT_V1.key("tokens")).shape[-1]
     adv = (
         adv[..., None, None].expand(*adv.shape, t, 1)
@@ -87,9 +90,10 @@ class ContractLoss(torch.nn.Module):
 
     Validates the batch against the LLM layout, maps the advantage to [B, T, 1], returns a
     TensorDict of the terms TorchRL computed (``None`` entries dropped), makes every term a
-    scalar (``prompt_mean`` returns shape [1]) and averages ``clip_fraction``, ``kl_approx``
-    and ``entropy`` over the tokens the loss trains on (TorchRL averages them over every
-    position of the padded batch; its values are 0 outside the mask, so a rescale is exact).
+    scalar (``prompt_mean`` returns shape [1]) and averages ``clip_fraction``, ``kl_approx``,
+    ``entropy`` and the KL to the reference over the tokens the loss trains on (TorchRL
+    averages them over every position of the padded batch; its values are 0 outside the mask,
+    so a rescale is exact). The KL term is then a token mean whatever the aggregation.
     """
 
     def __init__(self, loss: Any) -> None:
@@ -109,7 +113,7 @@ class ContractLoss(torch.nn.Module):
             td.get(LLM_LAYOUT_V1.key("sample_log_probs"))
         )
         share = mask.numel() / mask.sum().clamp_min(1)
-        for k in _DIAGNOSTICS:
+        for k in _POSITION_MEANS:
             if k in terms:
                 terms[k] = terms[k] * share
         return TensorDict(terms, batch_size=[])

@@ -226,23 +226,24 @@ def masked_positions_inert(ctx: Context) -> None:
         )
 
 
+def _pad(td: TensorDictBase, extra: int = 3) -> TensorDictBase:
+    """``td`` with ``extra`` padding columns appended (masks False, log-probs NaN, tokens 0)."""
+    out = td.empty()
+    for key, v in leaves(td).items():
+        if v.ndim == 2 and v.shape[1] == T:
+            fill = (
+                False
+                if v.dtype == torch.bool
+                else (0 if not v.is_floating_point() else float("nan"))
+            )
+            v = torch.cat([v, torch.full((v.shape[0], extra), fill, dtype=v.dtype)], dim=1)
+        out.set(key, v)
+    return out
+
+
 @requirement("LOSS-005")
 def padding_inert(ctx: Context) -> None:
-    def pad(td: TensorDictBase) -> TensorDictBase:
-        extra = 3
-        out = td.empty()
-        for key, v in leaves(td).items():
-            if v.ndim == 2 and v.shape[1] == T:
-                fill = (
-                    False
-                    if v.dtype == torch.bool
-                    else (0 if not v.is_floating_point() else float("nan"))
-                )
-                v = torch.cat([v, torch.full((B, extra), fill, dtype=v.dtype)], dim=1)
-            out.set(key, v)
-        return out
-
-    _variant_check(ctx, pad, "appending 3 padding columns")
+    _variant_check(ctx, _pad, "appending 3 padding columns")
 
 
 @requirement("LOSS-006")
@@ -342,9 +343,15 @@ def kl_to_reference(ctx: Context) -> None:
         )
     inside = td.clone()
     inside.set(RLP, td.get(RLP) - 0.5)
-    if not kl(inside) > 1e-6:
+    base = kl(inside)
+    if not base > 1e-6:
         raise _fail(
-            f"loss_kl_to_ref is {kl(inside):.6g} when reference log-probs differ by 0.5 on assistant tokens; expected > 0"
+            f"loss_kl_to_ref is {base:.6g} when reference log-probs differ by 0.5 on assistant tokens; expected > 0"
+        )
+    padded = kl(_pad(inside))
+    if not math.isclose(padded, base, rel_tol=1e-4, abs_tol=1e-7):
+        raise _fail(
+            f"loss_kl_to_ref went from {base:.6g} to {padded:.6g} when 3 padding columns were appended: it is reduced over positions, not assistant tokens"
         )
 
 
