@@ -11,7 +11,12 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from posttrain.adapters.torchrl.deviations import DEVIATIONS, LOSS_DEVIATIONS
+from posttrain.adapters.torchrl.deviations import (
+    DEVIATIONS,
+    LOSS_DEVIATIONS,
+    ROLLOUT_DEVIATIONS,
+    WEIGHT_SYNC_DEVIATIONS,
+)
 from posttrain.conformance.matrix import render_markdown
 from posttrain.conformance.outcome import Report, Status
 from posttrain.conformance.runner import run
@@ -32,9 +37,12 @@ def main(out_dir: Path) -> Path:
         "Raw rows run TorchRL's components as they are; adapted rows wrap them in "
         "`posttrain.adapters.torchrl` (no copy of the data, metadata checks only).",
         "",
-        "Covered so far: replay buffers, LLM losses (GRPOLoss, DAPO, CISPOLoss in token_mean and "
-        "prompt_mean), CSVLogger and TensorboardLogger. LLMCollector, weight-sync schemes, SFTLoss "
-        "and the KL-to-reference terms are still to be added (issue 4).",
+        "Covered: replay buffers; LLM losses (GRPOLoss, DAPO, CISPOLoss in token_mean and "
+        "prompt_mean, GRPOLoss with kl_to_ref_coeff); LLMCollector with a generating "
+        "TransformersWrapper; SharedMemWeightSyncScheme, MultiProcessWeightSyncScheme and "
+        "VanillaWeightUpdater (update_policy_weights_'s local path); CSVLogger and "
+        "TensorboardLogger. SFTLoss is outside the loss contract (no advantage, no behaviour "
+        "log-probs: a supervised loss), so it has no row; see docs/torchrl.md.",
         "",
     ]
     matrix = render_markdown(reports).splitlines()
@@ -51,7 +59,7 @@ def main(out_dir: Path) -> Path:
         lines += ["", "## Not applicable here, with the reason", ""]
         lines += [f"- {rid}: {msg}" for rid, msg in na]
     lines += ["", "## Deviations, with repros", ""]
-    for d in (*DEVIATIONS, *LOSS_DEVIATIONS):
+    for d in (*DEVIATIONS, *LOSS_DEVIATIONS, *ROLLOUT_DEVIATIONS, *WEIGHT_SYNC_DEVIATIONS):
         lines += [
             f"### {', '.join(d.requirements)}: {d.title}",
             "",

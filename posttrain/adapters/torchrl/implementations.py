@@ -19,6 +19,8 @@ from posttrain.adapters.torchrl.loggers import (
     tensorboard_logger,
 )
 from posttrain.adapters.torchrl.loss import make_loss
+from posttrain.adapters.torchrl.rollout import llm_collector
+from posttrain.adapters.torchrl.weight_sync import TRANSPORTS, weight_sync_pair
 from posttrain.contracts.implementation import Implementation
 
 __all__ = [
@@ -33,6 +35,10 @@ __all__ = [
     "ADAPTED_LAZY_STACK",
     "ADAPTED_LAZY_TENSOR",
     "ADAPTED_LAZY_TENSOR_NO_REPLACEMENT",
+    "ADAPTED_LLM_COLLECTOR",
+    "ADAPTED_MULTIPROCESS",
+    "ADAPTED_SHARED_MEM",
+    "ADAPTED_VANILLA",
     "CSV_LOGGER",
     "LOSSES",
     "RAW_CISPOLOSS_SEQ_MEAN_TOKEN_MEAN",
@@ -46,7 +52,12 @@ __all__ = [
     "RAW_LAZY_STACK",
     "RAW_LAZY_TENSOR",
     "RAW_LAZY_TENSOR_NO_REPLACEMENT",
+    "RAW_LLM_COLLECTOR",
+    "RAW_MULTIPROCESS",
+    "RAW_SHARED_MEM",
+    "RAW_VANILLA",
     "TENSORBOARD_LOGGER",
+    "WEIGHT_SYNCS",
     "prioritized_unavailable",
 ]
 
@@ -201,3 +212,57 @@ LOSSES: dict[str, Implementation] = {
     "torchrl-adapted-grpoloss-token-mean-kl": ADAPTED_GRPOLOSS_TOKEN_MEAN_KL,
 }
 """TorchRL's LLM losses, raw and adapted, in each aggregation they offer, by entry-point name."""
+
+
+def _collector(*, adapted: bool) -> Implementation:
+    return Implementation(
+        "rollout",
+        partial(llm_collector, adapted=adapted),
+        name=("ContractCollector(" if adapted else "")
+        + "LLMCollector(TransformersWrapper, track_policy_version=True)"
+        + (")" if adapted else ""),
+        capabilities={"ragged", "log_probs"},
+        description="One ChatEnv subclass feeds token-id prompts (TorchRL has no such env); "
+        + (
+            "the adapter stamps ('next', 'policy_version'), checks and converts state dicts, "
+            "rescores log-probs with a non-generating TransformersWrapper, refuses after shutdown."
+            if adapted
+            else "raw: keys mapped to the layout, TorchRL's own values and weight path."
+        ),
+    )
+
+
+RAW_LLM_COLLECTOR = _collector(adapted=False)
+ADAPTED_LLM_COLLECTOR = _collector(adapted=True)
+
+
+def _weight_sync(transport: str, *, adapted: bool) -> Implementation:
+    cls = TRANSPORTS[transport]
+    return Implementation(
+        "weight_sync",
+        partial(weight_sync_pair, transport=transport, adapted=adapted),
+        name=("CheckedSender(" if adapted else "") + f"{cls}" + (")" if adapted else ""),
+        description="Both ends in this process (the receiving end as a collector worker holds it); "
+        + (
+            "the adapter checks names, shapes and dtypes before TorchRL writes."
+            if adapted
+            else "raw: a state dict is passed to TorchRL as the nested TensorDict it takes, the version kept beside it."
+        ),
+    )
+
+
+RAW_SHARED_MEM = _weight_sync("shared_mem", adapted=False)
+ADAPTED_SHARED_MEM = _weight_sync("shared_mem", adapted=True)
+RAW_MULTIPROCESS = _weight_sync("multiprocess", adapted=False)
+ADAPTED_MULTIPROCESS = _weight_sync("multiprocess", adapted=True)
+RAW_VANILLA = _weight_sync("vanilla", adapted=False)
+ADAPTED_VANILLA = _weight_sync("vanilla", adapted=True)
+WEIGHT_SYNCS: dict[str, Implementation] = {
+    "torchrl-raw-shared-mem": RAW_SHARED_MEM,
+    "torchrl-adapted-shared-mem": ADAPTED_SHARED_MEM,
+    "torchrl-raw-multiprocess": RAW_MULTIPROCESS,
+    "torchrl-adapted-multiprocess": ADAPTED_MULTIPROCESS,
+    "torchrl-raw-vanilla": RAW_VANILLA,
+    "torchrl-adapted-vanilla": ADAPTED_VANILLA,
+}
+"""TorchRL's weight transports, raw and adapted, by entry-point name."""

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.validation import check
 
@@ -18,29 +19,6 @@ TORCHRL_AGGREGATIONS = {"token_mean": "token_mean", "seq_mean_token_mean": "prom
 
 # Terms TorchRL averages over every position of the padded batch (values are 0 off the mask).
 _POSITION_MEANS = ("clip_fraction", "kl_approx", "entropy", "loss_kl_to_ref", "kl_to_ref")
-
-
-def _word_level_tokenizer(config: Any) -> Any:
-    """A tokenizer whose ids are the model's vocabulary (token mode needs ids, not text)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = {
-        "<pad>": config.pad_token_id or 0,
-        "<s>": config.bos_token_id or 1,
-        "</s>": config.eos_token_id or 2,
-    }
-    vocab = {**{f"t{i}": i for i in range(config.vocab_size)}, **specials}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast: Any = PreTrainedTokenizerFast  # untyped constructor
-    return fast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<pad>",
-    )
 
 
 def transformers_actor(policy: Any, tokenizer: Any = None) -> Any:
@@ -54,7 +32,7 @@ def transformers_actor(policy: Any, tokenizer: Any = None) -> Any:
 
     return TransformersWrapper(
         policy,
-        tokenizer=tokenizer if tokenizer is not None else _word_level_tokenizer(policy.config),
+        tokenizer=tokenizer if tokenizer is not None else word_level_tokenizer(policy.config),
         input_mode="tokens",
         generate=False,
         return_log_probs=True,

@@ -1,0 +1,299 @@
+"""TorchRL's ``LLMCollector`` as a rollout source: raw (keys mapped only) and adapted.
+
+TorchRL 0.14 ships no environment that takes prompts as token ids of different lengths
+(``ChatEnv``'s token mode goes through a chat template and fails to stack ragged prompts), so
+:func:`token_prompt_env` is the smallest ``ChatEnv`` subclass that does. Everything else is
+TorchRL's: ``DataLoadingPrimer``, ``StepCounter``, ``TransformersWrapper`` generating,
+``LLMCollector(track_policy_version=True)`` and its ``update_policy_weights_``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+from posttrain.contracts.layout import LLM_LAYOUT_V1
+
+__all__ = ["ContractCollector", "LayoutOnlyCollector", "llm_collector", "token_prompt_env"]
+
+K = LLM_LAYOUT_V1.key
+
+
+def _list_to_stack() -> Any:
+    """TorchRL's LLM envs need tensordict's list-to-stack mode; set it only around our calls."""
+    from tensordict import set_list_to_stack
+
+    return set_list_to_stack(True)
+
+
+def token_prompt_env(prompts: list[list[int]]) -> Any:
+    """A single-turn TorchRL env whose every reset loads ``prompts`` (token ids) as one batch.
+
+    Example:
+        >>> env = token_prompt_env([[5, 6, 7], [8, 9]])  # doctest: +SKIP
+        >>> env.batch_size  # doctest: +SKIP
+        torch.Size([2])
+    """
+    from tensordict import lazy_stack
+    from torchrl.envs import StepCounter
+    from torchrl.envs.llm import ChatEnv, DataLoadingPrimer
+    from torchrl.modules.llm.policies import Tokens
+
+    class TokenPromptChatEnv(ChatEnv):
+        def _reset(self, tensordict: TensorDictBase, **kwargs: Any) -> TensorDictBase:
+            ids = tensordict.get(self.data_key)
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            toks = lazy_stack([Tokens(prompt=torch.as_tensor(t, dtype=torch.long)) for t in ids])
+            out: TensorDictBase = tensordict.empty(device=self.device).set("tokens", toks)
+            return out.to_lazystack(0)
+
+        def _step_tokens(self, tensordict: TensorDictBase) -> TensorDictBase:
+            # ChatEnv's own reads ("tokens", "full") as one dense tensor: ragged prompts fail.
+            full = tensordict.get(("tokens", "full"), as_list=True)
+            nxt = lazy_stack([Tokens(prompt=f) for f in full])
+            out: TensorDictBase = tensordict.empty(device=self.device).set("tokens", nxt)
+            return out
+
+        def _post_step_mdp_hooks(
+            self, tensordict: TensorDictBase, tensordict_: TensorDictBase
+        ) -> tuple[TensorDictBase, TensorDictBase]:
+            # The policy's outputs are in no spec, so step_mdp carries them past a reset, and
+            # the wrapper then prefers the stale attention mask to the new prompt's.
+            drop = ("masks", "log_probs", ("tokens", "response"), ("tokens", "full"))
+            return tensordict, tensordict_.exclude(*drop)
+
+    batch = [list(map(int, p)) for p in prompts]
+
+    class Prompts:
+        batch_size = len(batch)
+
+        def __iter__(self) -> Iterator[dict[str, list[torch.Tensor]]]:
+            while True:
+                yield {"query": [torch.tensor(p) for p in batch]}
+
+    tokens: Any = "tokens"  # ChatEnv's annotation omits the token mode its docs describe
+    size = torch.Size([len(batch)])
+    env = TokenPromptChatEnv(input_mode=tokens, batch_size=size)
+    env = env.append_transform(DataLoadingPrimer(dataloader=Prompts(), batch_size=size))
+    return env.append_transform(StepCounter(max_steps=1))
+
+
+def _generator(policy: Any, max_new_tokens: int) -> Any:
+    from torchrl.modules.llm import TransformersWrapper
+
+    return TransformersWrapper(
+        policy,
+        tokenizer=word_level_tokenizer(policy.config),
+        input_mode="tokens",
+        generate=True,
+        return_log_probs=True,
+        pad_output=False,
+        generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": True},
+    )
+
+
+def _scorer(policy: Any) -> Any:
+    from torchrl.modules.llm import TransformersWrapper
+
+    return TransformersWrapper(
+        policy,
+        tokenizer=word_level_tokenizer(policy.config),
+        input_mode="tokens",
+        generate=False,
+        return_log_probs=True,
+        pad_output=False,
+    )
+
+
+def _to_layout(
+    td: TensorDictBase, version_key: Any, log_probs: list[torch.Tensor] | None
+) -> LazyStackedTensorDict:
+    """TorchRL's collector output (prompt/response/full, ragged) as LLM-layout items.
+
+    ``log_probs``: per item, the log-probs of the response tokens (or of every token).
+    """
+    items = []
+    prompts = td.get(("tokens", "prompt"), as_list=True)
+    responses = td.get(("tokens", "response"), as_list=True)
+    fulls = td.get(("tokens", "full"), as_list=True)
+    versions = td.get(version_key).reshape(-1)
+    for i, (p, r, f) in enumerate(zip(prompts, responses, fulls, strict=True)):
+        n, m = p.shape[-1], r.shape[-1]
+        if f.shape[-1] != n + m:
+            raise ValueError(
+                f"item {i}: ('tokens', 'full') has {f.shape[-1]} tokens, expected prompt {n} + response {m}"
+            )
+        item = {
+            K("tokens"): f,
+            K("attention_mask"): torch.ones(n + m, dtype=torch.bool),
+            K("assistant_mask"): torch.arange(n + m) >= n,
+            K("policy_version"): versions[i].to(torch.int64),
+        }
+        if log_probs is not None:
+            lp = log_probs[i].detach().float()[-m:]
+            item[K("sample_log_probs")] = torch.cat([torch.full((n,), math.nan), lp])
+        items.append(TensorDict(item, batch_size=[]))
+    return LazyStackedTensorDict.lazy_stack(items, 0)
+
+
+class LayoutOnlyCollector:
+    """The raw row: TorchRL's ``LLMCollector`` with only its keys mapped to the LLM layout.
+
+    Items keep TorchRL's own values: the root ``policy_version`` TorchRL stamps, the response
+    log-probs it returns; the assistant mask (``None`` in TorchRL's token mode) is the
+    response span. Weights go to ``LLMCollector.update_policy_weights_`` untouched.
+    """
+
+    version_key: Any = "policy_version"
+
+    def __init__(self, collector: Any) -> None:
+        self.collector = collector
+
+    def _log_probs(self, td: TensorDictBase) -> list[torch.Tensor] | None:
+        out: list[torch.Tensor] = td.get(("log_probs", "response"), as_list=True)
+        return out
+
+    def __iter__(self) -> Iterator[TensorDictBase]:
+        it = iter(self.collector)
+        while True:
+            with _list_to_stack():
+                try:
+                    td = next(it)
+                except StopIteration:
+                    return
+                lps = self._log_probs(td)
+            yield _to_layout(td, self.version_key, lps)
+
+    def update_policy_weights_(self, weights: Any = None, /) -> None:
+        """``LLMCollector.update_policy_weights_(weights)``."""
+        self.collector.update_policy_weights_(weights)
+
+    @property
+    def policy_version(self) -> int:
+        """``LLMCollector.policy_version``."""
+        return int(self.collector.policy_version)
+
+    def shutdown(self) -> None:
+        """``LLMCollector.shutdown()``."""
+        self.collector.shutdown()
+
+
+class SourceClosed(RuntimeError):
+    """Iterating a collector after ``shutdown()``."""
+
+
+class ContractCollector(LayoutOnlyCollector):
+    """``LLMCollector`` made to conform to ``RolloutSourceV1`` (thin: keys, versions, weights).
+
+    - Stamps the version TorchRL writes at the step that generated the response
+      (``("next", "policy_version")``); the root stamp is the version at prompt load, which
+      lags an update made between reset and step.
+    - ``update_policy_weights_`` takes a plain state dict (as the contract and
+      ``nn.Module.state_dict()`` give it), checks names, shapes and dtypes against the
+      generating model before any write, and hands TorchRL the nested TensorDict it expects.
+    - Scores the generated sequences once more with a non-generating ``TransformersWrapper``
+      of the same model (one forward pass per batch): the generating wrapper sets the first
+      response token's log-prob to 0 (``_log_probs_generate``), which would bias every
+      importance ratio computed from it.
+    - Iterating after ``shutdown()`` raises :class:`SourceClosed`; ``shutdown`` is idempotent.
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm  # doctest: +SKIP
+        >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7]], 1, max_new_tokens=2, adapted=True)  # doctest: +SKIP
+        >>> [b.batch_size for b in src]  # doctest: +SKIP
+        [torch.Size([1])]
+    """
+
+    version_key = ("next", "policy_version")
+
+    def __init__(self, collector: Any, model: Any, prefix: str = "model.") -> None:
+        super().__init__(collector)
+        self.model = model
+        self.prefix = prefix
+        self.closed = False
+        self._scorer = _scorer(model)
+
+    def _log_probs(self, td: TensorDictBase) -> list[torch.Tensor] | None:
+        full = td.get(("tokens", "full"), as_list=True)
+        items = [TensorDict({("tokens", "full"): f}, batch_size=[]) for f in full]
+        with torch.no_grad():
+            out = self._scorer(LazyStackedTensorDict.lazy_stack(items, 0))
+        lps: list[torch.Tensor] = out.get(("log_probs", "full"), as_list=True)
+        return lps
+
+    def __iter__(self) -> Iterator[TensorDictBase]:
+        if self.closed:
+            raise SourceClosed("the collector was shut down; create a new one to generate again")
+        for td in super().__iter__():
+            yield td
+            if self.closed:
+                raise SourceClosed(
+                    "the collector was shut down; create a new one to generate again"
+                )
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        """Check ``weights`` against the model, then let TorchRL load them and bump the version."""
+        if weights is None:
+            self.collector.update_policy_weights_()
+            return
+        own = self.model.state_dict()
+        problems = [f"{k}: missing" for k in own if k not in weights]
+        problems += [
+            f"{k}: not a parameter or buffer of the model" for k in weights if k not in own
+        ]
+        for k, v in weights.items():
+            if k in own and (v.shape != own[k].shape or v.dtype != own[k].dtype):
+                problems.append(
+                    f"{k}: expected {str(own[k].dtype).removeprefix('torch.')} {list(own[k].shape)}, "
+                    f"found {str(v.dtype).removeprefix('torch.')} {list(v.shape)}"
+                )
+        if problems:
+            raise ValueError("weights rejected (model unchanged): " + "; ".join(problems))
+        nested = TensorDict({self.prefix + k: v for k, v in weights.items()}).unflatten_keys(".")
+        self.collector.update_policy_weights_(nested)
+
+    def shutdown(self) -> None:
+        """Shut the collector down once; later calls do nothing."""
+        if not self.closed:
+            self.closed = True
+            self.collector.shutdown()
+
+
+def llm_collector(
+    policy: Any,
+    prompts: list[list[int]],
+    total_batches: int | None = None,
+    *,
+    max_new_tokens: int = 4,
+    adapted: bool = False,
+) -> LayoutOnlyCollector:
+    """An ``LLMCollector`` answering every prompt once per batch, as a rollout source.
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm  # doctest: +SKIP
+        >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7], [8, 9]], 2)  # doctest: +SKIP
+        >>> sum(1 for _ in src)  # doctest: +SKIP
+        2
+    """
+    from torchrl.collectors.llm import LLMCollector
+
+    wrapper = _generator(policy, max_new_tokens)
+    n = len(prompts)
+    with _list_to_stack(), warnings.catch_warnings():
+        # 0.14 warns that 0.15 will append InitTracker; this single-turn env needs none.
+        warnings.filterwarnings("ignore", "The env passed to LLMCollector", FutureWarning)
+        collector = LLMCollector(
+            token_prompt_env(prompts),
+            policy=wrapper,
+            dialog_turns_per_batch=n,
+            total_dialog_turns=-1 if total_batches is None else total_batches * n,
+            flatten_data=True,
+            track_policy_version=True,
+        )
+    return ContractCollector(collector, policy) if adapted else LayoutOnlyCollector(collector)
