@@ -36,8 +36,8 @@ def token_prompt_env(prompts: list[list[int]]) -> Any:
     """A single-turn TorchRL env whose every reset loads ``prompts`` (token ids) as one batch.
 
     Example:
-        >>> env = token_prompt_env([[5, 6, 7], [8, 9]])  # doctest: +SKIP
-        >>> env.batch_size  # doctest: +SKIP
+        >>> env = token_prompt_env([[5, 6, 7], [8, 9]])
+        >>> env.batch_size
         torch.Size([2])
     """
     from tensordict import lazy_stack
@@ -204,10 +204,11 @@ class ContractCollector(LayoutOnlyCollector):
     - Iterating after ``shutdown()`` raises :class:`SourceClosed`; ``shutdown`` is idempotent.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm  # doctest: +SKIP
-        >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7]], 1, max_new_tokens=2, adapted=True)  # doctest: +SKIP
-        >>> [b.batch_size for b in src]  # doctest: +SKIP
-        [torch.Size([1])]
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7]], 1, max_new_tokens=2, adapted=True)
+        >>> [(b.batch_size, b.tensordicts[0]["tokens", "full"][:3].tolist()) for b in src]
+        [(torch.Size([1]), [5, 6, 7])]
+        >>> src.shutdown(); src.shutdown()
     """
 
     version_key = ("next", "policy_version")
@@ -276,9 +277,9 @@ def llm_collector(
     """An ``LLMCollector`` answering every prompt once per batch, as a rollout source.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm  # doctest: +SKIP
-        >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7], [8, 9]], 2)  # doctest: +SKIP
-        >>> sum(1 for _ in src)  # doctest: +SKIP
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7], [8, 9]], 2)
+        >>> sum(1 for _ in src)
         2
     """
     from torchrl.collectors.llm import LLMCollector

@@ -93,8 +93,12 @@ class TorchRLSender:
     """The raw sending end: ``send(weights, version=v)`` mapped onto TorchRL's call.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm  # doctest: +SKIP
-        >>> sender, receiver = weight_sync_pair(tiny_causal_lm(), "shared_mem")  # doctest: +SKIP
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> model, twin = tiny_causal_lm(seed=0), tiny_causal_lm(seed=1)
+        >>> sender, receiver = weight_sync_pair(model, "shared_mem")
+        >>> sender.send(twin.state_dict(), version=7); receiver.receive(); receiver.version
+        7
+        >>> receiver.close()
     """
 
     def __init__(self, push: Callable[[TensorDictBase], Any], name: str) -> None:
