@@ -193,6 +193,11 @@ def validate(
         layout.field(name)
     lazy = isinstance(td, LazyStackedTensorDict)
     leaves = None if lazy else leaf_items(td)
+    memo = (
+        None if leaves is None or deep else _signature(leaves, layout, require, strict, ragged, td)
+    )
+    if memo is not None and memo in _VALID:
+        return []
     present = (
         {norm_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
         if leaves is None
@@ -248,7 +253,33 @@ def validate(
             )
     if deep:
         out += _deep(td, layout, {f.name for f in ok_fields})
+    if memo is not None and not out:
+        if len(_VALID) >= _VALID_MAX:
+            _VALID.pop(next(iter(_VALID)))
+        _VALID[memo] = layout  # holding the layout keeps its id from being reused
     return out
+
+
+# Metadata-only validation is a function of each leaf's dtype, shape and requires_grad, so
+# a batch shaped like one already found valid needs no second look (the every-step case).
+_VALID: dict[tuple[Any, ...], Layout] = {}
+_VALID_MAX = 256
+
+
+def _signature(
+    leaves: dict[tuple[str, ...], Any],
+    layout: Layout,
+    require: tuple[str, ...],
+    strict: bool,
+    ragged: bool,
+    td: TensorDictBase,
+) -> tuple[Any, ...] | None:
+    sig: list[Any] = [id(layout), tuple(require), strict, ragged, type(td), td.batch_size]
+    for k, v in leaves.items():
+        if type(v) is not torch.Tensor or v.is_nested:
+            return None
+        sig += (k, v.dtype, v.shape, v.requires_grad)
+    return tuple(sig)
 
 
 def _match_shape(

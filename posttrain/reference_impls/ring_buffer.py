@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,8 @@ class RingBuffer:
         self._schema: ItemSchema | None = None
         self._columns: dict[tuple[str, ...], _Column] | None = None
         self._dst: dict[tuple[str, ...], torch.Tensor] | None = None
+        self._dst_items: list[tuple[tuple[str, ...], torch.Tensor]] = []
+        self._nested: Callable[[dict[tuple[str, ...], torch.Tensor]], dict[str, Any]] = dict
         self._rows: torch.Tensor | None = None
         self._cursor = 0
         self._len = 0
@@ -95,13 +98,16 @@ class RingBuffer:
         row = -(-row // _ALIGN) * _ALIGN
         self._rows = torch.empty(self.capacity, row, dtype=torch.uint8, device=self.device)
         self._dst = self._views(self._rows)  # typed views of the whole ring, made once
+        self._dst_items = list(self._dst.items())
+        self._nested = _nesting(list(self._columns))
 
     def _views(self, rows: torch.Tensor) -> dict[tuple[str, ...], torch.Tensor]:
         assert self._columns is not None
         n = rows.shape[0]
         out = {}
         for k, c in self._columns.items():
-            out[k] = rows[:, c.offset : c.offset + c.nbytes].view(c.dtype).view(n, *c.shape)
+            v = rows[:, c.offset : c.offset + c.nbytes].view(c.dtype)
+            out[k] = v if len(c.shape) == 1 else v.view(n, *c.shape)  # [n, T] needs no reshape
         return out
 
     # -- ReplayBufferV1 ------------------------------------------------------------------
@@ -126,15 +132,21 @@ class RingBuffer:
             n = int(data.batch_size[0])
             assert self._rows is not None
             assert self._dst is not None
-            idx = (torch.arange(n, dtype=torch.int64) + self._cursor) % self.capacity
-            keep = min(n, self.capacity)  # of a batch longer than the ring, the tail survives
-            start = (self._cursor + n - keep) % self.capacity
-            first = min(keep, self.capacity - start)
-            for k, dst in self._dst.items():
-                src = leaves[k][n - keep :]
-                dst[start : start + first].copy_(src[:first])
-                if first < keep:
-                    dst[: keep - first].copy_(src[first:])
+            cursor, cap = self._cursor, self.capacity
+            if cursor + n <= cap:  # the common case: one contiguous range of rows per key
+                idx = torch.arange(cursor, cursor + n, dtype=torch.int64)
+                for k, dst in self._dst_items:
+                    dst[cursor : cursor + n].copy_(leaves[k])
+            else:
+                idx = (torch.arange(n, dtype=torch.int64) + cursor) % cap
+                keep = min(n, cap)  # of a batch longer than the ring, the tail survives
+                start = (cursor + n - keep) % cap
+                first = min(keep, cap - start)
+                for k, dst in self._dst_items:
+                    src = leaves[k][n - keep :]
+                    dst[start : start + first].copy_(src[:first])
+                    if first < keep:
+                        dst[: keep - first].copy_(src[first:])
             self._cursor = (self._cursor + n) % self.capacity
             self._len = min(self.capacity, self._len + n)
             self._write_count += n
@@ -153,7 +165,7 @@ class RingBuffer:
             else:
                 idx = self._next_epoch_indices(batch_size)
             rows = self._rows.index_select(0, idx.to(self._rows.device))
-        return TensorDict(self._views(rows), batch_size=[batch_size], device=self.device)
+        return _tensordict(self._nested(self._views(rows)), batch_size, self.device)
 
     def _next_epoch_indices(self, n: int) -> torch.Tensor:
         if n > self._len:
@@ -227,3 +239,30 @@ class RingBuffer:
     def __repr__(self) -> str:
         keys = "" if self._columns is None else ", ".join(key_str(k) for k in self._columns)
         return f"RingBuffer(capacity={self.capacity}, len={self._len}, keys=[{keys}])"
+
+
+def _nesting(
+    keys: list[tuple[str, ...]],
+) -> Callable[[dict[tuple[str, ...], torch.Tensor]], dict[str, Any]]:
+    """A function turning ``{("a", "b"): x}`` into ``{"a": {"b": x}}`` for these keys."""
+
+    def nest(flat: dict[tuple[str, ...], torch.Tensor]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k in keys:
+            d = out
+            for part in k[:-1]:
+                d = d.setdefault(part, {})
+            d[k[-1]] = flat[k]
+        return out
+
+    return nest
+
+
+def _tensordict(nested: dict[str, Any], n: int, device: torch.device) -> TensorDict:
+    # The checked constructor re-validates every leaf against the batch size (~30 us for the
+    # LLM layout, as long as the gather); these views are [n, ...] by construction.
+    unsafe = getattr(TensorDict, "_new_unsafe", None)
+    if unsafe is not None:
+        out: TensorDict = unsafe(nested, batch_size=torch.Size([n]), device=device)
+        return out
+    return TensorDict(nested, batch_size=[n], device=device)
