@@ -73,7 +73,7 @@ class RingBuffer:
         self._columns: dict[tuple[str, ...], _Column] | None = None
         self._dst: dict[tuple[str, ...], torch.Tensor] | None = None
         self._dst_items: list[tuple[tuple[str, ...], torch.Tensor]] = []
-        self._nested: Callable[[dict[tuple[str, ...], torch.Tensor]], dict[str, Any]] = dict
+        self._nested = _nesting([])
         self._rows: torch.Tensor | None = None
         self._cursor = 0
         self._len = 0
