@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-RESULTS: dict[str, dict[str, float]] = {}
+
+@dataclass
+class Row:
+    """One measurement: median seconds per call of ``op`` on ``impl`` at ``shape``."""
+
+    op: str
+    impl: str
+    shape: str
+    seconds: float
+    nbytes: int
+    items: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+
+ROWS: list[Row] = []
+SUITE_TIMES: dict[str, float] = {}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -24,31 +43,59 @@ def device(request: pytest.FixtureRequest) -> str:
     return d
 
 
-def record(name: str, seconds: float, nbytes: int, items: int) -> None:
+def record(op: str, impl: str, shape: str, seconds: float, nbytes: int, items: int) -> None:
     """Remember one measurement (median seconds per call)."""
-    RESULTS[name] = {"s": seconds, "GBps": nbytes / seconds / 1e9, "items_per_s": items / seconds}
+    ROWS.append(Row(op, impl, shape, seconds, nbytes, items))
+
+
+def _find(op: str, impl: str, shape: str) -> Row | None:
+    return next((r for r in ROWS if (r.op, r.impl, r.shape) == (op, impl, shape)), None)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not RESULTS:
-        return
     tr = terminalreporter
-    base = RESULTS.get("memcpy", {}).get("GBps")
-    tr.write_sep("=", "throughput (median), ratio to memcpy of the same bytes in this run")
-    for name, r in RESULTS.items():
-        ratio = f"{r['GBps'] / base:6.2f}" if base else "   n/a"
+    memcpy = _find("memcpy", "torch.Tensor.copy_", "64 MiB")
+    if ROWS:
+        base = memcpy.gbps if memcpy else None
+        tr.write_sep("=", "median throughput; x memcpy = ratio to a 64 MiB copy in this run")
         tr.write_line(
-            f"{name:<48} {r['GBps']:8.2f} GB/s {r['items_per_s']:12.0f} items/s   x memcpy {ratio}"
+            f"{'op':<9}{'implementation':<40}{'shape':<22}{'GB/s':>8}{'items/s':>12}{'x memcpy':>10}"
         )
-    v, e = RESULTS.get("validate (metadata) LLM layout"), RESULTS.get("extend posttrain.RingBuffer")
-    if v and e:
-        tr.write_line(
-            f"validation cost / RingBuffer extend of the same batch: {v['s'] / e['s']:.3f}"
-        )
-    for op in ("extend", "sample"):
-        wrapped = RESULTS.get(f"{op} torchrl LazyTensorStorage + adapter")
-        raw = RESULTS.get(f"{op} torchrl LazyTensorStorage")
-        if wrapped and raw:
+        for r in ROWS:
+            ratio = f"{r.gbps / base:10.2f}" if base else "       n/a"
             tr.write_line(
-                f"adapter {op} time / raw TorchRL {op} time: {wrapped['s'] / raw['s']:.3f}"
+                f"{r.op:<9}{r.impl:<40}{r.shape:<22}{r.gbps:8.2f}{r.items / r.seconds:12.0f}{ratio}"
+            )
+        tr.write_sep("-", "derived ratios (same run)")
+        for shape in dict.fromkeys(r.shape for r in ROWS):
+            _derived(tr, shape)
+    if SUITE_TIMES:
+        tr.write_sep("-", "conformance suite wall time per implementation (one run each)")
+        for name, s in sorted(SUITE_TIMES.items(), key=lambda kv: -kv[1]):
+            tr.write_line(f"{name:<52}{s:8.2f} s")
+
+
+def _derived(tr: Any, shape: str) -> None:
+    ring = _find("extend", "posttrain.RingBuffer", shape)
+    raw = _find("extend", "torchrl LazyTensorStorage", shape)
+    for what in ("validate", "schema check"):
+        v = _find(what, "LLM layout v1" if what == "validate" else "ItemSchema", shape)
+        if v and ring:
+            tr.write_line(f"{shape:<22}{what} / RingBuffer extend: {v.seconds / ring.seconds:.3f}")
+        if v and raw:
+            tr.write_line(f"{shape:<22}{what} / TorchRL extend:    {v.seconds / raw.seconds:.3f}")
+    for op in ("extend", "sample"):
+        for storage in ("LazyTensorStorage", "LazyStackStorage"):
+            a = _find(op, f"torchrl {storage} + adapter", shape)
+            b = _find(op, f"torchrl {storage}", shape)
+            if a and b:
+                tr.write_line(
+                    f"{shape:<22}adapter / raw TorchRL {storage} {op} time: {a.seconds / b.seconds:.3f}"
+                )
+        ring_op = _find(op, "posttrain.RingBuffer", shape)
+        raw_op = _find(op, "torchrl LazyTensorStorage", shape)
+        if ring_op and raw_op:
+            tr.write_line(
+                f"{shape:<22}RingBuffer / TorchRL LazyTensorStorage {op} throughput: "
+                f"{raw_op.seconds / ring_op.seconds:.2f}x"
             )

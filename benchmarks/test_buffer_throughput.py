@@ -1,6 +1,8 @@
-"""Extend/sample throughput on LLM-shaped data (B=64, T=512) against memcpy and TorchRL.
+"""Extend/sample throughput on LLM-shaped data against memcpy and TorchRL, padded and ragged.
 
 Run with ``make bench`` (``--device cuda`` where a GPU is). Not part of ``make test``.
+Shapes: B=64 at T=512 and T=4096, and B=16/256 at T=512 for the growth with batch size; the
+ring holds about 75 MB in every case, so writes and random reads go to memory, not cache.
 """
 
 from __future__ import annotations
@@ -10,25 +12,32 @@ from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from benchmarks.conftest import record
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
-from posttrain.conformance.data import llm_batch
-from posttrain.contracts import check
+from posttrain.conformance.data import llm_batch, ragged_llm_batch
+from posttrain.contracts import validate
+from posttrain.contracts.schema import ItemSchema
 from posttrain.reference_impls import RingBuffer
 
-B, T, CAPACITY = 64, 512, 8192
+SHAPES = [(64, 512), (64, 4096), (16, 512), (256, 512)]
+RING_BYTES = 8192 * 9240  # 75 MB: the B=64, T=512 ring of 8192 items
 torch.set_num_threads(1)
 
 
-def _nbytes(td: TensorDict) -> int:
+def _label(b: int, t: int, ragged: bool = False) -> str:
+    return f"B={b},T{'<=' if ragged else '='}{t}{' ragged' if ragged else ''}"
+
+
+def _nbytes(td: TensorDictBase) -> int:
+    if isinstance(td, LazyStackedTensorDict):
+        return sum(_nbytes(x) for x in td.tensordicts)
     return sum(v.numel() * v.element_size() for v in td.values(True, True))
 
 
-@pytest.fixture(scope="module")
-def batch(device: str) -> TensorDict:
-    return llm_batch(B, T).to(device)
+def _capacity(b: int, t: int) -> int:
+    return max(4 * b, RING_BYTES // (18 * t + 32))
 
 
 def _median(benchmark: Any) -> float:
@@ -40,50 +49,86 @@ def test_memcpy(benchmark: Any, device: str) -> None:
     src = torch.empty(n, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     benchmark(dst.copy_, src)
-    record("memcpy", _median(benchmark), n, 0)
+    record("memcpy", "torch.Tensor.copy_", "64 MiB", _median(benchmark), n, 0)
 
 
-def _ring(device: str) -> RingBuffer:
-    return RingBuffer(CAPACITY, device=device, seed=0)
+def _torchrl(kind: str, capacity: int, adapted: bool) -> Any:
+    from torchrl.data import (
+        LazyMemmapStorage,
+        LazyStackStorage,
+        LazyTensorStorage,
+        TensorDictReplayBuffer,
+    )
+
+    storage = {"tensor": LazyTensorStorage, "memmap": LazyMemmapStorage, "stack": LazyStackStorage}
+    rb = TensorDictReplayBuffer(storage=storage[kind](capacity))
+    return ValidatedReplayBuffer(rb, ragged=kind == "stack") if adapted else rb
 
 
-def _torchrl(kind: str, adapted: bool) -> Any:
-    from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer
-
-    storage = LazyTensorStorage(CAPACITY) if kind == "tensor" else LazyMemmapStorage(CAPACITY)
-    rb = TensorDictReplayBuffer(storage=storage)
-    return ValidatedReplayBuffer(rb) if adapted else rb
-
-
-BUFFERS: dict[str, Callable[[str], Any]] = {
-    "posttrain.RingBuffer": lambda d: _ring(d),
-    "torchrl LazyTensorStorage": lambda d: _torchrl("tensor", False),
-    "torchrl LazyTensorStorage + adapter": lambda d: _torchrl("tensor", True),
-    "torchrl LazyMemmapStorage": lambda d: _torchrl("memmap", False),
+PADDED: dict[str, Callable[[str, int], Any]] = {
+    "posttrain.RingBuffer": lambda d, c: RingBuffer(c, device=d, seed=0),
+    "torchrl LazyTensorStorage": lambda d, c: _torchrl("tensor", c, False),
+    "torchrl LazyTensorStorage + adapter": lambda d, c: _torchrl("tensor", c, True),
+    "torchrl LazyMemmapStorage": lambda d, c: _torchrl("memmap", c, False),
+}
+RAGGED: dict[str, Callable[[str, int], Any]] = {
+    "torchrl LazyStackStorage": lambda d, c: _torchrl("stack", c, False),
+    "torchrl LazyStackStorage + adapter": lambda d, c: _torchrl("stack", c, True),
 }
 
 
-@pytest.mark.parametrize("name", list(BUFFERS))
-def test_extend(benchmark: Any, batch: TensorDict, device: str, name: str) -> None:
+def _cases() -> list[Any]:
+    out = []
+    for b, t in SHAPES:
+        for name in PADDED:
+            out.append(pytest.param(name, b, t, False, id=f"{name}-{_label(b, t)}"))
+    for name in RAGGED:
+        out.append(pytest.param(name, 64, 512, True, id=f"{name}-{_label(64, 512, True)}"))
+    return out
+
+
+def _batch(b: int, t: int, ragged: bool, device: str) -> TensorDictBase:
+    if not ragged:
+        return llm_batch(b, t).to(device)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(t // 4, t + 1, (b,), generator=g).tolist()
+    return ragged_llm_batch(lengths)
+
+
+@pytest.mark.parametrize(("name", "b", "t", "ragged"), _cases())
+def test_extend(benchmark: Any, device: str, name: str, b: int, t: int, ragged: bool) -> None:
     if device != "cpu" and name != "posttrain.RingBuffer":
         pytest.skip("TorchRL rows are measured on CPU")
-    rb = BUFFERS[name](device)
+    batch = _batch(b, t, ragged, device)
+    rb = (RAGGED if ragged else PADDED)[name](device, _capacity(b, t))
     rb.extend(batch)  # first write allocates
     benchmark(rb.extend, batch)
-    record(f"extend {name}", _median(benchmark), _nbytes(batch), B)
+    record("extend", name, _label(b, t, ragged), _median(benchmark), _nbytes(batch), b)
 
 
-@pytest.mark.parametrize("name", list(BUFFERS))
-def test_sample(benchmark: Any, batch: TensorDict, device: str, name: str) -> None:
+@pytest.mark.parametrize(("name", "b", "t", "ragged"), _cases())
+def test_sample(benchmark: Any, device: str, name: str, b: int, t: int, ragged: bool) -> None:
     if device != "cpu" and name != "posttrain.RingBuffer":
         pytest.skip("TorchRL rows are measured on CPU")
-    rb = BUFFERS[name](device)
-    for _ in range(CAPACITY // B):
+    batch = _batch(b, t, ragged, device)
+    capacity = _capacity(b, t)
+    rb = (RAGGED if ragged else PADDED)[name](device, capacity)
+    for _ in range(-(-capacity // b)):
         rb.extend(batch)
-    benchmark(rb.sample, B)
-    record(f"sample {name}", _median(benchmark), _nbytes(batch), B)
+    benchmark(rb.sample, b)
+    record("sample", name, _label(b, t, ragged), _median(benchmark), _nbytes(batch), b)
 
 
-def test_validation_cost(benchmark: Any, batch: TensorDict) -> None:
-    benchmark(check, batch)
-    record("validate (metadata) LLM layout", _median(benchmark), _nbytes(batch), B)
+@pytest.mark.parametrize(("b", "t"), SHAPES, ids=[_label(b, t) for b, t in SHAPES])
+def test_validation_cost(benchmark: Any, b: int, t: int) -> None:
+    batch = llm_batch(b, t)
+    benchmark(validate, batch)
+    record("validate", "LLM layout v1", _label(b, t), _median(benchmark), _nbytes(batch), b)
+
+
+@pytest.mark.parametrize(("b", "t"), SHAPES, ids=[_label(b, t) for b, t in SHAPES])
+def test_schema_check_cost(benchmark: Any, b: int, t: int) -> None:
+    batch = llm_batch(b, t)
+    schema = ItemSchema.of(batch)
+    benchmark(schema.check, batch)
+    record("schema check", "ItemSchema", _label(b, t), _median(benchmark), _nbytes(batch), b)

@@ -56,7 +56,9 @@ def test_mutant_fails_with_its_requirement_id(contract: str, req_id: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("req_id", "impl"), losses.EXTRA_MUTANTS, ids=lambda x: x if isinstance(x, str) else x.name
+    ("req_id", "impl"),
+    [*buffers.EXTRA_MUTANTS, *losses.EXTRA_MUTANTS],
+    ids=lambda x: x if isinstance(x, str) else x.name,
 )
 def test_extra_mutant_fails_with_its_requirement_id(req_id: str, impl: Implementation) -> None:
     row = {r.id: r for r in run(impl).results}[req_id]

@@ -153,7 +153,7 @@ BUFFER = Contract(
         Requirement(id="BUF-019", level=_M, title="thread safety", capability="thread_safe",
             text="Under 4 writer and 4 reader threads, no written item MUST be lost or duplicated and every sample MUST hold only written items.", depends_on=("BUF-006",)),
         Requirement(id="BUF-020", level=_M, title="ragged items", capability="ragged",
-            text="Items whose 'T' differs MUST be stored and sampled back bit-exactly, with their own lengths.", depends_on=("BUF-001",)),
+            text="Items whose 'T' differs, within a batch and between batches, MUST be stored and sampled back bit-exactly, with their own lengths.", depends_on=("BUF-001",)),
         Requirement(id="BUF-021", level=_M, title="CUDA storage", capability="cuda",
             text="With CUDA storage, samples MUST come back on the storage device, bit-exactly.", depends_on=("BUF-006",)),
     ),

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 __all__ = [
     "LLM_LAYOUT_V1",
@@ -59,10 +59,24 @@ def leaf_items(data: TensorDictBase) -> dict[tuple[str, ...], Any]:
         >>> sorted(leaf_items(TensorDict({("a", "b"): torch.zeros(2), "c": torch.ones(2)}, [2])))
         [('a', 'b'), ('c',)]
     """
+    if type(data) is TensorDict:
+        out: dict[tuple[str, ...], Any] = {}
+        _walk(data, (), out)
+        return out
     return {
         (k,) if isinstance(k, str) else k: v
         for k, v in data.items(include_nested=True, leaves_only=True)
     }
+
+
+def _walk(td: Any, prefix: tuple[str, ...], out: dict[tuple[str, ...], Any]) -> None:
+    # A plain TensorDict keeps its entries in ``_tensordict``; reading it directly is ~6x
+    # faster than ``items(True, True)``, whose per-leaf checks dominate a small extend.
+    for k, v in td._tensordict.items():
+        if type(v) is TensorDict:
+            _walk(v, (*prefix, k), out)
+        else:
+            out[(*prefix, k)] = v
 
 
 class LayoutField(BaseModel):

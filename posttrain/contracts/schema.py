@@ -97,6 +97,7 @@ class ItemSchema:
             if any(RAGGED in c.shape for c in self.columns.values())
             else {k: (c.dtype, c.shape) for k, c in self.columns.items()}
         )
+        self._exact_by_n: dict[int, dict[tuple[str, ...], tuple[torch.dtype, torch.Size]]] = {}
 
     @classmethod
     def of(cls, data: TensorDictBase, *, ragged: bool = False) -> ItemSchema:
@@ -160,12 +161,16 @@ class ItemSchema:
         self, data: Any, context: str = "extend (buffer unchanged)"
     ) -> dict[tuple[str, ...], Any]:
         """Raise one :class:`ContractViolation` listing every violation; return the leaves."""
-        leaves = leaf_items(data) if isinstance(data, TensorDictBase) else {}
-        if self._matches_exactly(data, leaves):
+        # A ragged lazy stack has no dense leaves: its columns are read item by item.
+        lazy = isinstance(data, LazyStackedTensorDict)
+        leaves = leaf_items(data) if isinstance(data, TensorDictBase) and not lazy else {}
+        if not lazy and self._matches_exactly(data, leaves):
             return leaves
-        bad = self.violations(data, leaves)
+        bad = self.violations(data, None if lazy else leaves)
         if bad:
             raise ContractViolation(bad, context)
+        if lazy and self._exact is not None:  # fixed shapes: the stack densifies
+            leaves = leaf_items(data)
         return leaves
 
     def _matches_exactly(self, data: Any, leaves: dict[tuple[str, ...], Any]) -> bool:
@@ -177,14 +182,22 @@ class ItemSchema:
             or data.batch_dims != 1
         ):
             return False
+        n = data.batch_size[0]
+        want = self._exact_by_n.get(n)
+        if want is None:
+            if len(self._exact_by_n) > 16:
+                self._exact_by_n.clear()
+            want = self._exact_by_n[n] = {
+                k: (dt, torch.Size((n, *shape))) for k, (dt, shape) in exact.items()
+            }
         for k, v in leaves.items():
-            want = exact.get(k)
+            w = want.get(k)
             if (
-                want is None
+                w is None
                 or type(v) is not torch.Tensor
                 or v.is_nested
-                or v.dtype != want[0]
-                or v.shape[1:] != want[1]
+                or v.dtype != w[0]
+                or v.shape != w[1]
             ):
                 return False
         return True

@@ -210,3 +210,28 @@ MUTANTS: dict[str, Implementation] = {
     "BUF-021": _impl("BUF-021", RingBuffer, capabilities={"cuda"}),
 }
 """Requirement id -> a buffer that breaks exactly that requirement."""
+
+
+def _densifies_later_batches(capacity: int) -> Any:
+    """A ragged buffer whose check reads a dense view of every batch after the first (the
+    ValidatedReplayBuffer bug the B=64 ragged benchmark found): a second ragged extend fails."""
+    from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
+
+    from posttrain.adapters.torchrl import ValidatedReplayBuffer
+    from posttrain.contracts.layout import leaf_items
+
+    class DensifiesLaterBatches(ValidatedReplayBuffer):
+        def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+            if self._schema is not None:
+                leaf_items(data)
+            return super().extend(data)
+
+    return DensifiesLaterBatches(
+        TensorDictReplayBuffer(storage=LazyStackStorage(capacity)), ragged=True
+    )
+
+
+EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("BUF-020", _impl("BUF-020", _densifies_later_batches, capabilities={"ragged"})),
+]
+"""Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""

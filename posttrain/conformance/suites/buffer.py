@@ -453,14 +453,21 @@ def thread_safety(ctx: Context) -> None:
 def ragged_items(ctx: Context) -> None:
     rb = ctx.make(CAP)
     table = Table()
-    td = ragged_llm_batch([5, 7, 6, 9], uid_start=next(_UID_BASES) * 100_000, seed=ctx.seed)
-    rb.extend(td)
-    table.add(td)
+    base = next(_UID_BASES) * 100_000
+    for i, lengths in enumerate(([5, 7, 6, 9], [8, 4, 10, 6])):  # the second extend too
+        td = ragged_llm_batch(lengths, uid_start=base + 4 * i, seed=ctx.seed)
+        try:
+            rb.extend(td)
+        except Exception as e:
+            raise _fail(
+                f"extend #{i + 1} of 4 ragged items (lengths {lengths}) raised {type(e).__name__}: {e}"
+            ) from None
+        table.add(td)
     seen: set[int] = set()
-    for _ in range(20):
+    for _ in range(40):
         seen.update(table.check_sample(rb.sample(4), set(table.items)))
     if seen != set(table.items):
-        raise _fail(f"80 draws from 4 ragged items reached only uids {sorted(seen)}")
+        raise _fail(f"160 draws from 8 ragged items reached only uids {sorted(seen)}")
 
 
 @requirement("BUF-021")
