@@ -26,6 +26,7 @@ class Row:
 
 ROWS: list[Row] = []
 SUITE_TIMES: dict[str, float] = {}
+PAIRED: dict[str, float] = {}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -69,6 +70,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         tr.write_sep("-", "derived ratios (same run)")
         for shape in dict.fromkeys(r.shape for r in ROWS):
             _derived(tr, shape)
+    if PAIRED:
+        tr.write_sep(
+            "-", "headline ratios, B=64, T=512, measured interleaved (benchmarks/test_paired.py)"
+        )
+        for name, v in PAIRED.items():
+            tr.write_line(f"{name:<60}{v:8.3f}")
     if SUITE_TIMES:
         tr.write_sep("-", "conformance suite wall time per implementation (one run each)")
         for name, s in sorted(SUITE_TIMES.items(), key=lambda kv: -kv[1]):

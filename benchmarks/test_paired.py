@@ -1,0 +1,104 @@
+"""The headline ratios at B=64, T=512, measured in alternating blocks within one test.
+
+Separate pytest-benchmark tests run a minute apart, and on this shared 2-core machine the
+memory system drifts between them (a ratio of two separately measured medians moved by 30%
+from run to run). Here every group of operations runs in several short blocks, alternating
+with the other groups, and operations compared with each other (adapter vs raw, validation
+vs extend) alternate call by call in ABBA order. Timing a 64 MiB copy between every call
+would flush the caches before each one, so memcpy gets blocks of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from benchmarks.conftest import PAIRED
+from benchmarks.test_buffer_throughput import PADDED, _capacity, _nbytes
+from posttrain.conformance.data import llm_batch
+from posttrain.contracts import validate
+from posttrain.contracts.schema import ItemSchema
+
+B, T, ROUNDS = 64, 512, 1000
+
+
+def _medians(
+    groups: list[dict[str, Callable[[], Any]]], calls: int, blocks: int = 5
+) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for g in groups for k in g}
+    for _ in range(blocks):
+        for group in groups:
+            names = list(group)
+            n = max(2, calls // 10) if "memcpy" in group else calls
+            for i in range(n):
+                for name in names if i % 2 == 0 else reversed(names):
+                    t0 = time.perf_counter()
+                    group[name]()
+                    times[name].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def _paired(device: str) -> None:
+    torch.set_num_threads(1)
+    batch = llm_batch(B, T).to(device)
+    nbytes = _nbytes(batch)
+    n = 64 * 2**20
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    cap = _capacity(B, T)
+    bufs = {
+        name: make(device, cap)
+        for name, make in PADDED.items()
+        if device == "cpu" or "Ring" in name
+    }
+    for rb in bufs.values():
+        for _ in range(-(-cap // B)):
+            rb.extend(batch)
+    schema = ItemSchema.of(batch)
+    groups: list[dict[str, Callable[[], Any]]] = [{"memcpy": lambda: dst.copy_(src)}]
+    ring = bufs["posttrain.RingBuffer"]
+    groups.append(
+        {
+            "extend posttrain.RingBuffer": lambda: ring.extend(batch),
+            "validate": lambda: validate(batch),
+            "schema check": lambda: schema.check(batch),
+        }
+    )
+    groups.append({"sample posttrain.RingBuffer": lambda: ring.sample(B)})
+    for op in ("extend", "sample"):
+        group: dict[str, Callable[[], Any]] = {}
+        for name, rb in bufs.items():
+            if name.startswith("torchrl"):
+                group[f"{op} {name}"] = partial(
+                    rb.extend if op == "extend" else rb.sample, batch if op == "extend" else B
+                )
+        if group:
+            groups.append(group)
+    med = _medians(groups, ROUNDS // 5)
+    per_byte = {k: v / nbytes for k, v in med.items() if k != "memcpy"}
+    memcpy_per_byte = med["memcpy"] / n
+    for k, v in per_byte.items():
+        if k.startswith(("extend", "sample")):
+            PAIRED[f"{k} x memcpy"] = memcpy_per_byte / v
+    for op in ("extend", "sample"):
+        raw, wrapped = (
+            med.get(f"{op} torchrl LazyTensorStorage"),
+            med.get(f"{op} torchrl LazyTensorStorage + adapter"),
+        )
+        if raw and wrapped:
+            PAIRED[f"adapter / raw TorchRL {op} time"] = wrapped / raw
+    ring = med["extend posttrain.RingBuffer"]
+    PAIRED["validate / RingBuffer extend time"] = med["validate"] / ring
+    PAIRED["schema check / RingBuffer extend time"] = med["schema check"] / ring
+    raw_extend = med.get("extend torchrl LazyTensorStorage")
+    if raw_extend:
+        PAIRED["validate / TorchRL extend time"] = med["validate"] / raw_extend
+        PAIRED["schema check / TorchRL extend time"] = med["schema check"] / raw_extend
+
+
+def test_paired_ratios(benchmark: Any, device: str) -> None:
+    benchmark.pedantic(_paired, args=(device,), rounds=1, iterations=1)
