@@ -21,8 +21,17 @@ TORCHRL_AGGREGATIONS = {"token_mean": "token_mean", "seq_mean_token_mean": "prom
 _POSITION_MEANS = ("clip_fraction", "kl_approx", "entropy", "loss_kl_to_ref", "kl_to_ref")
 
 
-def transformers_actor(policy: Any, tokenizer: Any = None) -> Any:
-    """A TorchRL ``TransformersWrapper`` computing log-probs of given tokens (no generation).
+def transformers_actor(
+    policy: Any,
+    tokenizer: Any = None,
+    *,
+    generate_kwargs: dict[str, Any] | None = None,
+    pad_output: bool = True,
+) -> Any:
+    """A TorchRL ``TransformersWrapper`` in token mode returning log-probs.
+
+    Scores given tokens, or generates when ``generate_kwargs`` are given. The tokenizer
+    defaults to :func:`word_level_tokenizer` of the policy's config (nothing downloaded).
 
     Example:
         >>> from posttrain.conformance.policy import tiny_causal_lm  # doctest: +SKIP
@@ -34,9 +43,10 @@ def transformers_actor(policy: Any, tokenizer: Any = None) -> Any:
         policy,
         tokenizer=tokenizer if tokenizer is not None else word_level_tokenizer(policy.config),
         input_mode="tokens",
-        generate=False,
+        generate=generate_kwargs is not None,
         return_log_probs=True,
-        pad_output=True,
+        pad_output=pad_output,
+        generate_kwargs=generate_kwargs,
     )
 
 

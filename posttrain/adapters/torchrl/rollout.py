@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+from posttrain.adapters.torchrl.loss import transformers_actor
+from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signature
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 
 __all__ = ["ContractCollector", "LayoutOnlyCollector", "llm_collector", "token_prompt_env"]
@@ -82,33 +83,6 @@ def token_prompt_env(prompts: list[list[int]]) -> Any:
     env = TokenPromptChatEnv(input_mode=tokens, batch_size=size)
     env = env.append_transform(DataLoadingPrimer(dataloader=Prompts(), batch_size=size))
     return env.append_transform(StepCounter(max_steps=1))
-
-
-def _generator(policy: Any, max_new_tokens: int) -> Any:
-    from torchrl.modules.llm import TransformersWrapper
-
-    return TransformersWrapper(
-        policy,
-        tokenizer=word_level_tokenizer(policy.config),
-        input_mode="tokens",
-        generate=True,
-        return_log_probs=True,
-        pad_output=False,
-        generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": True},
-    )
-
-
-def _scorer(policy: Any) -> Any:
-    from torchrl.modules.llm import TransformersWrapper
-
-    return TransformersWrapper(
-        policy,
-        tokenizer=word_level_tokenizer(policy.config),
-        input_mode="tokens",
-        generate=False,
-        return_log_probs=True,
-        pad_output=False,
-    )
 
 
 def _to_layout(
@@ -218,7 +192,7 @@ class ContractCollector(LayoutOnlyCollector):
         self.model = model
         self.prefix = prefix
         self.closed = False
-        self._scorer = _scorer(model)
+        self._scorer = transformers_actor(model, pad_output=False)
 
     def _log_probs(self, td: TensorDictBase) -> list[torch.Tensor] | None:
         full = td.get(("tokens", "full"), as_list=True)
@@ -243,17 +217,7 @@ class ContractCollector(LayoutOnlyCollector):
         if weights is None:
             self.collector.update_policy_weights_()
             return
-        own = self.model.state_dict()
-        problems = [f"{k}: missing" for k in own if k not in weights]
-        problems += [
-            f"{k}: not a parameter or buffer of the model" for k in weights if k not in own
-        ]
-        for k, v in weights.items():
-            if k in own and (v.shape != own[k].shape or v.dtype != own[k].dtype):
-                problems.append(
-                    f"{k}: expected {str(own[k].dtype).removeprefix('torch.')} {list(own[k].shape)}, "
-                    f"found {str(v.dtype).removeprefix('torch.')} {list(v.shape)}"
-                )
+        problems = weight_problems(weight_signature(self.model), weights)
         if problems:
             raise ValueError("weights rejected (model unchanged): " + "; ".join(problems))
         nested = TensorDict({self.prefix + k: v for k, v in weights.items()}).unflatten_keys(".")
@@ -284,7 +248,11 @@ def llm_collector(
     """
     from torchrl.collectors.llm import LLMCollector
 
-    wrapper = _generator(policy, max_new_tokens)
+    wrapper = transformers_actor(
+        policy,
+        generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": True},
+        pad_output=False,
+    )
     n = len(prompts)
     with _list_to_stack(), warnings.catch_warnings():
         # 0.14 warns that 0.15 will append InitTracker; this single-turn env needs none.

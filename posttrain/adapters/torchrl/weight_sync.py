@@ -25,7 +25,14 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = ["CheckedSender", "TorchRLReceiver", "TorchRLSender", "weight_sync_pair"]
+__all__ = [
+    "CheckedSender",
+    "TorchRLReceiver",
+    "TorchRLSender",
+    "weight_problems",
+    "weight_signature",
+    "weight_sync_pair",
+]
 
 SEND_TIMEOUT_S = 10.0
 """How long a raw ``send`` may block: TorchRL's sync send waits for an ack forever."""
@@ -142,21 +149,11 @@ class CheckedSender:
 
     def __init__(self, raw: TorchRLSender, model: torch.nn.Module) -> None:
         self.raw = raw
-        self._signature = {k: (v.dtype, v.shape) for k, v in model.state_dict().items()}
+        self._signature = weight_signature(model)
 
     def send(self, weights: Mapping[str, torch.Tensor], /, *, version: int) -> None:
         """Check ``weights`` against the receiver's model, then send them."""
-        sig = self._signature
-        problems = [f"{k}: missing" for k in sig if k not in weights]
-        problems += [
-            f"{k}: not a parameter or buffer of the model" for k in weights if k not in sig
-        ]
-        for k, v in weights.items():
-            if k in sig and (v.dtype, v.shape) != sig[k]:
-                dt, shape = sig[k]
-                problems.append(
-                    f"{k}: expected {_dt(dt)} {list(shape)}, found {_dt(v.dtype)} {list(v.shape)}"
-                )
+        problems = weight_problems(self._signature, weights)
         if problems:
             raise ValueError("weights rejected (receiver unchanged): " + "; ".join(problems))
         self.raw.send(weights, version=version)
@@ -164,6 +161,35 @@ class CheckedSender:
     def completed(self) -> tuple[int, float]:
         """The version and duration of the last send that returned."""
         return self.raw.completed()
+
+
+def weight_signature(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, torch.Size]]:
+    """Name -> (dtype, shape) of every tensor in ``model.state_dict()``."""
+    return {k: (v.dtype, v.shape) for k, v in model.state_dict().items()}
+
+
+def weight_problems(
+    signature: Mapping[str, tuple[torch.dtype, torch.Size]],
+    weights: Mapping[str, torch.Tensor],
+) -> list[str]:
+    """Every way ``weights`` differ from ``signature``: missing, unknown, wrong dtype or shape.
+
+    Example:
+        >>> sig = {"w": (torch.float32, torch.Size([2]))}
+        >>> weight_problems(sig, {"w": torch.zeros(3), "b": torch.zeros(1)})
+        ['b: not a parameter or buffer of the model', 'w: expected float32 [2], found float32 [3]']
+    """
+    problems = [f"{k}: missing" for k in signature if k not in weights]
+    problems += [
+        f"{k}: not a parameter or buffer of the model" for k in weights if k not in signature
+    ]
+    for k, v in weights.items():
+        if k in signature and (v.dtype, v.shape) != signature[k]:
+            dt, shape = signature[k]
+            problems.append(
+                f"{k}: expected {_dt(dt)} {list(shape)}, found {_dt(v.dtype)} {list(v.shape)}"
+            )
+    return problems
 
 
 def _dt(dtype: torch.dtype) -> str:
