@@ -1,0 +1,390 @@
+"""Any ``ReplayBufferV1`` as a dataset for Hugging Face trainers (TRL's included).
+
+A batch is sampled once and turned into rows column by column: one tensor operation per
+column, then one ``zip`` (torchrl's ``TorchRLBufferDataset`` indexes ``batch[i]`` per row and
+fails on the ragged lazy stacks ``LLMCollector`` produces).
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, Literal
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+
+from posttrain.contracts.buffer import ReplayBufferV1
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Key, Layout, key_str, leaf_items, norm_key
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BufferDataset",
+    "MissingKey",
+    "WorkerRefused",
+    "prompt_dataset",
+    "sft_dataset",
+]
+
+IGNORE_INDEX = -100
+"""The label of a position the loss skips (``transformers``' and TRL's convention)."""
+
+Shape = Literal["padded", "ragged"]
+
+
+class MissingKey(KeyError):
+    """A column's key is not in the sampled batch (the message names key and what was found)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class WorkerRefused(RuntimeError):
+    """A :class:`BufferDataset` was asked to run in a ``DataLoader`` worker process."""
+
+
+_WORKERS = (
+    "BufferDataset samples a live buffer and must run in the process that fills it; set "
+    "num_workers=0 (dataloader_num_workers=0). A worker would sample a copy: a pickled one "
+    "under spawn (which `import torchrl` selects) or a fork-time snapshot of an in-memory "
+    "buffer that never sees later extends. Sampling here is column-first and costs less than "
+    "a worker's transfer; for multi-process reads put the buffer in shared memory or behind "
+    "a server."
+)
+
+
+class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
+    """Rows sampled from a replay buffer, for ``transformers.Trainer`` and TRL trainers.
+
+    Each iteration samples ``num_batches`` batches of ``batch_size`` (``None``: forever) and
+    yields one ``dict`` per item. ``columns`` maps row names to keys (default: every leaf,
+    nested keys joined with ``"."``). ``shape="padded"`` gives every row of a batch the same
+    length (ragged batches are right-padded to the batch's longest item: token ids with
+    ``pad_token_id``, masks with ``False``, floats with 0, labels with ``IGNORE_INDEX``);
+    ``shape="ragged"`` cuts each row's per-token columns to its attention mask, so collators
+    that rebuild the attention mask from lengths (TRL's do) never see a pad. ``labels`` names
+    a column of token ids where the assistant mask holds and ``IGNORE_INDEX`` elsewhere.
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> from posttrain.conformance.data import llm_batch
+        >>> rb = RingBuffer(8); _ = rb.extend(llm_batch(8))
+        >>> ds = BufferDataset(rb, 4, columns={"input_ids": ("tokens", "full")}, labels="labels")
+        >>> rows = list(ds)
+        >>> len(rows), sorted(rows[0]), rows[0]["input_ids"].shape
+        (4, ['input_ids', 'labels'], torch.Size([8]))
+    """
+
+    def __init__(
+        self,
+        buffer: ReplayBufferV1,
+        batch_size: int,
+        *,
+        num_batches: int | None = 1,
+        columns: Mapping[str, Key] | None = None,
+        shape: Shape = "padded",
+        labels: str | None = None,
+        pad_token_id: int = 0,
+        layout: Layout = LLM_LAYOUT_V1,
+    ) -> None:
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size: expected a positive int, found {batch_size!r}")
+        if num_batches is not None and (not isinstance(num_batches, int) or num_batches <= 0):
+            raise ValueError(f"num_batches: expected a positive int or None, found {num_batches!r}")
+        if shape not in ("padded", "ragged"):
+            raise ValueError(f"shape: expected 'padded' or 'ragged', found {shape!r}")
+        self.buffer = buffer
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self.columns = None if columns is None else {n: norm_key(k) for n, k in columns.items()}
+        if labels is not None and self.columns is not None and labels in self.columns:
+            raise ValueError(f"labels: column {labels!r} is also in columns")
+        self.shape: Shape = shape
+        self.labels = labels
+        self.pad_token_id = pad_token_id
+        self.layout = layout
+
+    # A copy would sample a snapshot of the buffer: datasets' ``shuffle``/``map`` deep-copy
+    # their generator's arguments, and DataLoader workers pickle the dataset.
+    def __deepcopy__(self, memo: dict[int, Any]) -> BufferDataset:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise WorkerRefused(_WORKERS)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise WorkerRefused(_WORKERS)
+        done = 0
+        while self.num_batches is None or done < self.num_batches:
+            names, cols = self.batch_columns(self.buffer.sample(self.batch_size))
+            rows = [c.unbind(0) if isinstance(c, torch.Tensor) else c for c in cols]
+            for values in zip(*rows, strict=True):
+                yield dict(zip(names, values, strict=True))
+            done += 1
+
+    def batch_columns(self, batch: TensorDictBase) -> tuple[list[str], list[Any]]:
+        """Column names and, per column, one value per row: a stacked tensor or a list."""
+        if isinstance(batch, LazyStackedTensorDict) and batch.stack_dim == 0:
+            return self._ragged_columns(batch)
+        return self._dense_columns(batch)
+
+    def _wanted(self, available: Mapping[tuple[str, ...], Any]) -> dict[str, tuple[str, ...]]:
+        cols = self.columns
+        if cols is None:
+            return {".".join(k): k for k in available}
+        for name, key in cols.items():
+            if key not in available:
+                raise MissingKey(
+                    f"column {name!r}: key {key_str(key)} is not in the sampled batch; "
+                    f"found {', '.join(sorted(key_str(k) for k in available))}"
+                )
+        return cols
+
+    def _need(self, available: Mapping[tuple[str, ...], Any], field: str) -> tuple[str, ...]:
+        key = self.layout.key(field)
+        if key not in available:
+            raise MissingKey(
+                f"{field}: key {key_str(key)} is not in the sampled batch (needed for "
+                f"shape={self.shape!r}, labels={self.labels!r})"
+            )
+        return key
+
+    def _dense_columns(self, batch: TensorDictBase) -> tuple[list[str], list[Any]]:
+        if batch.batch_dims != 1:
+            batch = batch.reshape(-1)
+        leaves = leaf_items(batch)
+        wanted = self._wanted(leaves)
+        tokens = leaves[self._need(leaves, "tokens")]
+        t = tokens.shape[-1]
+        values = {n: leaves[k] for n, k in wanted.items()}
+        if self.labels is not None:
+            asst = leaves[self._need(leaves, "assistant_mask")]
+            values[self.labels] = torch.where(asst, tokens, IGNORE_INDEX)
+        if self.shape == "ragged":
+            attn = leaves[self._need(leaves, "attention_mask")]
+            lengths = attn.sum(-1).tolist()
+            for n, v in values.items():
+                if v.ndim == 2 and v.shape[-1] == t:
+                    values[n] = torch.split(v[attn], lengths)
+        return list(values), list(values.values())
+
+    def _ragged_columns(self, batch: LazyStackedTensorDict) -> tuple[list[str], list[Any]]:
+        items = [leaf_items(td) for td in batch.tensordicts]
+        first = items[0]
+        wanted = self._wanted(first)
+        tok = self._need(first, "tokens")
+        values: dict[str, list[torch.Tensor]] = {
+            n: [it[k] for it in items] for n, k in wanted.items()
+        }
+        if self.labels is not None:
+            asst = self._need(first, "assistant_mask")
+            values[self.labels] = [torch.where(it[asst], it[tok], IGNORE_INDEX) for it in items]
+        lengths = [it[tok].shape[-1] for it in items]
+        per_token = {
+            n
+            for n, vs in values.items()
+            if all(v.ndim == 1 and v.shape[0] == lengths[i] for i, v in enumerate(vs))
+        }
+        if self.shape == "ragged":
+            attn = self._need(first, "attention_mask")
+            masks = [it[attn] for it in items]
+            for n in per_token:
+                values[n] = [v[m] for v, m in zip(values[n], masks, strict=True)]
+            return list(values), list(values.values())
+        out: list[Any] = []
+        for n, vs in values.items():
+            if n not in per_token:
+                out.append(vs)
+                continue
+            if n == self.labels:
+                fill: float = IGNORE_INDEX
+            elif wanted.get(n) == tok:
+                fill = self.pad_token_id
+            else:
+                fill = 0
+            out.append(torch.nn.utils.rnn.pad_sequence(vs, batch_first=True, padding_value=fill))
+        return list(values), out
+
+    def as_hf_dataset(self, features: Any = None) -> Any:
+        """This dataset as a ``datasets.IterableDataset`` (what TRL trainers accept).
+
+        The features are declared, not inferred: inferring them would draw (and, with a
+        without-replacement sampler, lose) a sample. Columns whose key is a layout field get
+        their dtype from the layout; pass ``features`` for others. Values are Python lists.
+
+        Example:
+            >>> from posttrain.reference_impls import RingBuffer
+            >>> from posttrain.conformance.data import llm_batch
+            >>> rb = RingBuffer(4); _ = rb.extend(llm_batch(4))
+            >>> ds = sft_dataset(rb, 2).as_hf_dataset()
+            >>> sorted(ds.features)
+            ['input_ids', 'labels']
+        """
+        try:
+            import datasets
+        except ImportError as e:  # pragma: no cover - exercised only without the extra
+            raise ImportError(
+                "as_hf_dataset needs the datasets package: pip install 'posttrain[trl]'"
+            ) from e
+        if features is None:
+            features = datasets.Features(self._features(datasets))
+        return datasets.IterableDataset.from_generator(
+            _hf_rows, features=features, gen_kwargs={"source": _Shared(self)}
+        )
+
+    def _features(self, datasets: Any) -> dict[str, Any]:
+        if self.columns is None:
+            raise ValueError(
+                "as_hf_dataset: columns=None cannot declare features without drawing a sample; "
+                "pass columns={name: key} or features=datasets.Features(...)"
+            )
+        by_key = {f.key: f for f in self.layout.fields}
+        out: dict[str, Any] = {}
+        for name, key in self.columns.items():
+            f = by_key.get(key)
+            if f is None or len({s[1:] for s in f.shapes}) != 1:
+                raise ValueError(
+                    f"as_hf_dataset: column {name!r} (key {key_str(key)}) has no single layout "
+                    "dtype/shape; pass features=datasets.Features(...)"
+                )
+            value = datasets.Value(f.dtype)
+            out[name] = datasets.List(value) if f.shapes[0][1:] else value
+        if self.labels is not None:
+            out[self.labels] = datasets.List(datasets.Value("int64"))
+        return out
+
+
+class _Shared:
+    """Hands the live dataset through datasets' copies of generator arguments.
+
+    ``datasets`` deep-copies them (``shuffle``, ``map``) and pickles them to fingerprint the
+    dataset: both give back this same object, found by token in this process; unpickling in
+    another process (a DataLoader worker) finds nothing and refuses.
+    """
+
+    _live: ClassVar[weakref.WeakValueDictionary[str, _Shared]] = weakref.WeakValueDictionary()
+
+    def __init__(self, dataset: BufferDataset) -> None:
+        self.dataset = dataset
+        self.token = uuid.uuid4().hex
+        _Shared._live[self.token] = self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Shared:
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return _find_shared, (self.token,)
+
+
+def _find_shared(token: str) -> _Shared:
+    found = _Shared._live.get(token)
+    if found is None:
+        raise WorkerRefused(_WORKERS)
+    return found
+
+
+def _hf_rows(source: _Shared) -> Iterator[dict[str, Any]]:
+    ds = source.dataset
+    if torch.utils.data.get_worker_info() is not None:
+        raise WorkerRefused(_WORKERS)
+    done = 0
+    while ds.num_batches is None or done < ds.num_batches:
+        names, cols = ds.batch_columns(ds.buffer.sample(ds.batch_size))
+        lists = [_to_lists(c) for c in cols]
+        for values in zip(*lists, strict=True):
+            yield dict(zip(names, values, strict=True))
+        done += 1
+
+
+def _to_lists(col: Any) -> list[Any]:
+    # One ``tolist`` over a stacked column beats one per row by the number of rows.
+    if isinstance(col, torch.Tensor):
+        out: list[Any] = col.tolist()
+        return out
+    return [v.tolist() for v in col]
+
+
+def sft_dataset(
+    buffer: ReplayBufferV1,
+    batch_size: int,
+    *,
+    num_batches: int | None = 1,
+    layout: Layout = LLM_LAYOUT_V1,
+) -> BufferDataset:
+    """Rows ``{"input_ids", "labels"}`` for ``SFTTrainer``: real tokens only, assistant-only labels.
+
+    Each row is cut to its attention mask (TRL's collator makes the attention mask from the
+    row's length and would otherwise train on pads); labels are ``IGNORE_INDEX`` outside the
+    assistant mask, and TRL's collator pads them with ``IGNORE_INDEX`` too.
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> from posttrain.conformance.data import llm_batch
+        >>> rb = RingBuffer(4); _ = rb.extend(llm_batch(4))
+        >>> row = next(iter(sft_dataset(rb, 4)))
+        >>> len(row["input_ids"]) == len(row["labels"]) <= 8
+        True
+    """
+    return BufferDataset(
+        buffer,
+        batch_size,
+        num_batches=num_batches,
+        columns={"input_ids": layout.key("tokens")},
+        shape="ragged",
+        labels="labels",
+        layout=layout,
+    )
+
+
+def prompt_dataset(
+    buffer: ReplayBufferV1,
+    tokenizer: Any,
+    batch_size: int,
+    *,
+    num_batches: int | None = 1,
+    layout: Layout = LLM_LAYOUT_V1,
+) -> Any:
+    """The prompts of sampled items as a ``datasets.IterableDataset`` for ``GRPOTrainer``.
+
+    Row: ``{"prompt": text, "prompt_ids": ids}``; the prompt is the tokens inside the
+    attention mask and outside the assistant mask, decoded with ``tokenizer``.
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+        >>> rb = RingBuffer(2); _ = rb.extend(llm_batch(2, vocab_size=64))
+        >>> tok = word_level_tokenizer(tiny_causal_lm().config)
+        >>> row = next(iter(prompt_dataset(rb, tok, 2)))
+        >>> len(row["prompt"].split()) == len(row["prompt_ids"]) == 3
+        True
+    """
+    import datasets
+
+    source = BufferDataset(
+        buffer,
+        batch_size,
+        num_batches=num_batches,
+        columns={
+            "tokens": layout.key("tokens"),
+            "attention": layout.key("attention_mask"),
+            "assistant": layout.key("assistant_mask"),
+        },
+        shape="ragged",
+        layout=layout,
+    )
+
+    def rows(source: _Shared) -> Iterator[dict[str, Any]]:
+        for row in source.dataset:
+            ids = row["tokens"][~row["assistant"]].tolist()
+            yield {"prompt": tokenizer.decode(ids), "prompt_ids": ids}
+
+    features = datasets.Features(
+        {"prompt": datasets.Value("string"), "prompt_ids": datasets.List(datasets.Value("int64"))}
+    )
+    return datasets.IterableDataset.from_generator(
+        rows, features=features, gen_kwargs={"source": _Shared(source)}
+    )

@@ -1,0 +1,167 @@
+"""Replay buffers as TRL / transformers datasets (posttrain.adapters.trl.dataset)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDictBase
+
+from posttrain.adapters.trl import IGNORE_INDEX, BufferDataset, WorkerRefused, sft_dataset
+from posttrain.conformance.data import item_uids, llm_batch, ragged_llm_batch
+from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.reference_impls import RingBuffer
+
+K = LLM_LAYOUT_V1.key
+
+
+def _torchrl_buffer(data: TensorDictBase, *, ragged: bool = False) -> Any:
+    from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
+    from torchrl.data.replay_buffers import SamplerWithoutReplacement
+
+    storage = LazyStackStorage(64) if ragged else LazyTensorStorage(64)
+    rb = ReplayBuffer(storage=storage, sampler=SamplerWithoutReplacement())
+    rb.extend(data)
+    return rb
+
+
+class Counting:
+    """A buffer that counts the samples drawn from it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.drawn = 0
+
+    def sample(self, n: int) -> Any:
+        self.drawn += n
+        return self.inner.sample(n)
+
+    def extend(self, data: TensorDictBase) -> Any:
+        return self.inner.extend(data)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.inner.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+def test_padded_rows_are_the_sampled_items_with_flattened_keys() -> None:
+    data = llm_batch(8, 6)
+    ds = BufferDataset(_torchrl_buffer(data), 4, num_batches=2)
+    rows = list(ds)
+    assert len(rows) == 8
+    assert "tokens.full" in rows[0]
+    assert "next.reward" in rows[0]
+    uids = sorted(int(r["tokens.full"][0]) for r in rows)
+    assert uids == item_uids(data)  # without replacement: each item exactly once
+    by_uid = {u: i for i, u in enumerate(item_uids(data))}
+    for r in rows:
+        i = by_uid[int(r["tokens.full"][0])]
+        assert torch.equal(r["masks.all_attention_mask"], data.get(K("attention_mask"))[i])
+        assert r["next.reward"].item() == data.get(K("reward"))[i].item()
+
+
+def test_labels_ignore_everything_outside_the_assistant_mask() -> None:
+    data = llm_batch(6, 8)
+    ds = BufferDataset(
+        _torchrl_buffer(data), 6, columns={"input_ids": K("tokens")}, labels="labels"
+    )
+    for r in ds:
+        i = item_uids(data).index(int(r["input_ids"][0]))
+        asst = data.get(K("assistant_mask"))[i]
+        assert torch.equal(r["labels"][asst], r["input_ids"][asst])
+        assert (r["labels"][~asst] == IGNORE_INDEX).all()
+
+
+@pytest.mark.parametrize("storage", ["ring", "torchrl"])
+def test_sft_rows_hold_real_tokens_only(storage: str) -> None:
+    data = llm_batch(6, 8)
+    rb: Any = _torchrl_buffer(data) if storage == "torchrl" else RingBuffer(6)
+    if storage == "ring":
+        rb.extend(data)
+    rows = list(sft_dataset(rb, 6))
+    attn = data.get(K("attention_mask"))
+    for r in rows:
+        i = item_uids(data).index(int(r["input_ids"][0]))
+        n = int(attn[i].sum())
+        assert len(r["input_ids"]) == len(r["labels"]) == n
+        assert torch.equal(r["input_ids"], data.get(K("tokens"))[i, :n])
+    assert any(int(a.sum()) < 8 for a in attn)  # some rows were padded in storage
+
+
+def test_ragged_storage_is_padded_per_batch_or_kept_at_its_lengths() -> None:
+    lengths = [5, 9, 6, 7]
+    data = ragged_llm_batch(lengths)
+    rb = _torchrl_buffer(data, ragged=True)
+    cols = {"input_ids": K("tokens"), "mask": K("attention_mask"), "lp": K("sample_log_probs")}
+    padded = list(BufferDataset(rb, 4, columns=cols, labels="labels", pad_token_id=0))
+    assert {len(r["input_ids"]) for r in padded} == {9}
+    for r in padded:
+        item = data.tensordicts[int(r["input_ids"][0])]
+        n = lengths[int(r["input_ids"][0])]
+        assert torch.equal(r["mask"][:n], item.get(K("attention_mask")))
+        assert not r["mask"][n:].any()
+        assert (r["input_ids"][n:] == 0).all()
+        assert (r["labels"][n:] == IGNORE_INDEX).all()
+        assert (r["lp"][n:] == 0).all()
+    ragged = list(BufferDataset(rb, 4, columns=cols, shape="ragged"))
+    real = {i: int(x.get(K("attention_mask")).sum()) for i, x in enumerate(data.tensordicts)}
+    assert {int(r["input_ids"][0]): len(r["input_ids"]) for r in ragged} == real
+    assert all(r["mask"].all() for r in ragged)
+
+
+def test_torchrl_dataset_fails_on_the_ragged_buffer_this_one_reads() -> None:
+    # Published fact (docs/examples/trl.md): torchrl 0.14's TorchRLBufferDataset indexes the
+    # lazy stack LLMCollector produces and fails. If this starts passing, update the docs.
+    from torchrl.modules.llm.trl_interop import TorchRLBufferDataset
+
+    rb = _torchrl_buffer(ragged_llm_batch([5, 9, 6]), ragged=True)
+    with pytest.raises(RuntimeError, match="Failed to stack tensors"):
+        list(TorchRLBufferDataset(rb, 3))
+    assert len(list(sft_dataset(rb, 3))) == 3
+
+
+def test_missing_key_and_bad_arguments_name_what_was_expected() -> None:
+    rb = RingBuffer(4)
+    rb.extend(llm_batch(4))
+    with pytest.raises(KeyError, match=r"column 'x': key \('no', 'such'\) is not in the sampled"):
+        list(BufferDataset(rb, 2, columns={"x": ("no", "such")}))
+    with pytest.raises(ValueError, match="batch_size: expected a positive int, found 0"):
+        BufferDataset(rb, 0)
+    with pytest.raises(ValueError, match="shape: expected 'padded' or 'ragged', found 'dense'"):
+        BufferDataset(rb, 2, shape="dense")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="columns=None cannot declare features"):
+        BufferDataset(rb, 2).as_hf_dataset()
+    assert len(rb) == 4
+
+
+def test_dataloader_workers_are_refused_with_the_reason() -> None:
+    rb = RingBuffer(4)
+    rb.extend(llm_batch(4))
+    loader = torch.utils.data.DataLoader(sft_dataset(rb, 2), batch_size=None, num_workers=1)
+    with pytest.raises(WorkerRefused, match="num_workers=0"):
+        next(iter(loader))
+    rows = list(torch.utils.data.DataLoader(sft_dataset(rb, 2), batch_size=None))
+    assert len(rows) == 2
+
+
+def test_hf_dataset_draws_nothing_until_iterated_and_stays_live_through_shuffle_and_map() -> None:
+    rb = Counting(RingBuffer(8))
+    rb.extend(llm_batch(2, uid_start=0))
+    ds = sft_dataset(rb, 2, num_batches=1).as_hf_dataset()
+    ds = ds.shuffle(seed=0, buffer_size=4).map(lambda r: {"n": len(r["input_ids"])})
+    assert rb.drawn == 0
+    rb.extend(llm_batch(6, uid_start=100))  # a later extend must be visible: no snapshot
+    seen: set[int] = set()
+    for _ in range(20):
+        seen |= {r["input_ids"][0] for r in ds}
+    assert rb.drawn == 40
+    assert any(u >= 100 for u in seen)
+    row = next(iter(ds))
+    assert isinstance(row["input_ids"], list)
+    assert row["n"] == len(row["labels"])
