@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["tiny_causal_lm"]
+__all__ = ["forced_token_weights", "tiny_causal_lm", "tiny_reward_model"]
 
 
 def tiny_causal_lm(
@@ -44,6 +44,38 @@ def tiny_causal_lm(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: Any = LlamaForCausalLM(cfg)
+    model.train(False)
+    return model
+
+
+def tiny_reward_model(*, vocab_size: int = 64, seed: int = 1, hidden_size: int = 32) -> Any:
+    """A seeded one-label ``LlamaForSequenceClassification`` (a reward model, no download).
+
+    Example:
+        >>> rm = tiny_reward_model()
+        >>> rm(input_ids=torch.tensor([[5, 6, 7]])).logits.shape
+        torch.Size([1, 1])
+    """
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config: Any = LlamaConfig  # num_labels is a PretrainedConfig kwarg the stubs omit
+    cfg = config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        cls: Any = LlamaForSequenceClassification
+        model: Any = cls(cfg)
     model.train(False)
     return model
 

@@ -14,5 +14,23 @@ from posttrain.adapters.trl.dataset import (
     prompt_dataset,
     sft_dataset,
 )
+from posttrain.adapters.trl.reward import (
+    RewardModule,
+    hf_reward_model,
+    sequences,
+    trl_reward,
+    trl_reward_func,
+)
 
-__all__ = ["IGNORE_INDEX", "BufferDataset", "WorkerRefused", "prompt_dataset", "sft_dataset"]
+__all__ = [
+    "IGNORE_INDEX",
+    "BufferDataset",
+    "RewardModule",
+    "WorkerRefused",
+    "hf_reward_model",
+    "prompt_dataset",
+    "sequences",
+    "sft_dataset",
+    "trl_reward",
+    "trl_reward_func",
+]

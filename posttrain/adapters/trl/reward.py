@@ -1,0 +1,271 @@
+"""Rewards across the seam: HF reward models and TRL reward functions as contract rewards, and
+contract rewards as TRL ``reward_funcs``.
+
+A *contract reward* is a module ``td -> td`` that writes float32 per-sequence rewards, shape
+``td.batch_size``, at the layout's reward key (in place, as TorchRL modules do) and returns
+``td``. It reads the LLM layout: tokens, attention mask (real tokens) and assistant mask.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, key_str
+
+__all__ = ["RewardModule", "hf_reward_model", "sequences", "trl_reward", "trl_reward_func"]
+
+Score = Callable[[TensorDictBase], torch.Tensor]
+
+
+def sequences(
+    td: TensorDictBase, layout: Layout = LLM_LAYOUT_V1
+) -> tuple[torch.Size, list[torch.Tensor], list[torch.Tensor]]:
+    """Batch shape, and per sequence its real tokens and their assistant mask.
+
+    Real tokens are those inside the attention mask, so left, right or no padding all read
+    the same. Dense batches may have any number of batch dims (flattened row-major); a ragged
+    batch is a lazy stack along dim 0 of single items.
+
+    Example:
+        >>> from posttrain.conformance.data import llm_batch
+        >>> td = llm_batch(2, 6)
+        >>> shape, toks, asst = sequences(td)
+        >>> shape, [len(t) for t in toks] == td["masks", "all_attention_mask"].sum(-1).tolist()
+        (torch.Size([2]), True)
+    """
+    tok_k, attn_k, asst_k = (layout.key(n) for n in ("tokens", "attention_mask", "assistant_mask"))
+    if isinstance(td, LazyStackedTensorDict):
+        if td.stack_dim != 0 or any(x.batch_dims != 0 for x in td.tensordicts):
+            raise ValueError(
+                "a ragged batch must be a lazy stack along dim 0 of single items; found "
+                f"stack_dim={td.stack_dim}, batch_size={tuple(td.batch_size)}"
+            )
+        toks, assts = [], []
+        for i, x in enumerate(td.tensordicts):
+            t, a, s = (_get(x, k, f"item {i}") for k in (tok_k, attn_k, asst_k))
+            toks.append(t[a])
+            assts.append(s[a])
+        return td.batch_size, toks, assts
+    t, a, s = (_get(td, k, "batch") for k in (tok_k, attn_k, asst_k))
+    n_tok = t.shape[-1]
+    flat_a = a.reshape(-1, n_tok)
+    lengths = flat_a.sum(-1).tolist()
+    return (
+        td.batch_size,
+        list(torch.split(t.reshape(-1, n_tok)[flat_a], lengths)),
+        list(torch.split(s.reshape(-1, n_tok)[flat_a], lengths)),
+    )
+
+
+def _get(td: TensorDictBase, key: tuple[str, ...], where: str) -> torch.Tensor:
+    v = td.get(key, None)
+    if v is None:
+        raise KeyError(f"{where}: reward needs key {key_str(key)}, which is missing")
+    out: torch.Tensor = v
+    return out
+
+
+class RewardModule(torch.nn.Module):
+    """A contract reward from a scoring function ``td -> float rewards of shape td.batch_size``.
+
+    Checks the shape, casts to float32, writes the layout's reward key in place, returns ``td``.
+    A failing score writes nothing.
+
+    Example:
+        >>> from posttrain.conformance.data import llm_batch
+        >>> lengths = RewardModule(lambda td: td["masks", "all_attention_mask"].sum(-1))
+        >>> td = lengths(llm_batch(2, 6))
+        >>> td["next", "reward"].dtype, td["next", "reward"].shape
+        (torch.float32, torch.Size([2]))
+    """
+
+    def __init__(self, score: Score, *, layout: Layout = LLM_LAYOUT_V1) -> None:
+        super().__init__()
+        self.score = score
+        self.layout = layout
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        """Score ``td`` and write the rewards at the layout's reward key."""
+        reward = self.score(td)
+        if not isinstance(reward, torch.Tensor) or reward.shape != td.batch_size:
+            found = tuple(reward.shape) if isinstance(reward, torch.Tensor) else type(reward)
+            raise ValueError(
+                f"reward {key_str(self.layout.key('reward'))}: expected shape "
+                f"{tuple(td.batch_size)}, found {found}"
+            )
+        td.set(self.layout.key("reward"), reward.to(torch.float32))
+        return td
+
+
+def hf_reward_model(
+    model: Any, *, layout: Layout = LLM_LAYOUT_V1, grad: bool = False
+) -> RewardModule:
+    """An ``AutoModelForSequenceClassification`` (one label) or any model returning ``logits``
+    or ``rewards``, scoring the LLM layout as a contract reward.
+
+    Each sequence is scored on its real tokens alone: sequences are re-packed left-padded and
+    fed as embeddings with explicit positions, so the score is read at the last real token.
+    (Fed ``input_ids``, HF models pick the last token that differs from ``pad_token_id``,
+    which misreads any sequence ending in that id: EOS used as pad is common.) Rewards never
+    are inference tensors: ``grad=False`` scores under ``no_grad``, and a downstream
+    backward through anything that saved them works; ``grad=True`` keeps the graph.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForSequenceClassification
+        >>> from posttrain.conformance.data import llm_batch
+        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                   num_hidden_layers=1, num_attention_heads=2, num_labels=1,
+        ...                   pad_token_id=0)
+        >>> rm = hf_reward_model(LlamaForSequenceClassification(cfg))
+        >>> rm(llm_batch(3, 6, vocab_size=64))["next", "reward"].shape
+        torch.Size([3])
+    """
+
+    def score(td: TensorDictBase) -> torch.Tensor:
+        shape, toks, _ = sequences(td, layout)
+        empty = [i for i, t in enumerate(toks) if t.numel() == 0]
+        if empty:
+            raise ValueError(
+                f"{key_str(layout.key('attention_mask'))}: items {empty} have no real token to score"
+            )
+        if not toks:
+            return torch.zeros(shape)
+        device = next(model.parameters()).device
+        width = max(t.numel() for t in toks)
+        ids = torch.zeros(len(toks), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(toks), width, dtype=torch.long, device=device)
+        for i, t in enumerate(toks):
+            ids[i, width - t.numel() :] = t
+            mask[i, width - t.numel() :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            embeds = model.get_input_embeddings()(ids)
+            out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions)
+        scores = getattr(out, "logits", None)
+        if scores is None:
+            scores = getattr(out, "rewards", out)
+        if not isinstance(scores, torch.Tensor):
+            raise TypeError(
+                f"reward model output: expected `logits` or `rewards`, found {type(out).__name__}"
+            )
+        if scores.ndim == 2 and scores.shape[-1] == 1:
+            scores = scores[:, 0]
+        if scores.shape != (len(toks),):
+            raise ValueError(
+                f"reward model output: expected one score per sequence, shape ({len(toks)},) "
+                f"or ({len(toks)}, 1); found {tuple(scores.shape)} (num_labels must be 1)"
+            )
+        return scores.float().reshape(shape)
+
+    return RewardModule(score, layout=layout)
+
+
+TRLRewardFunc = Callable[..., Sequence[float | None]]
+
+
+def trl_reward(
+    func: TRLRewardFunc, tokenizer: Any, *, layout: Layout = LLM_LAYOUT_V1, **kwargs: Any
+) -> RewardModule:
+    """A TRL reward function ``f(prompts, completions, completion_ids, **kw)`` as a contract reward.
+
+    Prompts are the real tokens outside the assistant mask and completions those inside it,
+    decoded with ``tokenizer``; ``None`` rewards become NaN (TRL's convention for
+    "unscored"). Extra ``kwargs`` are passed on, plus ``prompt_ids``.
+
+    Example:
+        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+        >>> def n_words(prompts, completions, completion_ids, **kw):
+        ...     return [float(len(c.split())) for c in completions]
+        >>> rm = trl_reward(n_words, word_level_tokenizer(tiny_causal_lm().config))
+        >>> td = rm(llm_batch(2, 6, vocab_size=64))
+        >>> td["next", "reward"].tolist() == td["masks", "all_assistant_mask"].sum(-1).float().tolist()
+        True
+    """
+    name = getattr(func, "__name__", type(func).__name__)
+
+    def score(td: TensorDictBase) -> torch.Tensor:
+        shape, toks, assts = sequences(td, layout)
+        prompt_ids = [t[~a].tolist() for t, a in zip(toks, assts, strict=True)]
+        completion_ids = [t[a].tolist() for t, a in zip(toks, assts, strict=True)]
+        out = func(
+            prompts=tokenizer.batch_decode(prompt_ids),
+            completions=tokenizer.batch_decode(completion_ids),
+            completion_ids=completion_ids,
+            prompt_ids=prompt_ids,
+            **kwargs,
+        )
+        values = list(out)
+        if len(values) != len(toks):
+            raise ValueError(
+                f"reward function {name!r}: expected {len(toks)} rewards, found {len(values)}"
+            )
+        return torch.tensor(
+            [math.nan if v is None else float(v) for v in values], dtype=torch.float32
+        ).reshape(shape)
+
+    return RewardModule(score, layout=layout)
+
+
+def trl_reward_func(
+    reward: Callable[[TensorDictBase], TensorDictBase],
+    tokenizer: Any,
+    *,
+    layout: Layout = LLM_LAYOUT_V1,
+    name: str | None = None,
+) -> Callable[..., list[float]]:
+    """A contract reward as an entry of TRL's ``reward_funcs``.
+
+    Each (prompt, completion) pair becomes one item of a ragged LLM-layout batch: prompt ids
+    from TRL's ``prompt_ids`` column when the trainer passes one (a ``rollout_func`` or a
+    dataset column), else the prompt text tokenized without special tokens; the assistant
+    mask covers ``completion_ids``. Conversational prompts need ``prompt_ids``.
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+        >>> tok = word_level_tokenizer(tiny_causal_lm().config)
+        >>> lengths = RewardModule(lambda td: td["masks", "all_assistant_mask"].sum(-1))
+        >>> f = trl_reward_func(lengths, tok, name="length")
+        >>> f(prompts=["t5 t6"], completions=["t7 t8 t9"], completion_ids=[[7, 8, 9]])
+        [3.0]
+    """
+
+    def func(
+        prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kw: Any
+    ) -> list[float]:
+        prompt_ids = kw.get("prompt_ids")
+        if prompt_ids is None:
+            if not all(isinstance(p, str) for p in prompts):
+                raise TypeError(
+                    "prompts: conversational prompts need a `prompt_ids` column (token ids); "
+                    f"found {type(prompts[0]).__name__}"
+                )
+            prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        items = []
+        for p, c in zip(prompt_ids, completion_ids, strict=True):
+            n, m = len(p), len(c)
+            items.append(
+                TensorDict(
+                    {
+                        layout.key("tokens"): torch.tensor([*p, *c], dtype=torch.long),
+                        layout.key("attention_mask"): torch.ones(n + m, dtype=torch.bool),
+                        layout.key("assistant_mask"): torch.arange(n + m) >= n,
+                    },
+                    batch_size=[],
+                )
+            )
+        td = LazyStackedTensorDict.lazy_stack(items, 0)
+        with torch.no_grad():
+            out = reward(td)
+        values: list[float] = out.get(layout.key("reward")).tolist()
+        return values
+
+    func.__name__ = str(name or getattr(reward, "__name__", type(reward).__name__))
+    return func

@@ -1,0 +1,170 @@
+"""Rewards across the TRL seam (posttrain.adapters.trl.reward)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict
+
+from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+from posttrain.adapters.trl import hf_reward_model, trl_reward, trl_reward_func
+from posttrain.conformance.policy import tiny_causal_lm, tiny_reward_model
+from posttrain.contracts.layout import LLM_LAYOUT_V1
+
+K = LLM_LAYOUT_V1.key
+SEQS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 0], [3, 4, 5]]  # the third ends in pad id 0
+PROMPT = 2
+
+
+def _alone(model: Any, seq: list[int]) -> float:
+    """The reference: one sequence, no padding, read at its last token."""
+    pad = model.config.pad_token_id
+    model.config.pad_token_id = None  # batch of one: HF then reads position -1
+    try:
+        with torch.no_grad():
+            return float(model(input_ids=torch.tensor([seq])).logits[0, 0])
+    finally:
+        model.config.pad_token_id = pad
+
+
+def _item(seq: list[int], width: int | None = None, left: bool = False) -> dict[Any, torch.Tensor]:
+    n = len(seq)
+    w = width or n
+    tokens = torch.full((w,), 63)  # pads hold a real token id: only the mask says "pad"
+    attn = torch.zeros(w, dtype=torch.bool)
+    span = slice(w - n, w) if left else slice(0, n)
+    tokens[span] = torch.tensor(seq)
+    attn[span] = True
+    asst = attn.clone()
+    asst[span.start : span.start + PROMPT] = False
+    return {K("tokens"): tokens, K("attention_mask"): attn, K("assistant_mask"): asst}
+
+
+def _dense(seqs: list[list[int]], *, left: bool = False, shape: tuple[int, ...] = ()) -> TensorDict:
+    w = max(map(len, seqs))
+    items = [_item(s, w, left) for s in seqs]
+    td = TensorDict({k: torch.stack([it[k] for it in items]) for k in items[0]}, [len(seqs)])
+    return td.reshape(*shape) if shape else td
+
+
+def _ragged(seqs: list[list[int]]) -> LazyStackedTensorDict:
+    return LazyStackedTensorDict.lazy_stack([TensorDict(_item(s), []) for s in seqs], 0)
+
+
+@pytest.mark.parametrize("form", ["right", "left", "ragged", "batch_dims"])
+def test_hf_reward_reads_each_sequence_at_its_last_real_token(form: str) -> None:
+    model = tiny_reward_model()
+    expected = torch.tensor([_alone(model, s) for s in SEQS])
+    td = {
+        "right": lambda: _dense(SEQS),
+        "left": lambda: _dense(SEQS, left=True),
+        "ragged": lambda: _ragged(SEQS),
+        "batch_dims": lambda: _dense(SEQS, shape=(2, 2)),
+    }[form]()
+    out = hf_reward_model(model)(td).get(K("reward"))
+    assert out.dtype == torch.float32
+    assert out.shape == td.batch_size
+    torch.testing.assert_close(out.reshape(-1), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_torchrl_wrapper_misreads_a_sequence_ending_in_the_pad_id() -> None:
+    # The deviation this adapter fixes (docs/examples/trl.md): HF's pad-id heuristic.
+    from torchrl.modules.llm.trl_interop import HFRewardModelWrapper
+
+    model = tiny_reward_model()
+    td = _dense(SEQS)
+    td.set(K("tokens"), torch.where(td.get(K("attention_mask")), td.get(K("tokens")), 0))
+    theirs = HFRewardModelWrapper(model)(td.clone()).get("reward")
+    ours = hf_reward_model(model)(td).get(K("reward"))
+    assert abs(float(ours[2]) - _alone(model, SEQS[2])) < 1e-5
+    assert abs(float(theirs[2].detach()) - _alone(model, SEQS[2])) > 1e-4
+
+
+def test_rewards_are_never_inference_tensors_and_a_downstream_backward_works() -> None:
+    # Regression for the bug found in review of torchrl PR #4070 (rewards made under
+    # inference_mode cannot be saved for backward).
+    model = tiny_reward_model()
+    reward = hf_reward_model(model)(_dense(SEQS)).get(K("reward"))
+    assert not reward.is_inference()
+    assert not reward.requires_grad
+    logp = torch.zeros(len(SEQS), requires_grad=True)
+    ((reward - reward.mean()) * logp).sum().backward()
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad, reward - reward.mean())
+
+
+def test_grad_true_keeps_the_graph_to_the_reward_model() -> None:
+    model = tiny_reward_model()
+    reward = hf_reward_model(model, grad=True)(_ragged(SEQS)).get(K("reward"))
+    reward.sum().backward()
+    assert model.score.weight.grad is not None
+    assert model.score.weight.grad.abs().sum() > 0
+
+
+def test_bad_reward_inputs_fail_clearly_and_write_nothing() -> None:
+    model = tiny_reward_model()
+    td = _dense(SEQS)
+    td.get(K("attention_mask"))[1] = False
+    with pytest.raises(ValueError, match=r"all_attention_mask'\): items \[1\] have no real token"):
+        hf_reward_model(model)(td)
+    assert K("reward") not in td.keys(include_nested=True)
+    with pytest.raises(KeyError, match=r"reward needs key \('masks', 'all_assistant_mask'\)"):
+        hf_reward_model(model)(_dense(SEQS).exclude(K("assistant_mask")))
+    two = tiny_reward_model()
+    two.config.num_labels = 2
+    two.score = torch.nn.Linear(32, 2, bias=False)
+    with pytest.raises(ValueError, match=r"one score per sequence.*found \(4, 2\)"):
+        hf_reward_model(two)(_dense(SEQS))
+
+
+def _tokenizer() -> Any:
+    return word_level_tokenizer(tiny_causal_lm().config)
+
+
+def completion_length(
+    prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kw: Any
+) -> list[float | None]:
+    return [
+        None if not ids else float(len(ids)) + 0.5 * len(p.split())
+        for p, ids in zip(prompts, completion_ids, strict=True)
+    ]
+
+
+def test_trl_reward_function_as_contract_reward() -> None:
+    # SEQS[1] is a prompt alone: the function returns None, TRL's "unscored", read as NaN.
+    reward = trl_reward(completion_length, _tokenizer())(_ragged(SEQS)).get(K("reward"))
+    assert torch.isnan(reward[1])
+    expected = [len(s) - PROMPT + 0.5 * PROMPT for s in SEQS]
+    assert [reward[i].item() for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
+
+    def bad(**kw: Any) -> list[float]:
+        return [1.0]
+
+    module = trl_reward(bad, _tokenizer())
+    with pytest.raises(ValueError, match="reward function 'bad': expected 4 rewards, found 1"):
+        module(_dense(SEQS))
+
+
+def test_contract_reward_as_trl_reward_func_both_ways_agree() -> None:
+    tok = _tokenizer()
+    func = trl_reward_func(trl_reward(completion_length, tok), tok, name="length")
+    assert func.__name__ == "length"
+    prompts = ["t5 t6", "t9 t10"]
+    completion_ids = [[7, 8, 9], [11]]
+    completions = tok.batch_decode(completion_ids)
+    direct = completion_length(prompts, completions, completion_ids)
+    assert func(prompts=prompts, completions=completions, completion_ids=completion_ids) == direct
+    via_ids = func(
+        prompts=prompts,
+        completions=completions,
+        completion_ids=completion_ids,
+        prompt_ids=[[5, 6], [9, 10]],
+    )
+    assert via_ids == direct
+    rm = trl_reward_func(hf_reward_model(tiny_reward_model()), tok)
+    scores = rm(prompts=prompts, completions=completions, completion_ids=completion_ids)
+    assert scores[0] == pytest.approx(_alone(tiny_reward_model(), [5, 6, 7, 8, 9]), abs=1e-5)
+    with pytest.raises(TypeError, match="conversational prompts need a `prompt_ids` column"):
+        rm(prompts=[[{"role": "user", "content": "hi"}]], completions=["x"], completion_ids=[[7]])
