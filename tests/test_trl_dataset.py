@@ -165,3 +165,26 @@ def test_hf_dataset_draws_nothing_until_iterated_and_stays_live_through_shuffle_
     row = next(iter(ds))
     assert isinstance(row["input_ids"], list)
     assert row["n"] == len(row["labels"])
+
+
+def test_rows_drawn_but_not_read_go_to_the_next_iterator_and_a_peek_costs_nothing() -> None:
+    rb = Counting(RingBuffer(8))
+    rb.extend(llm_batch(8))
+    ds = BufferDataset(rb, 4, num_batches=2, columns={"ids": K("tokens")})
+    first = next(iter(ds))  # a peek: given back
+    again = next(iter(ds))
+    assert rb.drawn == 4
+    assert torch.equal(first["ids"], again["ids"])
+    it = iter(ds)
+    read = [next(it)["ids"][0].item() for _ in range(2)]
+    it.close()  # two rows read, two drawn and unread: kept
+    full = [r["ids"][0].item() for r in ds]
+    assert len(full) == 8
+    assert full[:2] != read
+    assert rb.drawn == 12
+    hf = sft_dataset(rb, 4, num_batches=1).as_hf_dataset()
+    peeked = next(iter(hf))
+    assert rb.drawn == 16
+    assert next(iter(hf)) == peeked
+    assert next(r["input_ids"] for r in hf) == peeked["input_ids"]
+    assert rb.drawn == 16

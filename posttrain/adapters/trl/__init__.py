@@ -13,6 +13,7 @@ from posttrain.adapters.trl.dataset import (
     WorkerRefused,
     prompt_dataset,
     sft_dataset,
+    to_padded,
 )
 from posttrain.adapters.trl.reward import (
     RewardModule,
@@ -21,16 +22,19 @@ from posttrain.adapters.trl.reward import (
     trl_reward,
     trl_reward_func,
 )
+from posttrain.adapters.trl.rollout import CaptureRollouts
 
 __all__ = [
     "IGNORE_INDEX",
     "BufferDataset",
+    "CaptureRollouts",
     "RewardModule",
     "WorkerRefused",
     "hf_reward_model",
     "prompt_dataset",
     "sequences",
     "sft_dataset",
+    "to_padded",
     "trl_reward",
     "trl_reward_func",
 ]

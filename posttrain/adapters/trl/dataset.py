@@ -7,13 +7,16 @@ fails on the ragged lazy stacks ``LLMCollector`` produces).
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import math
 import uuid
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.buffer import ReplayBufferV1
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Key, Layout, key_str, leaf_items, norm_key
@@ -25,6 +28,7 @@ __all__ = [
     "WorkerRefused",
     "prompt_dataset",
     "sft_dataset",
+    "to_padded",
 ]
 
 IGNORE_INDEX = -100
@@ -57,8 +61,9 @@ _WORKERS = (
 class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
     """Rows sampled from a replay buffer, for ``transformers.Trainer`` and TRL trainers.
 
-    Each iteration samples ``num_batches`` batches of ``batch_size`` (``None``: forever) and
-    yields one ``dict`` per item. ``columns`` maps row names to keys (default: every leaf,
+    Each iteration yields ``num_batches * batch_size`` rows (``None``: forever), one ``dict``
+    per item, sampling ``batch_size`` items at a time (see :meth:`rows` for rows an iterator
+    leaves unread). ``columns`` maps row names to keys (default: every leaf,
     nested keys joined with ``"."``). ``shape="padded"`` gives every row of a batch the same
     length (ragged batches are right-padded to the batch's longest item: token ids with
     ``pad_token_id``, masks with ``False``, floats with 0, labels with ``IGNORE_INDEX``);
@@ -104,6 +109,7 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         self.labels = labels
         self.pad_token_id = pad_token_id
         self.layout = layout
+        self._carry: dict[bool, collections.deque[dict[str, Any]]] = {}
 
     # A copy would sample a snapshot of the buffer: datasets' ``shuffle``/``map`` deep-copy
     # their generator's arguments, and DataLoader workers pickle the dataset.
@@ -113,16 +119,43 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
     def __reduce__(self) -> Any:
         raise WorkerRefused(_WORKERS)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Generator[dict[str, Any], None, None]:
+        return self.rows(lists=False)
+
+    def rows(self, *, lists: bool) -> Generator[dict[str, Any], None, None]:
+        """Yield up to ``num_batches * batch_size`` rows (values as tensors, or lists).
+
+        Rows come from the rows an earlier iterator drew but did not yield, then from new
+        samples. A row is never dropped silently: an iterator closed early gives back the rows
+        it drew and did not yield, and one closed after its first row alone gives that row
+        back too (the ``next(iter(ds))`` peek SFTTrainer and many tools do at set-up).
+        """
         if torch.utils.data.get_worker_info() is not None:
             raise WorkerRefused(_WORKERS)
-        done = 0
-        while self.num_batches is None or done < self.num_batches:
-            names, cols = self.batch_columns(self.buffer.sample(self.batch_size))
-            rows = [c.unbind(0) if isinstance(c, torch.Tensor) else c for c in cols]
-            for values in zip(*rows, strict=True):
-                yield dict(zip(names, values, strict=True))
-            done += 1
+        carry = self._carry.setdefault(lists, collections.deque())
+        limit = None if self.num_batches is None else self.num_batches * self.batch_size
+        yielded = 0
+        row: dict[str, Any] = {}
+        try:
+            while limit is None or yielded < limit:
+                if not carry:
+                    carry.extend(self._draw(lists))
+                row = carry.popleft()
+                yielded += 1
+                yield row
+        except GeneratorExit:
+            if yielded == 1:
+                carry.appendleft(row)
+            raise
+
+    def _draw(self, lists: bool) -> list[dict[str, Any]]:
+        names, cols = self.batch_columns(self.buffer.sample(self.batch_size))
+        values: list[Any] = (
+            [_to_lists(c) for c in cols]
+            if lists
+            else [c.unbind(0) if isinstance(c, torch.Tensor) else c for c in cols]
+        )
+        return [dict(zip(names, v, strict=True)) for v in zip(*values, strict=True)]
 
     def batch_columns(self, batch: TensorDictBase) -> tuple[list[str], list[Any]]:
         """Column names and, per column, one value per row: a stacked tensor or a list."""
@@ -286,16 +319,7 @@ def _find_shared(token: str) -> _Shared:
 
 
 def _hf_rows(source: _Shared) -> Iterator[dict[str, Any]]:
-    ds = source.dataset
-    if torch.utils.data.get_worker_info() is not None:
-        raise WorkerRefused(_WORKERS)
-    done = 0
-    while ds.num_batches is None or done < ds.num_batches:
-        names, cols = ds.batch_columns(ds.buffer.sample(ds.batch_size))
-        lists = [_to_lists(c) for c in cols]
-        for values in zip(*lists, strict=True):
-            yield dict(zip(names, values, strict=True))
-        done += 1
+    yield from source.dataset.rows(lists=True)
 
 
 def _to_lists(col: Any) -> list[Any]:
@@ -304,6 +328,49 @@ def _to_lists(col: Any) -> list[Any]:
         out: list[Any] = col.tolist()
         return out
     return [v.tolist() for v in col]
+
+
+def to_padded(
+    td: TensorDictBase, *, pad_token_id: int = 0, layout: Layout = LLM_LAYOUT_V1
+) -> TensorDictBase:
+    """A ragged batch (lazy stack of single items) as one right-padded TensorDict.
+
+    Per-token leaves (same length as the item's tokens) are padded: tokens with
+    ``pad_token_id``, masks with ``False``, fields read only under a mask (log-probs) with NaN
+    as TorchRL writes them, other floats with 0. A dense batch is returned as it is.
+
+    Example:
+        >>> from posttrain.conformance.data import ragged_llm_batch
+        >>> dense = to_padded(ragged_llm_batch([3, 5]))
+        >>> dense["tokens", "full"].shape, dense["masks", "all_attention_mask"][0].tolist()[3:]
+        (torch.Size([2, 5]), [False, False])
+    """
+    if not isinstance(td, LazyStackedTensorDict):
+        return td
+    if td.stack_dim != 0 or any(x.batch_dims != 0 for x in td.tensordicts):
+        raise ValueError(
+            "to_padded: expected a lazy stack along dim 0 of single items; found "
+            f"stack_dim={td.stack_dim}, batch_size={tuple(td.batch_size)}"
+        )
+    items = [leaf_items(x) for x in td.tensordicts]
+    tok = layout.key("tokens")
+    if tok not in items[0]:
+        raise MissingKey(f"to_padded: key {key_str(tok)} is missing; found {sorted(items[0])}")
+    lengths = [it[tok].shape[-1] for it in items]
+    masked = {f.key for f in layout.fields if f.read_where is not None}
+    out: dict[tuple[str, ...], torch.Tensor] = {}
+    for key in items[0]:
+        vs = [it[key] for it in items]
+        if not all(v.ndim == 1 and v.shape[0] == n for v, n in zip(vs, lengths, strict=True)):
+            out[key] = torch.stack(vs)
+            continue
+        fill: float = 0
+        if key == tok:
+            fill = pad_token_id
+        elif key in masked and vs[0].is_floating_point():
+            fill = math.nan
+        out[key] = torch.nn.utils.rnn.pad_sequence(vs, batch_first=True, padding_value=fill)
+    return TensorDict(out, batch_size=td.batch_size)
 
 
 def sft_dataset(
@@ -378,9 +445,10 @@ def prompt_dataset(
     )
 
     def rows(source: _Shared) -> Iterator[dict[str, Any]]:
-        for row in source.dataset:
-            ids = row["tokens"][~row["assistant"]].tolist()
-            yield {"prompt": tokenizer.decode(ids), "prompt_ids": ids}
+        with contextlib.closing(source.dataset.rows(lists=False)) as inner:
+            for row in inner:
+                ids = row["tokens"][~row["assistant"]].tolist()
+                yield {"prompt": tokenizer.decode(ids), "prompt_ids": ids}
 
     features = datasets.Features(
         {"prompt": datasets.Value("string"), "prompt_ids": datasets.List(datasets.Value("int64"))}

@@ -219,7 +219,7 @@ def trl_reward_func(
     *,
     layout: Layout = LLM_LAYOUT_V1,
     name: str | None = None,
-) -> Callable[..., list[float]]:
+) -> Callable[..., list[float | None]]:
     """A contract reward as an entry of TRL's ``reward_funcs``.
 
     Each (prompt, completion) pair becomes one item of a ragged LLM-layout batch: prompt ids
@@ -239,7 +239,7 @@ def trl_reward_func(
 
     def func(
         prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kw: Any
-    ) -> list[float]:
+    ) -> list[float | None]:
         prompt_ids = kw.get("prompt_ids")
         if prompt_ids is None:
             if not all(isinstance(p, str) for p in prompts):
@@ -264,7 +264,7 @@ def trl_reward_func(
         td = LazyStackedTensorDict.lazy_stack(items, 0)
         with torch.no_grad():
             out = reward(td)
-        values: list[float] = out.get(layout.key("reward")).tolist()
+        values: list[float | None] = out.get(layout.key("reward")).tolist()
         return values
 
     func.__name__ = str(name or getattr(reward, "__name__", type(reward).__name__))

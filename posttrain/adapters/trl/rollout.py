@@ -1,0 +1,187 @@
+"""TRL as a rollout source: ``GRPOTrainer``'s generations captured into any ``ReplayBufferV1``.
+
+TRL 1.16 exposes generation through one public seam, ``GRPOTrainer(rollout_func=...)``
+(experimental in TRL). :class:`CaptureRollouts` is such a function: it generates the way
+TRL's own transformers path does (prompts tokenized by the trainer's processing class,
+left-padded, ``model.generate`` with the trainer's generation config, completions cut after
+the first EOS), returns what TRL expects, and writes each batch to a buffer in the LLM layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from posttrain.contracts.buffer import ReplayBufferV1
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+
+__all__ = ["CaptureRollouts"]
+
+
+class CaptureRollouts:
+    """A ``rollout_func`` for ``GRPOTrainer`` that also extends ``buffer`` with every batch.
+
+    TRL hands it the prompts already repeated ``num_generations`` times in a row (its sampler
+    repeats each prompt; the function returns one completion per entry). Each run of
+    ``num_generations`` entries is one GRPO group: items get consecutive ``group_id``s (a run
+    of different prompts is refused: TRL's grouping changed). ``policy_version`` is the
+    trainer's ``state.global_step`` when the batch was generated (optimizer steps so far).
+
+    Items are ragged (one per completion: prompt then completion tokens, attention all true,
+    assistant mask on the completion, log-probs of the completion tokens under the sampling
+    temperature, NaN on the prompt). Pass ``width`` to right-pad them to a fixed length for
+    storages that need one shape. Rewards are computed by TRL after generation and are not
+    in the item; score the buffer with a contract reward (``hf_reward_model``,
+    ``trl_reward``) when you read it back.
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> capture = CaptureRollouts(RingBuffer(64), width=16)
+        >>> # GRPOTrainer(..., rollout_func=capture)  # doctest: +SKIP
+        >>> capture.groups
+        0
+    """
+
+    def __init__(
+        self, buffer: ReplayBufferV1, *, width: int | None = None, layout: Layout = LLM_LAYOUT_V1
+    ) -> None:
+        self.buffer = buffer
+        self.width = width
+        self.layout = layout
+        self.groups = 0
+        self.calls = 0
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        """Generate one completion per prompt entry; extend the buffer; return TRL's dict."""
+        g = int(trainer.num_generations)
+        if len(prompts) % g:
+            raise ValueError(
+                f"prompts: expected a multiple of num_generations={g} entries, found {len(prompts)}"
+            )
+        for k in range(0, len(prompts), g):
+            if any(p != prompts[k] for p in prompts[k : k + g]):
+                raise ValueError(
+                    f"prompts[{k}:{k + g}]: expected one prompt repeated num_generations={g} "
+                    "times (TRL's RepeatSampler order); found different prompts"
+                )
+        tok = trainer.processing_class
+        prompt_ids = _tokenize(tok, prompts, getattr(trainer, "chat_template_kwargs", None) or {})
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        completion_ids, logprobs = _generate(trainer, model, tok, prompt_ids)
+        items = self._items(prompt_ids, completion_ids, logprobs, int(trainer.state.global_step), g)
+        self.buffer.extend(items)  # before bookkeeping: a refused extend changes nothing here
+        self.groups += len(prompts) // g
+        self.calls += 1
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    def _items(
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        logprobs: list[list[float]],
+        version: int,
+        g: int,
+    ) -> TensorDictBase:
+        k = self.layout.key
+        items = []
+        for i, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, logprobs, strict=True)):
+            n, m = len(p), len(c)
+            w = self.width if self.width is not None else n + m
+            if n + m > w:
+                raise ValueError(
+                    f"width={w}: item {i} has {n} prompt + {m} completion tokens; raise width"
+                )
+            tokens = torch.zeros(w, dtype=torch.long)
+            tokens[: n + m] = torch.tensor([*p, *c], dtype=torch.long)
+            pos = torch.arange(w)
+            lps = torch.full((w,), math.nan)
+            lps[n : n + m] = torch.tensor(lp, dtype=torch.float32)
+            items.append(
+                TensorDict(
+                    {
+                        k("tokens"): tokens,
+                        k("attention_mask"): pos < n + m,
+                        k("assistant_mask"): (pos >= n) & (pos < n + m),
+                        k("sample_log_probs"): lps,
+                        k("policy_version"): torch.tensor(version),
+                        k("group_id"): torch.tensor(self.groups + i // g),
+                    },
+                    batch_size=[],
+                )
+            )
+        if self.width is not None:
+            return torch.stack(items)
+        return LazyStackedTensorDict.lazy_stack(items, 0)
+
+
+def _tokenize(tok: Any, prompts: list[Any], chat_kwargs: dict[str, Any]) -> list[list[int]]:
+    # The same calls as TRL's ``_tokenize_prompts`` (text: the processing class with its
+    # defaults; messages: the chat template with a generation prompt).
+    if all(isinstance(p, str) for p in prompts):
+        ids: list[list[int]] = tok(text=prompts)["input_ids"]
+        return ids
+    out: list[list[int]] = tok.apply_chat_template(
+        conversation=prompts,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        **chat_kwargs,
+    )["input_ids"]
+    return out
+
+
+def _generate(
+    trainer: Any, model: Any, tok: Any, prompt_ids: list[list[int]]
+) -> tuple[list[list[int]], list[list[float]]]:
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompt_ids)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompt_ids):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    config = getattr(trainer, "generation_config", None)
+    kwargs: dict[str, Any] = (
+        {"generation_config": config}
+        if config is not None
+        else {
+            "max_new_tokens": trainer.args.max_completion_length,
+            "do_sample": True,
+        }
+    )
+    temperature = float(getattr(trainer, "temperature", 1.0) or 1.0)
+    was_training = model.training
+    model.train(False)
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                return_dict_in_generate=True,
+                output_logits=True,
+                **kwargs,
+            )
+    finally:
+        model.train(was_training)
+    completions = out.sequences[:, width:]
+    logits = torch.stack(out.logits, dim=1).float() / temperature
+    lps = logits.log_softmax(-1).gather(-1, completions[..., None])[..., 0]
+    eos = set(_as_list(getattr(trainer, "eos_token_ids", None) or tok.eos_token_id))
+    completion_ids: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    for c, lp in zip(completions.tolist(), lps.tolist(), strict=True):
+        end = next((j + 1 for j, t in enumerate(c) if t in eos), len(c))
+        completion_ids.append(c[:end])
+        logprobs.append(lp[:end])
+    return completion_ids, logprobs
+
+
+def _as_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    return [int(v) for v in x] if isinstance(x, list | tuple) else [int(x)]
