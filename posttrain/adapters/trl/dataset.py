@@ -341,9 +341,9 @@ def to_padded(
 
     Example:
         >>> from posttrain.conformance.data import ragged_llm_batch
-        >>> dense = to_padded(ragged_llm_batch([3, 5]))
-        >>> dense["tokens", "full"].shape, dense["masks", "all_attention_mask"][0].tolist()[3:]
-        (torch.Size([2, 5]), [False, False])
+        >>> dense = to_padded(ragged_llm_batch([4, 6]))
+        >>> dense["tokens", "full"].shape, dense["masks", "all_attention_mask"][0].tolist()[4:]
+        (torch.Size([2, 6]), [False, False])
     """
     if not isinstance(td, LazyStackedTensorDict):
         return td
