@@ -136,7 +136,7 @@ def test_missing_key_and_bad_arguments_name_what_was_expected() -> None:
     with pytest.raises(ValueError, match="shape: expected 'padded' or 'ragged', found 'dense'"):
         BufferDataset(rb, 2, shape="dense")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="columns=None cannot declare features"):
-        BufferDataset(rb, 2).as_hf_dataset()
+        BufferDataset(rb, 2).as_hf_dataset(typed=True)
     assert len(rb) == 4
 
 
@@ -163,8 +163,11 @@ def test_hf_dataset_draws_nothing_until_iterated_and_stays_live_through_shuffle_
     assert rb.drawn == 40
     assert any(u >= 100 for u in seen)
     row = next(iter(ds))
-    assert isinstance(row["input_ids"], list)
+    assert type(row["input_ids"]).__name__ == "ndarray"
     assert row["n"] == len(row["labels"])
+    typed = next(iter(sft_dataset(rb, 2).as_hf_dataset(typed=True)))
+    assert isinstance(typed["input_ids"], list)
+    assert isinstance(typed["input_ids"][0], int)
 
 
 def test_rows_drawn_but_not_read_go_to_the_next_iterator_and_a_peek_costs_nothing() -> None:
@@ -182,7 +185,7 @@ def test_rows_drawn_but_not_read_go_to_the_next_iterator_and_a_peek_costs_nothin
     assert len(full) == 8
     assert full[:2] != read
     assert rb.drawn == 12
-    hf = sft_dataset(rb, 4, num_batches=1).as_hf_dataset()
+    hf = sft_dataset(rb, 4, num_batches=1).as_hf_dataset(typed=True)
     peeked = next(iter(hf))
     assert rb.drawn == 16
     assert next(iter(hf)) == peeked

@@ -12,7 +12,7 @@ import contextlib
 import math
 import uuid
 import weakref
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -35,6 +35,7 @@ IGNORE_INDEX = -100
 """The label of a position the loss skips (``transformers``' and TRL's convention)."""
 
 Shape = Literal["padded", "ragged"]
+Values = Literal["tensor", "numpy", "list"]
 
 
 class MissingKey(KeyError):
@@ -109,7 +110,7 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         self.labels = labels
         self.pad_token_id = pad_token_id
         self.layout = layout
-        self._carry: dict[bool, collections.deque[dict[str, Any]]] = {}
+        self._carry: dict[str, collections.deque[dict[str, Any]]] = {}
 
     # A copy would sample a snapshot of the buffer: datasets' ``shuffle``/``map`` deep-copy
     # their generator's arguments, and DataLoader workers pickle the dataset.
@@ -120,10 +121,10 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         raise WorkerRefused(_WORKERS)
 
     def __iter__(self) -> Generator[dict[str, Any], None, None]:
-        return self.rows(lists=False)
+        return self.rows("tensor")
 
-    def rows(self, *, lists: bool) -> Generator[dict[str, Any], None, None]:
-        """Yield up to ``num_batches * batch_size`` rows (values as tensors, or lists).
+    def rows(self, values: Values = "tensor") -> Generator[dict[str, Any], None, None]:
+        """Yield up to ``num_batches * batch_size`` rows, values as tensors, numpy arrays or lists.
 
         Rows come from the rows an earlier iterator drew but did not yield, then from new
         samples. A row is never dropped silently: an iterator closed early gives back the rows
@@ -132,14 +133,14 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         """
         if torch.utils.data.get_worker_info() is not None:
             raise WorkerRefused(_WORKERS)
-        carry = self._carry.setdefault(lists, collections.deque())
+        carry = self._carry.setdefault(values, collections.deque())
         limit = None if self.num_batches is None else self.num_batches * self.batch_size
         yielded = 0
         row: dict[str, Any] = {}
         try:
             while limit is None or yielded < limit:
                 if not carry:
-                    carry.extend(self._draw(lists))
+                    carry.extend(self._draw(values))
                 row = carry.popleft()
                 yielded += 1
                 yield row
@@ -148,14 +149,11 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
                 carry.appendleft(row)
             raise
 
-    def _draw(self, lists: bool) -> list[dict[str, Any]]:
+    def _draw(self, values: Values) -> list[dict[str, Any]]:
         names, cols = self.batch_columns(self.buffer.sample(self.batch_size))
-        values: list[Any] = (
-            [_to_lists(c) for c in cols]
-            if lists
-            else [c.unbind(0) if isinstance(c, torch.Tensor) else c for c in cols]
-        )
-        return [dict(zip(names, v, strict=True)) for v in zip(*values, strict=True)]
+        convert = _CONVERT[values]
+        per_row = [convert(c) for c in cols]
+        return [dict(zip(names, v, strict=True)) for v in zip(*per_row, strict=True)]
 
     def batch_columns(self, batch: TensorDictBase) -> tuple[list[str], list[Any]]:
         """Column names and, per column, one value per row: a stacked tensor or a list."""
@@ -204,29 +202,26 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         return list(values), list(values.values())
 
     def _ragged_columns(self, batch: LazyStackedTensorDict) -> tuple[list[str], list[Any]]:
-        items = [leaf_items(td) for td in batch.tensordicts]
-        first = items[0]
+        tds = batch.tensordicts
+        first = leaf_items(tds[0])
         wanted = self._wanted(first)
         tok = self._need(first, "tokens")
-        values: dict[str, list[torch.Tensor]] = {
-            n: [it[k] for it in items] for n, k in wanted.items()
-        }
+        values: dict[str, list[torch.Tensor]] = {n: _column(tds, k) for n, k in wanted.items()}
+        tokens = values[_name_of(wanted, tok)] if tok in wanted.values() else _column(tds, tok)
         if self.labels is not None:
-            asst = self._need(first, "assistant_mask")
-            values[self.labels] = [torch.where(it[asst], it[tok], IGNORE_INDEX) for it in items]
-        lengths = [it[tok].shape[-1] for it in items]
-        per_token = {
-            n
-            for n, vs in values.items()
-            if all(v.ndim == 1 and v.shape[0] == lengths[i] for i, v in enumerate(vs))
-        }
+            asst = _column(tds, self._need(first, "assistant_mask"))
+            values[self.labels] = [
+                torch.where(a, t, IGNORE_INDEX) for a, t in zip(asst, tokens, strict=True)
+            ]
+        shapes = [t.shape for t in tokens]
+        per_token = {n for n, vs in values.items() if [v.shape for v in vs] == shapes}
         if self.shape == "ragged":
-            attn = self._need(first, "attention_mask")
-            masks = [it[attn] for it in items]
+            masks = _column(tds, self._need(first, "attention_mask"))
             for n in per_token:
                 values[n] = [v[m] for v, m in zip(values[n], masks, strict=True)]
             return list(values), list(values.values())
         out: list[Any] = []
+        fill_mask = _fill_mask(shapes)
         for n, vs in values.items():
             if n not in per_token:
                 out.append(vs)
@@ -237,23 +232,27 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
                 fill = self.pad_token_id
             else:
                 fill = 0
-            out.append(torch.nn.utils.rnn.pad_sequence(vs, batch_first=True, padding_value=fill))
+            out.append(_pad(vs, fill, fill_mask))
         return list(values), out
 
-    def as_hf_dataset(self, features: Any = None) -> Any:
+    def as_hf_dataset(self, features: Any = None, *, typed: bool = False) -> Any:
         """This dataset as a ``datasets.IterableDataset`` (what TRL trainers accept).
 
-        The features are declared, not inferred: inferring them would draw (and, with a
-        without-replacement sampler, lose) a sample. Columns whose key is a layout field get
-        their dtype from the layout; pass ``features`` for others. Values are Python lists.
+        By default rows pass through ``datasets`` untouched, values as numpy arrays (TRL's
+        collators and ``with_format("torch")`` take them); ``datasets`` then learns the column
+        names from the first row it reads (TRL peeks at it; a peek is given back, see
+        :meth:`rows`). ``typed=True`` declares the features instead, from the layout for
+        columns whose key is a layout field (pass ``features`` for others): values become
+        lists and ``datasets`` encodes every row, about 4x slower.
 
         Example:
             >>> from posttrain.reference_impls import RingBuffer
             >>> from posttrain.conformance.data import llm_batch
             >>> rb = RingBuffer(4); _ = rb.extend(llm_batch(4))
-            >>> ds = sft_dataset(rb, 2).as_hf_dataset()
-            >>> sorted(ds.features)
+            >>> sorted(sft_dataset(rb, 2).as_hf_dataset(typed=True).features)
             ['input_ids', 'labels']
+            >>> type(next(iter(sft_dataset(rb, 2).as_hf_dataset()))["labels"]).__name__
+            'ndarray'
         """
         try:
             import datasets
@@ -261,10 +260,11 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
             raise ImportError(
                 "as_hf_dataset needs the datasets package: pip install 'posttrain[trl]'"
             ) from e
-        if features is None:
+        if features is None and typed:
             features = datasets.Features(self._features(datasets))
+        values: Values = "list" if features is not None else "numpy"
         return datasets.IterableDataset.from_generator(
-            _hf_rows, features=features, gen_kwargs={"source": _Shared(self)}
+            _hf_rows, features=features, gen_kwargs={"source": _Shared(self), "values": values}
         )
 
     def _features(self, datasets: Any) -> dict[str, Any]:
@@ -287,6 +287,37 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         if self.labels is not None:
             out[self.labels] = datasets.List(datasets.Value("int64"))
         return out
+
+
+def _column(tds: list[TensorDictBase], key: tuple[str, ...]) -> list[torch.Tensor]:
+    """One key of every item of a lazy stack (plain TensorDicts read directly, as in leaf_items)."""
+    try:
+        if len(key) == 1:
+            return [x._tensordict[key[0]] for x in tds]
+        if len(key) == 2:
+            a, b = key
+            return [x._tensordict[a]._tensordict[b] for x in tds]
+        if len(key) == 3:
+            a, b, c = key
+            return [x._tensordict[a]._tensordict[b]._tensordict[c] for x in tds]
+    except (AttributeError, KeyError):
+        pass
+    return [x.get(key) for x in tds]
+
+
+def _fill_mask(shapes: list[torch.Size]) -> torch.Tensor:
+    lengths = torch.tensor([sh[0] for sh in shapes])
+    return torch.arange(int(lengths.max())) < lengths[:, None]
+
+
+def _pad(vs: list[torch.Tensor], fill: float, mask: torch.Tensor) -> torch.Tensor:
+    # One concatenation and one masked scatter: ~35% faster than pad_sequence's copy per item.
+    out = torch.full(mask.shape, fill, dtype=vs[0].dtype)
+    return out.masked_scatter_(mask, torch.cat(vs))
+
+
+def _name_of(wanted: Mapping[str, tuple[str, ...]], key: tuple[str, ...]) -> str:
+    return next(n for n, k in wanted.items() if k == key)
 
 
 class _Shared:
@@ -318,8 +349,8 @@ def _find_shared(token: str) -> _Shared:
     return found
 
 
-def _hf_rows(source: _Shared) -> Iterator[dict[str, Any]]:
-    yield from source.dataset.rows(lists=True)
+def _hf_rows(source: _Shared, values: Values) -> Iterator[dict[str, Any]]:
+    yield from source.dataset.rows(values)
 
 
 def _to_lists(col: Any) -> list[Any]:
@@ -328,6 +359,24 @@ def _to_lists(col: Any) -> list[Any]:
         out: list[Any] = col.tolist()
         return out
     return [v.tolist() for v in col]
+
+
+def _to_tensors(col: Any) -> Any:
+    return col.unbind(0) if isinstance(col, torch.Tensor) else col
+
+
+def _to_numpy(col: Any) -> list[Any]:
+    # Row views of one array: numpy makes them ~4x faster than torch's unbind.
+    if isinstance(col, torch.Tensor):
+        return list(col.numpy())
+    return [v.numpy() for v in col]
+
+
+_CONVERT: dict[str, Callable[[Any], Any]] = {
+    "tensor": _to_tensors,
+    "numpy": _to_numpy,
+    "list": _to_lists,
+}
 
 
 def to_padded(
@@ -357,6 +406,7 @@ def to_padded(
     if tok not in items[0]:
         raise MissingKey(f"to_padded: key {key_str(tok)} is missing; found {sorted(items[0])}")
     lengths = [it[tok].shape[-1] for it in items]
+    fill_mask = _fill_mask([it[tok].shape for it in items])
     masked = {f.key for f in layout.fields if f.read_where is not None}
     out: dict[tuple[str, ...], torch.Tensor] = {}
     for key in items[0]:
@@ -369,7 +419,7 @@ def to_padded(
             fill = pad_token_id
         elif key in masked and vs[0].is_floating_point():
             fill = math.nan
-        out[key] = torch.nn.utils.rnn.pad_sequence(vs, batch_first=True, padding_value=fill)
+        out[key] = _pad(vs, fill, fill_mask)
     return TensorDict(out, batch_size=td.batch_size)
 
 
@@ -445,7 +495,7 @@ def prompt_dataset(
     )
 
     def rows(source: _Shared) -> Iterator[dict[str, Any]]:
-        with contextlib.closing(source.dataset.rows(lists=False)) as inner:
+        with contextlib.closing(source.dataset.rows("tensor")) as inner:
             for row in inner:
                 ids = row["tokens"][~row["assistant"]].tolist()
                 yield {"prompt": tokenizer.decode(ids), "prompt_ids": ids}
