@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict
 
-from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.trl import hf_reward_model, trl_reward, trl_reward_func
 from posttrain.conformance.policy import tiny_causal_lm, tiny_reward_model
 from posttrain.contracts.layout import LLM_LAYOUT_V1

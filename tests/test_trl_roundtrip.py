@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensordict import TensorDictBase
 
-from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.trl import (

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.validation import check
 

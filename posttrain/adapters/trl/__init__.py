@@ -23,12 +23,15 @@ from posttrain.adapters.trl.reward import (
     trl_reward_func,
 )
 from posttrain.adapters.trl.rollout import CaptureRollouts
+from posttrain.adapters.trl.source import SourceClosed, TRLRolloutSource
 
 __all__ = [
     "IGNORE_INDEX",
     "BufferDataset",
     "CaptureRollouts",
     "RewardModule",
+    "SourceClosed",
+    "TRLRolloutSource",
     "WorkerRefused",
     "hf_reward_model",
     "prompt_dataset",

@@ -472,7 +472,7 @@ def prompt_dataset(
         >>> from posttrain.reference_impls import RingBuffer
         >>> from posttrain.conformance.data import llm_batch
         >>> from posttrain.conformance.policy import tiny_causal_lm
-        >>> from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+        >>> from posttrain.adapters._hf import word_level_tokenizer
         >>> rb = RingBuffer(2); _ = rb.extend(llm_batch(2, vocab_size=64))
         >>> tok = word_level_tokenizer(tiny_causal_lm().config)
         >>> row = next(iter(prompt_dataset(rb, tok, 2)))

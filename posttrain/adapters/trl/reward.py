@@ -180,7 +180,7 @@ def trl_reward(
     Example:
         >>> from posttrain.conformance.data import llm_batch
         >>> from posttrain.conformance.policy import tiny_causal_lm
-        >>> from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+        >>> from posttrain.adapters._hf import word_level_tokenizer
         >>> def n_words(prompts, completions, completion_ids, **kw):
         ...     return [float(len(c.split())) for c in completions]
         >>> rm = trl_reward(n_words, word_level_tokenizer(tiny_causal_lm().config))
@@ -229,7 +229,7 @@ def trl_reward_func(
 
     Example:
         >>> from posttrain.conformance.policy import tiny_causal_lm
-        >>> from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer
+        >>> from posttrain.adapters._hf import word_level_tokenizer
         >>> tok = word_level_tokenizer(tiny_causal_lm().config)
         >>> lengths = RewardModule(lambda td: td["masks", "all_assistant_mask"].sum(-1))
         >>> f = trl_reward_func(lengths, tok, name="length")

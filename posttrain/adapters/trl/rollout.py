@@ -10,6 +10,7 @@ the first EOS), returns what TRL expects, and writes each batch to a buffer in t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ class CaptureRollouts:
     repeats each prompt; the function returns one completion per entry). Each run of
     ``num_generations`` entries is one GRPO group: items get consecutive ``group_id``s (a run
     of different prompts is refused: TRL's grouping changed). ``policy_version`` is the
-    trainer's ``state.global_step`` when the batch was generated (optimizer steps so far).
+    trainer's ``state.global_step`` when the batch was generated (optimizer steps so far), or
+    what ``version(trainer)`` returns.
 
     Items are ragged (one per completion: prompt then completion tokens, attention all true,
     assistant mask on the completion, log-probs of the completion tokens under the sampling
@@ -45,11 +47,17 @@ class CaptureRollouts:
     """
 
     def __init__(
-        self, buffer: ReplayBufferV1, *, width: int | None = None, layout: Layout = LLM_LAYOUT_V1
+        self,
+        buffer: ReplayBufferV1,
+        *,
+        width: int | None = None,
+        layout: Layout = LLM_LAYOUT_V1,
+        version: Callable[[Any], int] | None = None,
     ) -> None:
         self.buffer = buffer
         self.width = width
         self.layout = layout
+        self.version = version or _global_step
         self.groups = 0
         self.calls = 0
 
@@ -68,13 +76,25 @@ class CaptureRollouts:
                 )
         tok = trainer.processing_class
         prompt_ids = _tokenize(tok, prompts, getattr(trainer, "chat_template_kwargs", None) or {})
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        completion_ids, logprobs = _generate(trainer, model, tok, prompt_ids)
-        items = self._items(prompt_ids, completion_ids, logprobs, int(trainer.state.global_step), g)
+        items, completion_ids, logprobs = self.generate(trainer, prompt_ids)
         self.buffer.extend(items)  # before bookkeeping: a refused extend changes nothing here
         self.groups += len(prompts) // g
         self.calls += 1
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    def generate(
+        self, trainer: Any, prompt_ids: list[list[int]]
+    ) -> tuple[TensorDictBase, list[list[int]], list[list[float]]]:
+        """One completion per entry of ``prompt_ids`` with the trainer's model and settings.
+
+        Returns the LLM-layout items (group ids continue from :attr:`groups`, which the caller
+        advances), the completion ids and their log-probs.
+        """
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        completion_ids, logprobs = _generate(trainer, model, trainer.processing_class, prompt_ids)
+        g = int(trainer.num_generations)
+        items = self._items(prompt_ids, completion_ids, logprobs, self.version(trainer), g)
+        return items, completion_ids, logprobs
 
     def _items(
         self,
@@ -114,6 +134,10 @@ class CaptureRollouts:
         if self.width is not None:
             return torch.stack(items)
         return LazyStackedTensorDict.lazy_stack(items, 0)
+
+
+def _global_step(trainer: Any) -> int:
+    return int(trainer.state.global_step)
 
 
 def _tokenize(tok: Any, prompts: list[Any], chat_kwargs: dict[str, Any]) -> list[list[int]]:

@@ -1,0 +1,80 @@
+"""TRL's generation captured into buffers (CaptureRollouts) and as a rollout source."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from posttrain.adapters.trl import CaptureRollouts, SourceClosed, TRLRolloutSource
+from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.contracts import validate
+from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.reference_impls import RingBuffer
+
+K = LLM_LAYOUT_V1.key
+
+
+@pytest.fixture(scope="module")
+def source() -> Iterator[TRLRolloutSource]:
+    src = TRLRolloutSource(tiny_causal_lm(), [[5, 6]], 1, max_new_tokens=3)
+    yield src
+    src.shutdown()
+
+
+def test_capture_into_a_fixed_width_buffer_stamps_groups_and_versions(
+    source: TRLRolloutSource,
+) -> None:
+    rb = RingBuffer(16)
+    capture = CaptureRollouts(rb, width=8)
+    out = capture(["t5 t6", "t5 t6", "t7", "t7"], source.trainer)
+    assert [p for p in out["prompt_ids"]] == [[5, 6], [5, 6], [7], [7]]
+    assert len(out["completion_ids"]) == 4
+    assert [len(c) for c in out["completion_ids"]] == [len(lp) for lp in out["logprobs"]]
+    assert len(rb) == 4
+    stored = rb.sample(64)
+    assert validate(stored) == []
+    pairs = {
+        (int(g), tuple(t[: (~a).sum()].tolist()))
+        for g, t, a in zip(
+            stored.get(K("group_id")),
+            stored.get(K("tokens")),
+            stored.get(K("assistant_mask")) | ~stored.get(K("attention_mask")),
+            strict=True,
+        )
+    }
+    assert pairs == {(0, (5, 6)), (1, (7,))}
+    assert set(stored.get(K("policy_version")).tolist()) == {0}
+    capture(["t8", "t8"], source.trainer)
+    assert capture.groups == 3
+
+
+def test_capture_refuses_a_batch_without_breaking_the_buffer(source: TRLRolloutSource) -> None:
+    rb = RingBuffer(16)
+    capture = CaptureRollouts(rb, width=8)
+    with pytest.raises(ValueError, match=r"prompts\[0:2\]: expected one prompt repeated"):
+        capture(["t5", "t6"], source.trainer)
+    with pytest.raises(ValueError, match="expected a multiple of num_generations=2"):
+        capture(["t5"], source.trainer)
+    tight = CaptureRollouts(rb, width=3)
+    with pytest.raises(ValueError, match="width=3: item 0 has 3 prompt"):
+        tight(["t5 t6 t7", "t5 t6 t7"], source.trainer)
+    assert len(rb) == 0
+    assert (capture.groups, tight.groups) == (0, 0)
+
+
+def test_source_rejects_bad_weights_unchanged_and_refuses_after_shutdown() -> None:
+    src = TRLRolloutSource(tiny_causal_lm(), [[5, 6]], None, max_new_tokens=2)
+    model = src.trainer.accelerator.unwrap_model(src.trainer.model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = {k: torch.zeros_like(v) for k, v in before.items()}
+    bad["lm_head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"'lm_head.weight': expected \(64, 32\)"):
+        src.update_policy_weights_(bad)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert src.policy_version == 0
+    src.shutdown()
+    src.shutdown()
+    with pytest.raises(SourceClosed):
+        next(iter(src))
