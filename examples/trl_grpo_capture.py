@@ -1,8 +1,8 @@
 """GRPOTrainer reads prompts from one buffer and writes its generations into another.
 
-The prompt buffer could be any ReplayBufferV1 (here TorchRL's, filled by LLMCollector would do
-as well); the rewards come from a locally built HF reward model through the contract-reward
-adapter, plus a plain TRL reward function.
+The prompt buffer is posttrain's RingBuffer here; any ReplayBufferV1 works (a TorchRL buffer
+filled by LLMCollector: see tests/test_trl_roundtrip.py). The rewards come from a locally built
+HF reward model through the contract-reward adapter, plus a plain TRL reward function.
 
 Run: python examples/trl_grpo_capture.py   (CPU, tiny models, nothing downloaded)
 """
@@ -41,9 +41,10 @@ def main() -> ReplayBuffer:
     tok.padding_side = "left"
     prompts = RingBuffer(16)
     prompts.extend(llm_batch(8, 8, vocab_size=64))  # any LLM-layout data: its prompts are used
+    dataset = prompt_dataset(prompts, tok, 4, num_batches=1)
 
     generations = ReplayBuffer(storage=LazyStackStorage(256))
-    capture = CaptureRollouts(generations)
+    capture = CaptureRollouts(generations, prompt_ids=dataset)  # generate from the stored ids
     reward_model = trl_reward_func(hf_reward_model(tiny_reward_model()), tok, name="reward_model")
     with tempfile.TemporaryDirectory() as out:
         trainer = GRPOTrainer(
@@ -59,8 +60,9 @@ def main() -> ReplayBuffer:
                 use_cpu=True,
                 save_strategy="no",
                 logging_steps=1,
+                shuffle_dataset=False,  # a buffer sample is random already
             ),
-            train_dataset=prompt_dataset(prompts, tok, 4, num_batches=1),
+            train_dataset=dataset,
             processing_class=tok,
             rollout_func=capture,
         )

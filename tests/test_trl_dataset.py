@@ -191,3 +191,17 @@ def test_rows_drawn_but_not_read_go_to_the_next_iterator_and_a_peek_costs_nothin
     assert next(iter(hf)) == peeked
     assert next(r["input_ids"] for r in hf) == peeked["input_ids"]
     assert rb.drawn == 16
+
+
+def test_a_batch_left_by_one_value_type_is_read_by_another() -> None:
+    rb = Counting(_torchrl_buffer(llm_batch(8)))  # without replacement: 8 distinct rows
+    ds = BufferDataset(rb, 4, num_batches=1, columns={"ids": K("tokens")})
+    it = iter(ds)
+    first = [int(next(it)["ids"][0]) for _ in range(2)]
+    it.close()
+    rest = [int(r["ids"][0]) for r in ds.as_hf_dataset()]
+    assert len(rest) == 4  # the first batch's two unread rows, then two of a new batch
+    assert rb.drawn == 8
+    assert len(set(first + rest)) == 6
+    carried = ds._carry[0].cols[0][ds._carry[0].start :, 0].tolist()
+    assert sorted(first + rest + carried) == list(range(8))  # nothing lost, nothing twice

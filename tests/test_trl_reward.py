@@ -168,3 +168,42 @@ def test_contract_reward_as_trl_reward_func_both_ways_agree() -> None:
     assert scores[0] == pytest.approx(_alone(tiny_reward_model(), [5, 6, 7, 8, 9]), abs=1e-5)
     with pytest.raises(TypeError, match="conversational prompts need a `prompt_ids` column"):
         rm(prompts=[[{"role": "user", "content": "hi"}]], completions=["x"], completion_ids=[[7]])
+
+
+def test_reward_model_without_a_pad_id_and_encoders() -> None:
+    model = tiny_reward_model()
+    expected = torch.tensor([_alone(model, s) for s in SEQS])
+    model.config.pad_token_id = None
+    out = hf_reward_model(model)(_dense(SEQS)).get(K("reward"))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert model.config.pad_token_id is None
+    from transformers import BertConfig, BertForSequenceClassification
+
+    make_cfg: Any = BertConfig
+    cfg = make_cfg(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=1,
+    )  # fmt: skip
+    bert: Any = BertForSequenceClassification
+    with pytest.raises(ValueError, match="'bert' is an encoder"):
+        hf_reward_model(bert(cfg))
+
+
+def test_trl_reward_refuses_multi_turn_items_and_decodes_like_trl() -> None:
+    td = _ragged(SEQS)
+    asst = td.tensordicts[0].get(K("assistant_mask"))
+    asst[3] = False  # [F, F, T, F]: then a second span would start after it
+    td.tensordicts[0].get(K("tokens"))[2] = 2  # EOS inside the completion: skipped as TRL does
+    seen: list[str] = []
+
+    def record(completions: list[str], **kw: Any) -> list[float | None]:
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    trl_reward(record, _tokenizer())(td)
+    assert seen[0] == ""  # "</s>" decoded without special tokens
+    asst[3] = True
+    asst[2] = False
+    asst[1] = True  # [F, T, F, T]: two spans
+    with pytest.raises(ValueError, match="item 0: the assistant mask is not one span"):
+        trl_reward(record, _tokenizer())(td)

@@ -35,16 +35,16 @@ from posttrain.conformance.policy import tiny_causal_lm, tiny_reward_model
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 
 K = LLM_LAYOUT_V1.key
-PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15], [16], [17, 18, 19], [20, 21], [22]]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
 @pytest.fixture(scope="module")
 def collected() -> list[TensorDictBase]:
-    """Two ragged batches from a real LLMCollector over four prompts of different lengths."""
+    """One ragged batch from a real LLMCollector over eight distinct prompts of different lengths."""
     torch.manual_seed(0)
-    src = llm_collector(tiny_causal_lm(), PROMPTS, 2, max_new_tokens=4, adapted=True)
+    src = llm_collector(tiny_causal_lm(), PROMPTS, 1, max_new_tokens=4, adapted=True)
     batches = [b for b in src]
     src.shutdown()
     return batches
@@ -102,7 +102,8 @@ def test_grpo_trainer_consumes_exactly_the_torchrl_buffer_and_its_generations_ar
     assert n == 8
     tok = _tokenizer()
     captured = ReplayBuffer(storage=LazyStackStorage(64))
-    capture = CaptureRollouts(captured)
+    prompts = prompt_dataset(rb, tok, 4, num_batches=2)
+    capture = CaptureRollouts(captured, prompt_ids=prompts)
     args = GRPOConfig(
         output_dir=str(tmp_path),
         max_steps=4,
@@ -123,7 +124,7 @@ def test_grpo_trainer_consumes_exactly_the_torchrl_buffer_and_its_generations_ar
             model=tiny_causal_lm(),
             reward_funcs=[rm, completion_words],
             args=args,
-            train_dataset=prompt_dataset(rb, tok, 4, num_batches=2),
+            train_dataset=prompts,
             processing_class=tok,
             rollout_func=capture,
         )
@@ -141,6 +142,7 @@ def test_grpo_trainer_consumes_exactly_the_torchrl_buffer_and_its_generations_ar
         groups.setdefault(int(x.get(K("group_id"))), []).append(prompt)
     assert sorted(groups) == list(range(8))
     assert all(len(set(v)) == 1 and len(v) == 2 for v in groups.values())
+    assert set(_prompts(collected).values()) == {1}  # 8 distinct prompts: no lookalikes
     assert Counter(v[0] for v in groups.values()) == _prompts(collected)
     versions = [int(x.get(K("policy_version"))) for x in got.tensordicts]
     assert versions == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4

@@ -110,7 +110,7 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         self.labels = labels
         self.pad_token_id = pad_token_id
         self.layout = layout
-        self._carry: dict[str, collections.deque[dict[str, Any]]] = {}
+        self._carry: collections.deque[_Pending] = collections.deque()
 
     # A copy would sample a snapshot of the buffer: datasets' ``shuffle``/``map`` deep-copy
     # their generator's arguments, and DataLoader workers pickle the dataset.
@@ -126,34 +126,40 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
     def rows(self, values: Values = "tensor") -> Generator[dict[str, Any], None, None]:
         """Yield up to ``num_batches * batch_size`` rows, values as tensors, numpy arrays or lists.
 
-        Rows come from the rows an earlier iterator drew but did not yield, then from new
-        samples. A row is never dropped silently: an iterator closed early gives back the rows
-        it drew and did not yield, and one closed after its first row alone gives that row
-        back too (the ``next(iter(ds))`` peek SFTTrainer and many tools do at set-up).
+        Rows come first from batches an earlier iterator drew but did not finish (whatever
+        value type it used), then from new samples. An iterator that stops (closed early or
+        at its limit) leaves its unread rows for the next one; one closed after its first row
+        alone gives that row back too: the ``next(iter(ds))`` peek that SFTTrainer and many
+        tools do at set-up costs nothing. The trade-off: a consumer that really uses exactly
+        one row and then closes its iterator will see that row again.
         """
         if torch.utils.data.get_worker_info() is not None:
             raise WorkerRefused(_WORKERS)
-        carry = self._carry.setdefault(values, collections.deque())
         limit = None if self.num_batches is None else self.num_batches * self.batch_size
         yielded = 0
-        row: dict[str, Any] = {}
+        current: _Pending | None = None
+        rows: list[dict[str, Any]] = []
+        i = 0
         try:
             while limit is None or yielded < limit:
-                if not carry:
-                    carry.extend(self._draw(values))
-                row = carry.popleft()
+                if current is None or i == len(rows):
+                    current = self._carry.popleft() if self._carry else self._draw()
+                    rows = current.rows(values)
+                    i = 0
+                i += 1
                 yielded += 1
-                yield row
+                yield rows[i - 1]
         except GeneratorExit:
             if yielded == 1:
-                carry.appendleft(row)
+                i -= 1
             raise
+        finally:
+            if current is not None and i < len(rows):
+                self._carry.appendleft(current.advanced(i))
 
-    def _draw(self, values: Values) -> list[dict[str, Any]]:
+    def _draw(self) -> _Pending:
         names, cols = self.batch_columns(self.buffer.sample(self.batch_size))
-        convert = _CONVERT[values]
-        per_row = [convert(c) for c in cols]
-        return [dict(zip(names, v, strict=True)) for v in zip(*per_row, strict=True)]
+        return _Pending(names, cols, 0)
 
     def batch_columns(self, batch: TensorDictBase) -> tuple[list[str], list[Any]]:
         """Column names and, per column, one value per row: a stacked tensor or a list."""
@@ -177,8 +183,8 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         key = self.layout.key(field)
         if key not in available:
             raise MissingKey(
-                f"{field}: key {key_str(key)} is not in the sampled batch (needed for "
-                f"shape={self.shape!r}, labels={self.labels!r})"
+                f"{field}: key {key_str(key)} is not in the sampled batch; found "
+                f"{', '.join(sorted(key_str(k) for k in available))}"
             )
         return key
 
@@ -214,14 +220,19 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
                 torch.where(a, t, IGNORE_INDEX) for a, t in zip(asst, tokens, strict=True)
             ]
         shapes = [t.shape for t in tokens]
-        per_token = {n for n, vs in values.items() if [v.shape for v in vs] == shapes}
+        counts = [sh[0] for sh in shapes]
+        per_token = {
+            n
+            for n, vs in values.items()
+            if all(v.ndim >= 1 for v in vs) and [v.shape[0] for v in vs] == counts
+        }
         if self.shape == "ragged":
             masks = _column(tds, self._need(first, "attention_mask"))
             for n in per_token:
                 values[n] = [v[m] for v, m in zip(values[n], masks, strict=True)]
             return list(values), list(values.values())
         out: list[Any] = []
-        where = fill_mask(shapes)
+        where = fill_mask(shapes, tokens[0].device)
         for n, vs in values.items():
             if n not in per_token:
                 out.append(vs)
@@ -309,6 +320,21 @@ def _name_of(wanted: Mapping[str, tuple[str, ...]], key: tuple[str, ...]) -> str
     return next(n for n, k in wanted.items() if k == key)
 
 
+class _Pending:
+    """A sampled batch, column-first, of which rows ``start`` onwards are not yet read."""
+
+    def __init__(self, names: list[str], cols: list[Any], start: int) -> None:
+        self.names, self.cols, self.start = names, cols, start
+
+    def advanced(self, read: int) -> _Pending:
+        return _Pending(self.names, self.cols, self.start + read)
+
+    def rows(self, values: Values) -> list[dict[str, Any]]:
+        convert = _CONVERT[values]
+        per_row = [convert(c[self.start :]) for c in self.cols]
+        return [dict(zip(self.names, v, strict=True)) for v in zip(*per_row, strict=True)]
+
+
 class _Shared:
     """Hands the live dataset through datasets' copies of generator arguments.
 
@@ -357,8 +383,14 @@ def _to_tensors(col: Any) -> Any:
 def _to_numpy(col: Any) -> list[Any]:
     # Row views of one array: numpy makes them ~4x faster than torch's unbind.
     if isinstance(col, torch.Tensor):
-        return list(col.numpy())
-    return [v.numpy() for v in col]
+        return list(_numpy_ready(col).numpy())
+    return [_numpy_ready(v).numpy() for v in col]
+
+
+def _numpy_ready(t: torch.Tensor) -> torch.Tensor:
+    # numpy has no bfloat16; a CUDA tensor must come to the host first.
+    t = t.cpu() if t.device.type != "cpu" else t
+    return t.float() if t.dtype == torch.bfloat16 else t
 
 
 _CONVERT: dict[str, Callable[[Any], Any]] = {
@@ -410,8 +442,11 @@ def prompt_dataset(
 ) -> Any:
     """The prompts of sampled items as a ``datasets.IterableDataset`` for ``GRPOTrainer``.
 
-    Row: ``{"prompt": text, "prompt_ids": ids}``; the prompt is the tokens inside the
-    attention mask and outside the assistant mask, decoded with ``tokenizer``.
+    Row: ``{"prompt": text, "prompt_ids": ids}``; the prompt is the real tokens before the
+    first assistant token, decoded with ``tokenizer``. GRPOTrainer passes only the text on;
+    decoding and re-tokenizing need not give the same ids back (special tokens, BPE merges),
+    so the dataset remembers text -> ids: pass it to ``CaptureRollouts(prompt_ids=...)`` to
+    generate from the stored ids exactly.
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
@@ -442,12 +477,19 @@ def prompt_dataset(
     def rows(source: _Shared) -> Iterator[dict[str, Any]]:
         with contextlib.closing(source.dataset.rows("tensor")) as inner:
             for row in inner:
-                ids = row["tokens"][~row["assistant"]].tolist()
-                yield {"prompt": tokenizer.decode(ids), "prompt_ids": ids}
+                asst = row["assistant"]
+                first = int(asst.int().argmax()) if asst.any() else len(asst)
+                ids = row["tokens"][:first].tolist()
+                text = tokenizer.decode(ids)
+                texts[text] = ids
+                yield {"prompt": text, "prompt_ids": ids}
 
+    texts: dict[str, list[int]] = {}
     features = datasets.Features(
         {"prompt": datasets.Value("string"), "prompt_ids": datasets.List(datasets.Value("int64"))}
     )
-    return datasets.IterableDataset.from_generator(
+    out = datasets.IterableDataset.from_generator(
         rows, features=features, gen_kwargs={"source": _Shared(source)}
     )
+    out.posttrain_prompt_ids = texts
+    return out

@@ -8,8 +8,9 @@ A *contract reward* is a module ``td -> td`` that writes float32 per-sequence re
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,7 +66,8 @@ def sequences(
 def _get(td: TensorDictBase, key: tuple[str, ...], where: str) -> torch.Tensor:
     v = td.get(key, None)
     if v is None:
-        raise KeyError(f"{where}: reward needs key {key_str(key)}, which is missing")
+        found = ", ".join(sorted(key_str(k) for k in td.keys(True, True)))
+        raise KeyError(f"{where}: reward needs key {key_str(key)}, which is missing; found {found}")
     out: torch.Tensor = v
     return out
 
@@ -105,8 +107,10 @@ class RewardModule(torch.nn.Module):
 def hf_reward_model(
     model: Any, *, layout: Layout = LLM_LAYOUT_V1, grad: bool = False
 ) -> RewardModule:
-    """An ``AutoModelForSequenceClassification`` (one label) or any model returning ``logits``
-    or ``rewards``, scoring the LLM layout as a contract reward.
+    """A decoder-only ``AutoModelForSequenceClassification`` (one label; Llama, Qwen, Mistral,
+    GPT-2 ...) or any such model returning ``logits`` or ``rewards``, scoring the LLM layout as
+    a contract reward. Encoders (BERT, RoBERTa ...) read the first token and are refused; the
+    model must share the policy's vocabulary (TRL re-tokenizes text instead).
 
     Each sequence is scored on its real tokens alone: sequences are re-packed left-padded and
     fed as embeddings with explicit positions, so the score is read at the last real token.
@@ -126,6 +130,14 @@ def hf_reward_model(
         torch.Size([3])
     """
 
+    kind = getattr(getattr(model, "config", None), "model_type", "")
+    if kind in _ENCODERS:
+        raise ValueError(
+            f"hf_reward_model: {kind!r} is an encoder (it reads the first token and offsets "
+            "positions); only decoder-only sequence classifiers (read at the last token) are "
+            "supported"
+        )
+
     def score(td: TensorDictBase) -> torch.Tensor:
         shape, toks, _ = sequences(td, layout)
         empty = [i for i, t in enumerate(toks) if t.numel() == 0]
@@ -143,7 +155,7 @@ def hf_reward_model(
             ids[i, width - t.numel() :] = t
             mask[i, width - t.numel() :] = 1
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()), _some_pad_id(model):
             embeds = model.get_input_embeddings()(ids)
             out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions)
         scores = getattr(out, "logits", None)
@@ -165,6 +177,28 @@ def hf_reward_model(
     return RewardModule(score, layout=layout)
 
 
+_ENCODERS = frozenset(
+    {"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "distilbert", "electra",
+     "albert", "modernbert", "camembert"}
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _some_pad_id(model: Any) -> Iterator[None]:
+    # Fed embeddings, HF classifiers read position -1, but refuse a batch > 1 when the config
+    # has no pad id at all; any id will do, it is never compared with a token.
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    if text is None or getattr(text, "pad_token_id", 0) is not None:
+        yield
+        return
+    text.pad_token_id = 0
+    try:
+        yield
+    finally:
+        text.pad_token_id = None
+
+
 TRLRewardFunc = Callable[..., Sequence[float | None]]
 
 
@@ -173,17 +207,18 @@ def trl_reward(
 ) -> RewardModule:
     """A TRL reward function ``f(prompts, completions, completion_ids, **kw)`` as a contract reward.
 
-    Prompts are the real tokens outside the assistant mask and completions those inside it,
-    decoded with ``tokenizer``; ``None`` rewards become NaN (TRL's convention for
-    "unscored"). Extra ``kwargs`` are passed on, plus ``prompt_ids``.
+    The prompt is the real tokens before the assistant span and the completion the span
+    (one span per item: multi-turn items are refused), decoded with ``tokenizer`` as
+    GRPOTrainer does (completions without special tokens); ``None`` rewards become NaN
+    (TRL's "unscored"). Extra ``kwargs`` are passed on, plus ``prompt_ids``.
 
     Example:
         >>> from posttrain.conformance.data import llm_batch
         >>> from posttrain.conformance.policy import tiny_causal_lm
         >>> from posttrain.adapters._hf import word_level_tokenizer
-        >>> def n_words(prompts, completions, completion_ids, **kw):
-        ...     return [float(len(c.split())) for c in completions]
-        >>> rm = trl_reward(n_words, word_level_tokenizer(tiny_causal_lm().config))
+        >>> def n_tokens(prompts, completions, completion_ids, **kw):
+        ...     return [float(len(c)) for c in completion_ids]
+        >>> rm = trl_reward(n_tokens, word_level_tokenizer(tiny_causal_lm().config))
         >>> td = rm(llm_batch(2, 6, vocab_size=64))
         >>> td["next", "reward"].tolist() == td["masks", "all_assistant_mask"].sum(-1).float().tolist()
         True
@@ -192,11 +227,21 @@ def trl_reward(
 
     def score(td: TensorDictBase) -> torch.Tensor:
         shape, toks, assts = sequences(td, layout)
-        prompt_ids = [t[~a].tolist() for t, a in zip(toks, assts, strict=True)]
-        completion_ids = [t[a].tolist() for t, a in zip(toks, assts, strict=True)]
+        prompt_ids, completion_ids = [], []
+        for i, (t, a) in enumerate(zip(toks, assts, strict=True)):
+            span = a.nonzero()[:, 0]
+            first = int(span[0]) if span.numel() else len(t)
+            if span.numel() and int(span[-1]) - first + 1 != span.numel():
+                raise ValueError(
+                    f"item {i}: the assistant mask is not one span (multi-turn); TRL's "
+                    "(prompt, completion) pair cannot hold it"
+                )
+            prompt_ids.append(t[:first].tolist())
+            completion_ids.append(t[first : first + span.numel()].tolist())
         out = func(
             prompts=tokenizer.batch_decode(prompt_ids),
-            completions=tokenizer.batch_decode(completion_ids),
+            # As GRPOTrainer decodes completions for its reward functions.
+            completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
             completion_ids=completion_ids,
             prompt_ids=prompt_ids,
             **kwargs,

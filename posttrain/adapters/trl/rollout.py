@@ -9,8 +9,9 @@ the first EOS), returns what TRL expects, and writes each batch to a buffer in t
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -53,17 +54,31 @@ class CaptureRollouts:
         width: int | None = None,
         layout: Layout = LLM_LAYOUT_V1,
         version: Callable[[Any], int] | None = None,
+        prompt_ids: Any = None,
+        eval_buffer: ReplayBufferV1 | None = None,
+        report_logprobs: bool = False,
     ) -> None:
         self.buffer = buffer
+        self.eval_buffer = eval_buffer
         self.width = width
         self.layout = layout
         self.version = version or _global_step
+        self.texts: Mapping[str, list[int]] = getattr(
+            prompt_ids, "posttrain_prompt_ids", prompt_ids if prompt_ids is not None else {}
+        )
+        self.report_logprobs = report_logprobs
         self.groups = 0
         self.calls = 0
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         """Generate one completion per prompt entry; extend the buffer; return TRL's dict."""
-        g = int(trainer.num_generations)
+        if int(getattr(trainer.accelerator, "num_processes", 1)) > 1:
+            raise RuntimeError(
+                "CaptureRollouts: one process only (group ids are numbered per process and "
+                "ZeRO-3/FSDP parameters are not gathered for generation)"
+            )
+        training = bool(trainer.model.training)
+        g = int(trainer.num_generations if training else trainer.num_generations_eval)
         if len(prompts) % g:
             raise ValueError(
                 f"prompts: expected a multiple of num_generations={g} entries, found {len(prompts)}"
@@ -75,25 +90,42 @@ class CaptureRollouts:
                     "times (TRL's RepeatSampler order); found different prompts"
                 )
         tok = trainer.processing_class
-        prompt_ids = _tokenize(tok, prompts, getattr(trainer, "chat_template_kwargs", None) or {})
-        items, completion_ids, logprobs = self.generate(trainer, prompt_ids)
-        self.buffer.extend(items)  # before bookkeeping: a refused extend changes nothing here
-        self.groups += len(prompts) // g
+        chat = getattr(trainer, "chat_template_kwargs", None) or {}
+        prompt_ids = self._prompt_ids(tok, prompts, chat)
+        items, completion_ids, logprobs = self.generate(trainer, prompt_ids, g)
+        target = self.buffer if training else self.eval_buffer
+        if target is not None:
+            target.extend(items)  # before bookkeeping: a refused extend changes nothing here
+            self.groups += len(prompts) // g
         self.calls += 1
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            # TRL's transformers path reports none; reported ones feed its importance
+            # sampling / off-policy masking (sampling_per_token_logps).
+            "logprobs": logprobs if self.report_logprobs else None,
+        }
+
+    def _prompt_ids(self, tok: Any, prompts: list[Any], chat: dict[str, Any]) -> list[list[int]]:
+        known = [self.texts.get(p) if isinstance(p, str) else None for p in prompts]
+        if all(ids is not None for ids in known):
+            return [list(ids) for ids in known if ids is not None]
+        return _tokenize(tok, prompts, chat)
 
     def generate(
-        self, trainer: Any, prompt_ids: list[list[int]]
+        self, trainer: Any, prompt_ids: list[list[int]], g: int | None = None
     ) -> tuple[TensorDictBase, list[list[int]], list[list[float]]]:
         """One completion per entry of ``prompt_ids`` with the trainer's model and settings.
 
         Returns the LLM-layout items (group ids continue from :attr:`groups`, which the caller
-        advances), the completion ids and their log-probs.
+        advances; ``g`` entries per group, default the trainer's ``num_generations``), the
+        completion ids and their log-probs.
         """
         model = trainer.accelerator.unwrap_model(trainer.model)
         completion_ids, logprobs = _generate(trainer, model, trainer.processing_class, prompt_ids)
-        g = int(trainer.num_generations)
-        items = self._items(prompt_ids, completion_ids, logprobs, self.version(trainer), g)
+        g = int(trainer.num_generations) if g is None else g
+        pad = trainer.processing_class.pad_token_id or 0
+        items = self._items(prompt_ids, completion_ids, logprobs, self.version(trainer), g, pad)
         return items, completion_ids, logprobs
 
     def _items(
@@ -103,6 +135,7 @@ class CaptureRollouts:
         logprobs: list[list[float]],
         version: int,
         g: int,
+        pad: int,
     ) -> TensorDictBase:
         k = self.layout.key
         items = []
@@ -113,7 +146,7 @@ class CaptureRollouts:
                 raise ValueError(
                     f"width={w}: item {i} has {n} prompt + {m} completion tokens; raise width"
                 )
-            tokens = torch.zeros(w, dtype=torch.long)
+            tokens = torch.full((w,), pad, dtype=torch.long)
             tokens[: n + m] = torch.tensor([*p, *c], dtype=torch.long)
             pos = torch.arange(w)
             lps = torch.full((w,), math.nan)
@@ -169,31 +202,28 @@ def _generate(
         mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     config = getattr(trainer, "generation_config", None)
-    kwargs: dict[str, Any] = (
-        {"generation_config": config}
-        if config is not None
-        else {
-            "max_new_tokens": trainer.args.max_completion_length,
-            "do_sample": True,
-        }
-    )
+    if config is not None:
+        config = copy.deepcopy(config)
+    else:
+        from transformers import GenerationConfig
+
+        make: Any = GenerationConfig  # untyped constructor
+        config = make(max_new_tokens=trainer.args.max_completion_length, do_sample=True)
+    config.return_dict_in_generate = True
+    config.output_logits = True
     temperature = float(getattr(trainer, "temperature", 1.0) or 1.0)
-    was_training = model.training
-    model.train(False)
-    try:
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                return_dict_in_generate=True,
-                output_logits=True,
-                **kwargs,
-            )
-    finally:
-        model.train(was_training)
+    # The model stays in the mode TRL left it in (TRL generates without switching to eval).
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     completions = out.sequences[:, width:]
-    logits = torch.stack(out.logits, dim=1).float() / temperature
-    lps = logits.log_softmax(-1).gather(-1, completions[..., None])[..., 0]
+    # Step by step: one [B, V] float copy at a time, not three [B, T, V] ones.
+    lps = torch.stack(
+        [
+            (step.float() / temperature).log_softmax(-1).gather(-1, completions[:, t, None])[:, 0]
+            for t, step in enumerate(out.logits)
+        ],
+        dim=1,
+    )
     eos = set(_as_list(getattr(trainer, "eos_token_ids", None) or tok.eos_token_id))
     completion_ids: list[list[int]] = []
     logprobs: list[list[float]] = []

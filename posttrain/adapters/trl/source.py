@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -54,6 +55,7 @@ class TRLRolloutSource:
         num_generations: int = 2,
         tokenizer: Any = None,
         seed: int = 0,
+        use_cpu: bool = True,
     ) -> None:
         if not prompts or any(not p for p in prompts):
             raise ValueError("prompts: expected a non-empty list of non-empty token lists")
@@ -63,7 +65,12 @@ class TRLRolloutSource:
         from trl.trainer.grpo_config import GRPOConfig
         from trl.trainer.grpo_trainer import GRPOTrainer
 
-        tok = tokenizer if tokenizer is not None else word_level_tokenizer(policy.config)
+        # A copy: TRL wants left padding, and the caller's tokenizer keeps its own side.
+        tok = (
+            copy.deepcopy(tokenizer)
+            if tokenizer is not None
+            else word_level_tokenizer(policy.config)
+        )
         tok.padding_side = "left"
         self._dir = tempfile.mkdtemp(prefix="posttrain-trl-")
         args = GRPOConfig(
@@ -72,11 +79,11 @@ class TRLRolloutSource:
             per_device_train_batch_size=num_generations,
             max_completion_length=max_new_tokens,
             report_to=[],
-            use_cpu=True,
+            use_cpu=use_cpu,
             save_strategy="no",
             seed=seed,
         )
-        self.trainer = GRPOTrainer(
+        self.trainer: Any = GRPOTrainer(
             model=policy,
             reward_funcs=[_no_reward],
             args=args,
