@@ -24,16 +24,26 @@ from posttrain.adapters.nemo_rl.codec import (
     to_layout,
     wire_to_layout,
 )
+from posttrain.adapters.nemo_rl.loss import (
+    ContractAsNemoLoss,
+    NemoLossModule,
+    global_counts,
+    nemo_loss_module,
+)
 
 __all__ = [
     "NEMO_KEY",
     "TOKEN_ALIGNED_FIELDS",
+    "ContractAsNemoLoss",
     "NemoFormatError",
+    "NemoLossModule",
     "flatten_message_logs",
     "from_batches",
     "from_layout",
+    "global_counts",
     "layout_to_wire",
     "materialize",
+    "nemo_loss_module",
     "pack_jagged_fields",
     "shard_by_batch_size",
     "to_layout",

@@ -1,0 +1,31 @@
+"""The NeMo-RL adapters' conformance declarations (entry points in ``pyproject.toml``)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from posttrain.adapters.nemo_rl.loss import nemo_loss_module
+from posttrain.contracts.implementation import Implementation
+
+__all__ = ["LOSS_SEQ_MEAN_TOKEN_MEAN", "LOSS_TOKEN_MEAN"]
+
+
+def _loss(aggregation: str) -> Implementation:
+    return Implementation(
+        "loss",
+        partial(nemo_loss_module, aggregation=aggregation),
+        name=f"NeMo-RL LossFunction both ways [{aggregation}]",
+        # NeMo-RL's LossFunction returns one scalar with its KL term inside: no separate
+        # loss_kl_to_ref to check (tests/test_nemo_loss.py checks the KL through the total).
+        capabilities={"per_token_advantage", "ragged"},
+        options={"aggregation": aggregation},
+        description="posttrain's PolicyGradientLoss (NeMo-RL's default clip and k3 KL) wrapped "
+        "as a NeMo-RL LossFunction (ContractAsNemoLoss), wrapped back as a LossModuleV1 "
+        "(NemoLossModule): both directions and the global-count normalization under test.",
+    )
+
+
+LOSS_TOKEN_MEAN = _loss("token_mean")
+"""Entry point ``nemo-rl-loss-token-mean`` (NeMo-RL ``token_level``)."""
+LOSS_SEQ_MEAN_TOKEN_MEAN = _loss("seq_mean_token_mean")
+"""Entry point ``nemo-rl-loss-seq-mean-token-mean`` (NeMo-RL ``sequence_level``)."""

@@ -1,0 +1,268 @@
+"""Losses both ways between NeMo-RL's ``LossFunction`` and posttrain's ``LossModuleV1``.
+
+NeMo-RL (``nemo_rl/algorithms/loss/interfaces.py``, commit 7ea279a; since v0.6 losses take
+log-probs, before that logits): a loss has ``loss_type`` ("token_level" / "sequence_level"),
+``input_type`` ("logprob", "logit", ...) and is called
+``loss_fn(data=..., global_valid_seqs=..., global_valid_toks=..., next_token_logprobs=...)``
+returning ``(loss, metrics)``. ``next_token_logprobs`` is [B, S-1]: entry t is
+log p(input_ids[t+1]); data fields are [B, S] and the loss reads them ``[:, 1:]``. Each
+microbatch's loss is already divided by the *global* count of valid tokens (or sequences)
+over all microbatches and data-parallel ranks, so the losses add up to the full-batch loss
+(``nemo_rl/models/automodel/train.py``); metrics are normalized the same way and summed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from posttrain.adapters.nemo_rl.codec import from_layout
+from posttrain.contracts.alignment import token_log_probs
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.contracts.validation import check
+
+__all__ = ["ContractAsNemoLoss", "NemoLossModule", "global_counts", "nemo_loss_module"]
+
+LOSS_TYPES = {"token_mean": "token_level", "seq_mean_token_mean": "sequence_level"}
+"""posttrain aggregation -> NeMo-RL ``LossType`` value (NeMo-RL has no token-sum variants)."""
+
+
+def _enum(name: str, value: str) -> Any:
+    """NeMo-RL's enum member where nemo_rl imports, else its string value."""
+    try:
+        from nemo_rl.algorithms.loss import interfaces
+    except ImportError:
+        return value
+    return getattr(interfaces, name)(value)
+
+
+def global_counts(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(valid sequences, valid tokens)`` of one batch, as NeMo-RL's workers count them.
+
+    ``sum(sample_mask)`` and ``sum(token_mask[:, 1:] * sample_mask)`` (position 0 is never
+    predicted); all-reduce them over data-parallel ranks for the global counts.
+
+    Example:
+        >>> import torch
+        >>> global_counts({"token_mask": torch.tensor([[0, 1, 1], [0, 0, 1]]),
+        ...                "sample_mask": torch.tensor([1.0, 0.0])})
+        (tensor(1.), tensor(2.))
+    """
+    sm = data["sample_mask"].float()
+    return sm.sum(), (data["token_mask"][:, 1:].float() * sm[:, None]).sum()
+
+
+class _GivenLogProbs(torch.nn.Module):
+    """A stand-in causal LM whose log-prob of token 0 at each position is a given value.
+
+    Over a two-token vocabulary, logit 0 is the given log-prob l and logit 1 is log(1 - e^l),
+    so log_softmax at token 0 is exactly l and its derivative with respect to l is exactly 1:
+    a loss built on a policy sees the given log-probs and passes gradients straight back.
+    """
+
+    def __init__(self, next_token_logprobs: torch.Tensor) -> None:
+        super().__init__()
+        self.lp = next_token_logprobs
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None) -> Any:
+        lp = self.lp.float()
+        inside = lp < -1e-6
+        other = torch.where(
+            inside, torch.log1p(-torch.exp(lp.clamp(max=-1e-6))), torch.full_like(lp, -1e4)
+        )
+        body = torch.stack([lp, other], dim=-1)  # [B, S-1, 2]
+        logits = torch.cat([body, torch.zeros_like(body[:, :1])], dim=1)  # [B, S, 2]
+        return _Out(logits)
+
+
+class _Out:
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class ContractAsNemoLoss:
+    """A posttrain loss (a ``LossModuleV1`` built from a policy) as a NeMo-RL ``LossFunction``.
+
+    ``make_loss(policy) -> LossModuleV1``; ``input_type`` is "logprob". NeMo-RL's data becomes
+    an LLM-layout batch: the assistant mask is ``token_mask * sample_mask`` (what NeMo-RL's
+    loss trains on), the behaviour log-probs are ``prev_logprobs`` (NeMo-RL's PPO ratio is
+    taken against them; ``generation_logprobs`` when absent), the reference log-probs
+    ``reference_policy_logprobs``, the advantage ``advantages``. The policy the loss sees
+    returns exactly ``next_token_logprobs`` (gradients pass straight back). The loss, a token
+    mean (``loss_type="token_level"``) or a sequence mean of token means
+    (``"sequence_level"``) over this microbatch, is rescaled by local/global count so that
+    microbatches and ranks add up to the full-batch loss, as NeMo-RL's own losses do.
+    ``clip_fraction`` and ``kl_approx`` are reported likewise; entropy cannot be (only the
+    sampled tokens' log-probs arrive) and is dropped.
+
+    Example:
+        >>> from posttrain.reference_impls import PolicyGradientLoss
+        >>> loss_fn = ContractAsNemoLoss(lambda p: PolicyGradientLoss(p, kl_coef=0.01))
+        >>> loss_fn.loss_type, loss_fn.input_type
+        ('token_level', 'logprob')
+    """
+
+    def __init__(
+        self,
+        make_loss: Callable[[Any], Any],
+        *,
+        loss_type: str = "token_level",
+        layout: Layout = LLM_LAYOUT_V1,
+    ) -> None:
+        if loss_type not in ("token_level", "sequence_level"):
+            raise ValueError(
+                f"loss_type: expected 'token_level' or 'sequence_level', found {loss_type!r}"
+            )
+        self.make_loss = make_loss
+        self.loss_type = _enum("LossType", loss_type)
+        self.input_type = _enum("LossInputType", "logprob")
+        self._level = loss_type
+        self.layout = layout
+
+    def __call__(
+        self,
+        next_token_logprobs: torch.Tensor | None = None,
+        data: Mapping[str, Any] | None = None,
+        global_valid_seqs: torch.Tensor | float | None = None,
+        global_valid_toks: torch.Tensor | float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """NeMo-RL's call; returns ``(loss, metrics)`` normalized by the global counts."""
+        if next_token_logprobs is None or data is None:
+            raise TypeError("expected next_token_logprobs= and data= (input_type 'logprob')")
+        if global_valid_seqs is None or global_valid_toks is None:
+            raise TypeError("expected global_valid_seqs= and global_valid_toks=")
+        d = dict(getattr(data, "data", data))
+        ids = d["input_ids"]
+        b, s = ids.shape
+        if tuple(next_token_logprobs.shape) != (b, s - 1):
+            raise ValueError(
+                f"next_token_logprobs: expected [{b}, {s - 1}] (input_ids [{b}, {s}] minus the "
+                f"first position), found {list(next_token_logprobs.shape)}"
+            )
+        td = self._layout_batch(d)
+        out = self.make_loss(_GivenLogProbs(next_token_logprobs))(td)
+        terms = {k: v for k, v in out.items() if isinstance(k, str) and k.startswith("loss_")}
+        loss = torch.stack([v.reshape(()) for v in terms.values()]).sum()
+        seqs, toks = global_counts(d)
+        local, total = (
+            (toks, global_valid_toks) if self._level == "token_level" else (seqs, global_valid_seqs)
+        )
+        scale = local / torch.as_tensor(total, dtype=torch.float32).clamp_min(1e-8)
+        metrics: dict[str, Any] = {"loss": float((loss * scale).detach())}
+        for k in ("clip_fraction", "kl_approx", "kl_to_ref", *terms):
+            if k in out.keys():  # noqa: SIM118 - a TensorDict's `in` is not its keys
+                metrics[k] = float((out.get(k) * scale).detach())
+        metrics["num_valid_samples"] = float(seqs)
+        return loss * scale, metrics
+
+    def _layout_batch(self, d: Mapping[str, Any]) -> TensorDict:
+        ids = d["input_ids"]
+        b, s = ids.shape
+        sm = d["sample_mask"]
+        mask = d["token_mask"].bool() & (sm > 0)[:, None]
+        behaviour = d.get("prev_logprobs", d.get("generation_logprobs"))
+        if behaviour is None:
+            raise KeyError("data: expected 'prev_logprobs' or 'generation_logprobs'")
+        k = self.layout.key
+        fields: dict[Any, torch.Tensor] = {
+            # Token ids are all 0: the stand-in policy's log-prob of token 0 is the given one.
+            k("tokens"): torch.zeros_like(ids, dtype=torch.int64),
+            k("attention_mask"): torch.ones(b, s, dtype=torch.bool),
+            k("assistant_mask"): mask,
+            k("sample_log_probs"): behaviour.float(),
+            k("advantage"): d["advantages"].float(),
+        }
+        ref = d.get("reference_policy_logprobs")
+        if ref is not None:
+            fields[k("ref_log_probs")] = ref.float()
+        return TensorDict(fields, batch_size=[b])
+
+
+class NemoLossModule(torch.nn.Module):
+    """A NeMo-RL ``LossFunction`` as a ``LossModuleV1`` over ``policy`` (one microbatch).
+
+    Each call converts the layout batch with :func:`from_layout`, computes the policy's
+    next-token log-probs (or passes logits, for ``input_type`` "logit"), counts valid
+    sequences and tokens in this batch (the global counts of a single microbatch on a single
+    rank), and returns ``loss_objective`` = NeMo-RL's loss plus its numeric metrics.
+
+    Example:
+        >>> from posttrain.reference_impls import PolicyGradientLoss
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.conformance.data import llm_batch
+        >>> module = NemoLossModule(ContractAsNemoLoss(PolicyGradientLoss), tiny_causal_lm())
+        >>> module(llm_batch(2, 6, vocab_size=64))["loss_objective"].shape
+        torch.Size([])
+    """
+
+    def __init__(self, loss_fn: Any, policy: Any, *, layout: Layout = LLM_LAYOUT_V1) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        self.policy = policy
+        self.layout = layout
+
+    def forward(self, td: TensorDictBase) -> TensorDict:
+        """NeMo-RL's loss of the policy on ``td`` (never mutated)."""
+        check(
+            td,
+            self.layout,
+            require=("sample_log_probs", "advantage"),
+            ragged=isinstance(td, LazyStackedTensorDict),
+            context="NemoLossModule",
+        )
+        data = dict(getattr(from_layout(td, layout=self.layout), "data", None) or {})
+        if not data:
+            data = dict(from_layout(td, layout=self.layout))
+        attn = torch.arange(data["input_ids"].shape[1]) < data["input_lengths"][:, None]
+        logits = self.policy(input_ids=data["input_ids"], attention_mask=attn.long()).logits
+        seqs, toks = global_counts(data)
+        kind = str(getattr(self.loss_fn.input_type, "value", self.loss_fn.input_type))
+        inputs: dict[str, Any]
+        if kind == "logprob":
+            inputs = {"next_token_logprobs": token_log_probs(logits, data["input_ids"])[:, 1:]}
+        elif kind == "logit":
+            inputs = {"logits": logits}
+        else:
+            raise ValueError(f"input_type: expected 'logprob' or 'logit', found {kind!r}")
+        loss, metrics = self.loss_fn(
+            data=data, global_valid_seqs=seqs, global_valid_toks=toks, **inputs
+        )
+        out: dict[str, torch.Tensor] = {"loss_objective": loss.reshape(())}
+        for k, v in metrics.items():
+            numeric = isinstance(v, int | float) and math.isfinite(float(v))
+            if k != "loss" and not k.startswith("loss_") and numeric:
+                out[k] = torch.tensor(float(v))
+        return TensorDict(out, batch_size=[])
+
+
+def nemo_loss_module(policy: Any, aggregation: str = "token_mean", **overrides: Any) -> Any:
+    """The conformance factory of the round trip: reference loss -> NeMo-RL -> ``LossModuleV1``.
+
+    posttrain's ``PolicyGradientLoss`` (clip 0.2, k3 KL 0.01, as NeMo-RL's default
+    ``ClippedPGLossConfig``) wrapped as a NeMo-RL ``LossFunction``, wrapped back as a
+    ``LossModuleV1``: the loss suite then checks that both wrappers keep every property.
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> type(nemo_loss_module(tiny_causal_lm())).__name__
+        'NemoLossModule'
+    """
+    from posttrain.reference_impls import PolicyGradientLoss
+
+    if aggregation not in LOSS_TYPES:
+        raise ValueError(
+            f"aggregation: expected one of {sorted(LOSS_TYPES)} (NeMo-RL's loss types), "
+            f"found {aggregation!r}"
+        )
+    opts = {"kl_coef": 0.01, **overrides}
+    PolicyGradientLoss(policy, aggregation=aggregation, **opts)  # unknown options fail here
+
+    def make(p: Any) -> Any:
+        return PolicyGradientLoss(p, aggregation=aggregation, **opts)
+
+    return NemoLossModule(ContractAsNemoLoss(make, loss_type=LOSS_TYPES[aggregation]), policy)
