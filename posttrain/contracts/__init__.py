@@ -12,7 +12,13 @@ Example:
 """
 
 from posttrain.contracts.alignment import token_log_probs
-from posttrain.contracts.buffer import BUFFER, ReplayBufferV1, SupportsCheckpoint, SupportsPriority
+from posttrain.contracts.buffer import (
+    BUFFER,
+    ReplayBufferV1,
+    SupportsCheckpoint,
+    SupportsPriority,
+    SupportsRead,
+)
 from posttrain.contracts.contract import Capability, Contract, DeclarationError, Option
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Key, Layout, LayoutField, key_str, norm_key
@@ -59,6 +65,7 @@ __all__ = [
     "RolloutSourceV1",
     "SupportsCheckpoint",
     "SupportsPriority",
+    "SupportsRead",
     "Violation",
     "WeightReceiverV1",
     "WeightSenderV1",

@@ -88,10 +88,29 @@ class SupportsCheckpoint(Protocol):
         ...
 
 
+@runtime_checkable
+class SupportsRead(Protocol):
+    """Capability ``read`` (v1.1): the items at storage indices, as ``extend`` returned them.
+
+    TorchRL's buffers index their storage (``rb[index]``); this is that, with range checks.
+
+    Example:
+        >>> class R:
+        ...     def read(self, indices): ...
+        >>> isinstance(R(), SupportsRead)
+        True
+    """
+
+    def read(self, indices: torch.Tensor, /) -> Any:
+        """A TensorDict [len(indices)] of the items stored at ``indices``, in that order."""
+        ...
+
+
 _M, _S = Level.MUST, Level.SHOULD
 
 BUFFER = Contract(
     id="buffer",
+    version="1.1",
     title="Replay buffer",
     purpose=(
         "Stores rollout items (rows of a TensorDict, usually in the LLM layout) and samples them "
@@ -99,7 +118,7 @@ BUFFER = Contract(
         "shapes); every later write must match it exactly."
     ),
     protocol=ReplayBufferV1,
-    extra_protocols=(SupportsPriority, SupportsCheckpoint),
+    extra_protocols=(SupportsPriority, SupportsCheckpoint, SupportsRead),
     factory="factory(capacity: int) -> ReplayBufferV1  # a fresh, empty buffer",
     uses_layout=True,
     capabilities=(
@@ -108,6 +127,7 @@ BUFFER = Contract(
         Capability(name="thread_safe", text="`extend` and `sample` may be called from several threads at once."),
         Capability(name="ragged", text="Items may differ in their 'T' dimension (lazy stacks / jagged tensors)."),
         Capability(name="cuda", text="Storage lives on a CUDA device; samples come back on it."),
+        Capability(name="read", text="`read(indices)` returns the items at storage indices (as `extend` returned them); since 1.1."),
     ),
     options=(
         Option(name="eviction", values=("fifo",), default="fifo", text="Which stored item a write replaces when the buffer is full."),
@@ -156,5 +176,7 @@ BUFFER = Contract(
             text="Items whose 'T' differs, within a batch and between batches, MUST be stored and sampled back bit-exactly, with their own lengths.", depends_on=("BUF-001",)),
         Requirement(id="BUF-021", level=_M, title="CUDA storage", capability="cuda",
             text="With CUDA storage, samples MUST come back on the storage device, bit-exactly.", depends_on=("BUF-006",)),
+        Requirement(id="BUF-022", level=_M, title="read by index", capability="read", since="1.1",
+            text="`read(indices)` MUST return, in the order asked, bit-exactly the item the latest write put at each index, and MUST raise an error naming the index for one that holds no item.", depends_on=("BUF-001",)),
     ),
 )  # fmt: skip

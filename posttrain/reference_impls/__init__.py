@@ -55,7 +55,7 @@ RING_BUFFER = Implementation(
     "buffer",
     make_ring_buffer,
     name="posttrain.RingBuffer",
-    capabilities={"checkpoint", "thread_safe"},
+    capabilities={"checkpoint", "thread_safe", "read"},
     description="Reference FIFO ring buffer over one preallocated row-packed byte matrix.",
 )
 """The reference buffer's declaration (entry point ``reference-buffer``)."""

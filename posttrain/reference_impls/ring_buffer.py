@@ -167,6 +167,18 @@ class RingBuffer:
             rows = self._rows.index_select(0, idx.to(self._rows.device))
         return _tensordict(self._nested(self._views(rows)), batch_size, self.device)
 
+    def read(self, indices: torch.Tensor, /) -> TensorDict:
+        """The items at storage ``indices`` (as :meth:`extend` returned them), in that order."""
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        with self._lock:
+            bad = [int(i) for i in idx if not 0 <= int(i) < self._len]
+            if bad or self._rows is None:
+                raise IndexError(
+                    f"read: indices {bad or idx.tolist()} hold no item (stored: 0..{self._len - 1})"
+                )
+            rows = self._rows.index_select(0, idx.to(self._rows.device))
+        return _tensordict(self._nested(self._views(rows)), int(idx.shape[0]), self.device)
+
     def _next_epoch_indices(self, n: int) -> torch.Tensor:
         if n > self._len:
             raise ValueError(

@@ -18,6 +18,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from posttrain.contracts import Implementation
 from posttrain.reference_impls import RingBuffer
+from posttrain.reference_impls.ring_buffer import _tensordict
 
 __all__ = ["MUTANTS"]
 
@@ -181,6 +182,13 @@ class Unlocked(RingBuffer):
 _ = threading  # the suite drives the threads; this module only removes the lock
 
 
+class ReadsInStorageOrder(RingBuffer):
+    """Returns the asked items sorted by index, not in the order asked."""
+
+    def read(self, indices: torch.Tensor, /) -> TensorDict:
+        return super().read(torch.as_tensor(indices).sort().values)
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"checkpoint", "thread_safe"})
     return Implementation("buffer", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -208,6 +216,7 @@ MUTANTS: dict[str, Implementation] = {
     "BUF-019": _impl("BUF-019", Unlocked),
     "BUF-020": _impl("BUF-020", RingBuffer, capabilities={"ragged"}),
     "BUF-021": _impl("BUF-021", RingBuffer, capabilities={"cuda"}),
+    "BUF-022": _impl("BUF-022", ReadsInStorageOrder, capabilities={"read"}),
 }
 """Requirement id -> a buffer that breaks exactly that requirement."""
 
@@ -231,7 +240,18 @@ def _densifies_later_batches(capacity: int) -> Any:
     )
 
 
+class ReadsUnwrittenSlots(RingBuffer):
+    """Reads any row of its preallocated storage, written or not."""
+
+    def read(self, indices: torch.Tensor, /) -> TensorDict:
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        assert self._rows is not None
+        rows = self._rows.index_select(0, idx)
+        return _tensordict(self._nested(self._views(rows)), int(idx.shape[0]), self.device)
+
+
 EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("BUF-020", _impl("BUF-020", _densifies_later_batches, capabilities={"ragged"})),
+    ("BUF-022", _impl("BUF-022", ReadsUnwrittenSlots, capabilities={"read"})),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""

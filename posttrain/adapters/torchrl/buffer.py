@@ -91,6 +91,18 @@ class ValidatedReplayBuffer:
             got += int(more.batch_size[0])
         return torch.cat(parts, 0)
 
+    def read(self, indices: torch.Tensor, /) -> Any:
+        """The items at storage ``indices`` (TorchRL's ``rb[indices]``), range-checked first.
+
+        TorchRL's lazy storages hand back whatever memory sits at an index never written.
+        """
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        n = len(self.rb)
+        bad = [int(i) for i in idx if not 0 <= int(i) < n]
+        if bad:
+            raise IndexError(f"read: indices {bad} hold no item (stored: 0..{n - 1})")
+        return self.rb[idx]
+
     def __len__(self) -> int:
         return len(self.rb)
 

@@ -116,6 +116,8 @@ def _impl(
     kind: str, label: str, *, adapted: bool, without_replacement: bool = False
 ) -> Implementation:
     caps = {"checkpoint", "thread_safe"} | ({"ragged"} if kind == "stack" else set())
+    if adapted:  # raw TorchRL indexes its storage (rb[i]) but has no read() with range checks
+        caps |= {"read"}
     wrapper = "ValidatedReplayBuffer(" if adapted else ""
     sampler = "SamplerWithoutReplacement" if without_replacement else "RandomSampler"
     return Implementation(

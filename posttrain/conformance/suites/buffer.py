@@ -481,3 +481,37 @@ def cuda_storage(ctx: Context) -> None:
     if devs != {"cuda"}:
         raise _fail(f"a sample from CUDA storage lives on {sorted(devs)}, expected cuda")
     r.expect_stored("CUDA storage")
+
+
+@requirement("BUF-022")
+def read_by_index(ctx: Context) -> None:
+    r = _Run(ctx)
+    first = r.batch(5)
+    idx_a = _indices(r.put(first), 5, "extend of 5 items")
+    second = r.batch(6)
+    idx_b = _indices(r.put(second), 6, f"extend of 6 more items into capacity {CAP}")
+    latest: dict[int, int] = {}
+    for i, u in zip(idx_a + idx_b, item_uids(first) + item_uids(second), strict=True):
+        latest[i] = u
+    ask = sorted(latest, key=lambda i: (i * 7919) % 101)  # a scrambled order
+    got = r.rb.read(torch.tensor(ask, dtype=torch.int64))
+    if tuple(got.batch_size) != (len(ask),):
+        raise _fail(f"read of {len(ask)} indices returned batch size {list(got.batch_size)}")
+    uids = r.table.check_sample(got, set(r.fifo))
+    want = [latest[i] for i in ask]
+    if uids != want:
+        raise _fail(
+            f"read({ask}) returned uids {uids}, expected {want} (the latest write per index)"
+        )
+    fresh = _Run(ctx)
+    written = set(_indices(fresh.write(3), 3, "extend of 3 items"))
+    bad = max(i for i in range(CAP) if i not in written)
+    try:
+        fresh.rb.read(torch.tensor([bad]))
+    except Exception as e:
+        if str(bad) not in str(e):
+            raise _fail(
+                f"read([{bad}]) of an index holding no item raised without naming it: {e}"
+            ) from None
+        return
+    raise _fail(f"read([{bad}]) returned data for an index that holds no item (3 of {CAP} written)")
