@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from posttrain.contracts.layout import leaf_items
+from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_items
 from posttrain.contracts.validation import ContractViolation, Violation
 
 __all__ = ["RAGGED", "Column", "ItemSchema", "batch_violations", "leaf_items"]
@@ -48,6 +48,19 @@ def batch_violations(data: Any) -> list[Violation]:
     if data.batch_dims != 1:
         return [Violation((), "batch dims [N]", f"batch_size {list(data.batch_size)}", "BUF-001")]
     return []
+
+
+def _free_token_dim(columns: dict[tuple[str, ...], Column]) -> dict[tuple[str, ...], Column]:
+    """A ragged buffer's schema: the token dimension 'T' varies even if the first batch's
+    items happen to share one length (the LLM layout's per-token fields lead with T)."""
+    tok = columns.get(LLM_LAYOUT_V1.key("tokens"))
+    if tok is None or not tok.shape:
+        return columns
+    t = tok.shape[0]
+    return {
+        k: Column(c.dtype, (RAGGED, *c.shape[1:])) if c.shape and c.shape[0] in (t, RAGGED) else c
+        for k, c in columns.items()
+    }
 
 
 def _columns(
@@ -128,7 +141,10 @@ class ItemSchema:
             ]
         if bad:
             raise ContractViolation(bad, "extend (buffer unchanged)")
-        return cls({k: c for k, c in cols.items() if isinstance(c, Column)})
+        columns = {k: c for k, c in cols.items() if isinstance(c, Column)}
+        if ragged:
+            columns = _free_token_dim(columns)
+        return cls(columns)
 
     def violations(
         self, data: Any, leaves: dict[tuple[str, ...], Any] | None = None

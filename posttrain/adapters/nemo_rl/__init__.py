@@ -30,6 +30,7 @@ from posttrain.adapters.nemo_rl.loss import (
     global_counts,
     nemo_loss_module,
 )
+from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
 
 __all__ = [
     "NEMO_KEY",
@@ -37,6 +38,7 @@ __all__ = [
     "ContractAsNemoLoss",
     "NemoFormatError",
     "NemoLossModule",
+    "NemoReplayBuffer",
     "flatten_message_logs",
     "from_batches",
     "from_layout",

@@ -1,0 +1,190 @@
+"""NeMo-RL's async replay buffer interface over any ``ReplayBufferV1`` (the storage on-ramp).
+
+NeMo-RL's ``ReplayBufferImpl`` (``nemo_rl/algorithms/async_utils/replay_buffer.py``, commit
+7ea279a; the ``async_utils`` package since v0.7, a single module with ``push_with_wait_signal``
+since v0.4) holds one entry per prompt group: the trajectory, the weight version that
+generated it and the weight version it is meant to train. :class:`NemoReplayBuffer` keeps that
+bookkeeping and stores the data in a posttrain/TorchRL buffer in the LLM layout, so a NeMo-RL
+loop can move its storage onto TorchRL (memmap, shared memory, a Ray-served buffer) unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.adapters.nemo_rl.codec import from_layout, to_layout
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+
+__all__ = ["NemoReplayBuffer"]
+
+
+@dataclass
+class _Entry:
+    indices: list[int]
+    offset: int  # items this facade had written before this entry
+    version: int
+    target: int
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class NemoReplayBuffer:
+    """``add`` / ``sample`` / ``size`` / ``clear`` / ``state_dict`` as NeMo-RL's async buffer.
+
+    ``buffer`` is any ``ReplayBufferV1`` with the ``read`` capability (posttrain's
+    ``RingBuffer``; TorchRL's behind ``ValidatedReplayBuffer``, ragged storage when groups
+    differ in length). ``trajectory["batch"]`` is NeMo-RL train data of one prompt group
+    (``input_ids``, ``input_lengths``, masks, log-probs, advantages ...); it is stored as
+    LLM-layout items and given back bit-exactly, dtypes included; the trajectory's other keys
+    (``rollout_metrics``, ``timestamp``) stay here. ``capacity`` is the backing buffer's
+    capacity in items: an ``add`` whose FIFO write would overwrite an entry not yet sampled
+    answers ``"full"``, as one beyond ``max_size`` entries does, and changes nothing.
+
+    Sampling follows NeMo-RL: entries generated before ``current - max_age_steps`` are
+    dropped; ``None`` unless at least ``num_prompt_groups`` entries are valid and meant for
+    the current version (``target == current``); else the oldest such entries leave the
+    buffer, returned as ``{"trajectories": [...], "avg_trajectory_age": float}``.
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> from posttrain.adapters.nemo_rl.codec import from_layout
+        >>> from posttrain.conformance.data import llm_batch
+        >>> nemo = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+        >>> group = dict(from_layout(llm_batch(2, 6)))
+        >>> nemo.add({"batch": group, "timestamp": 0.0}, weight_version=0, target_weight_version=1)
+        'success'
+        >>> nemo.sample(1, current_weight_version=0, max_age_steps=1) is None  # meant for 1
+        True
+        >>> out = nemo.sample(1, current_weight_version=1, max_age_steps=1)
+        >>> torch.equal(out["trajectories"][0]["batch"]["input_ids"], group["input_ids"])
+        True
+    """
+
+    def __init__(
+        self,
+        buffer: Any,
+        max_size: int,
+        *,
+        capacity: int | None = None,
+        layout: Layout = LLM_LAYOUT_V1,
+    ) -> None:
+        if max_size <= 0:
+            raise ValueError(f"max_size: expected > 0, found {max_size}")
+        if not callable(getattr(buffer, "read", None)):
+            raise TypeError(
+                f"buffer: expected a ReplayBufferV1 with read(indices) (capability 'read'), "
+                f"found {type(buffer).__name__} without it; wrap a TorchRL buffer in "
+                "posttrain.adapters.torchrl.ValidatedReplayBuffer"
+            )
+        self.buffer = buffer
+        self.max_size = max_size
+        self.capacity = capacity
+        self.layout = layout
+        self._entries: list[_Entry] = []
+        self._written = 0
+        self.last_target_weight_already_generated = -1
+
+    def add(
+        self, trajectory: dict[str, Any], weight_version: int, target_weight_version: int
+    ) -> str:
+        """Store one prompt group; ``"success"``, or ``"full"`` with nothing changed."""
+        if len(self._entries) >= self.max_size:
+            return "full"
+        if "batch" not in trajectory:
+            raise KeyError(f"trajectory: expected a 'batch' key; found {sorted(trajectory)}")
+        td = to_layout(trajectory["batch"], layout=self.layout)
+        n = int(td.batch_size[0])
+        if self.capacity is not None:
+            oldest = min((e.offset for e in self._entries), default=self._written)
+            if self._written + n - oldest > self.capacity:
+                return "full"
+        idx = self.buffer.extend(td)  # raises on a schema mismatch: nothing recorded then
+        self._entries.append(
+            _Entry(
+                indices=[int(i) for i in idx.tolist()],
+                offset=self._written,
+                version=int(weight_version),
+                target=int(target_weight_version),
+                extras={k: v for k, v in trajectory.items() if k != "batch"},
+            )
+        )
+        self._written += n
+        return "success"
+
+    def sample(
+        self, num_prompt_groups: int, current_weight_version: int, max_age_steps: int
+    ) -> dict[str, Any] | None:
+        """NeMo-RL's staleness rules; the chosen entries leave the buffer."""
+        if not self._entries:
+            return None
+        min_valid = max(0, current_weight_version - max_age_steps)
+        self._entries = [e for e in self._entries if e.version >= min_valid]
+        valid = [e for e in self._entries if min_valid <= e.version <= current_weight_version]
+        if len(valid) < num_prompt_groups:
+            return None
+        intended = [e for e in valid if e.target == current_weight_version]
+        if len(intended) < num_prompt_groups:
+            return None
+        chosen = intended[:num_prompt_groups]
+        trajectories = [
+            {
+                "batch": from_layout(
+                    self.buffer.read(torch.tensor(e.indices, dtype=torch.int64)),
+                    layout=self.layout,
+                ),
+                **e.extras,
+            }
+            for e in chosen
+        ]
+        taken = {id(e) for e in chosen}
+        self._entries = [e for e in self._entries if id(e) not in taken]
+        self.last_target_weight_already_generated = max(
+            self.last_target_weight_already_generated, current_weight_version
+        )
+        ages = [current_weight_version - e.version for e in chosen]
+        return {"trajectories": trajectories, "avg_trajectory_age": sum(ages) / len(ages)}
+
+    def size(self) -> int:
+        """Entries (prompt groups) held."""
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Forget every entry (``last_target_weight_already_generated`` stays, as in NeMo-RL)."""
+        self._entries = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """NeMo-RL's keys (``trajectories`` as storage indices) plus the backing buffer's state."""
+        return {
+            "trajectories": [
+                {"indices": e.indices, "offset": e.offset, "extras": e.extras}
+                for e in self._entries
+            ],
+            "trajectory_versions": [e.version for e in self._entries],
+            "target_weight_versions": [e.target for e in self._entries],
+            "last_target_weight_already_generated": self.last_target_weight_already_generated,
+            "max_size": self.max_size,
+            "written": self._written,
+            "buffer": self.buffer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (lists must agree in length)."""
+        keys = ("trajectories", "trajectory_versions", "target_weight_versions")
+        missing = [k for k in (*keys, "buffer") if k not in state]
+        if missing:
+            raise KeyError(f"state: missing {missing}; found {sorted(state)}")
+        lengths = {k: len(state[k]) for k in keys}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"state: lists differ in length: {lengths}")
+        self.buffer.load_state_dict(state["buffer"])
+        self._entries = [
+            _Entry(list(t["indices"]), int(t["offset"]), int(v), int(g), dict(t["extras"]))
+            for t, v, g in zip(*(state[k] for k in keys), strict=True)
+        ]
+        self._written = int(state.get("written", 0))
+        self.last_target_weight_already_generated = int(
+            state.get("last_target_weight_already_generated", -1)
+        )
+        self.max_size = int(state.get("max_size", self.max_size))

@@ -1,0 +1,150 @@
+"""NeMo-RL's async replay buffer interface over posttrain/TorchRL buffers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from posttrain.adapters.nemo_rl import flatten_message_logs, from_layout
+from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
+from posttrain.conformance.data import llm_batch
+from posttrain.reference_impls import RingBuffer
+
+
+def _group(seed: int, n: int = 2, t: int = 6) -> dict[str, torch.Tensor]:
+    return dict(from_layout(llm_batch(n, t, seed=seed, uid_start=seed * 10)))
+
+
+def _torchrl(capacity: int) -> Any:
+    from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
+
+    from posttrain.adapters.torchrl import ValidatedReplayBuffer
+
+    return ValidatedReplayBuffer(
+        TensorDictReplayBuffer(storage=LazyStackStorage(capacity)), ragged=True
+    )
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_nemo_batches_go_through_a_torchrl_buffer_and_come_back_unchanged() -> None:
+    logs = [
+        [
+            {"role": "user", "token_ids": [11, 12, 13]},
+            {"role": "assistant", "token_ids": [21, 22], "generation_logprobs": [-0.5, -1.0]},
+        ],
+        [
+            {"role": "user", "token_ids": [11, 12, 13]},
+            {
+                "role": "assistant",
+                "token_ids": [31, 32, 33],
+                "generation_logprobs": [-0.1, -0.2, -0.3],
+            },
+        ],
+    ]
+    flat = flatten_message_logs(logs, make_sequence_length_divisible_by=4)
+    group_a = {
+        "input_ids": flat["token_ids"],
+        "input_lengths": flat["input_lengths"],
+        "token_mask": flat["token_loss_mask"],
+        "generation_logprobs": flat["generation_logprobs"],
+        "prev_logprobs": flat["generation_logprobs"] - 0.01,
+        "reference_policy_logprobs": flat["generation_logprobs"] - 0.02,
+        "advantages": torch.tensor([[0.5] * 8, [-0.5] * 8]),
+        "sample_mask": torch.tensor([1.0, 0.0]),
+    }
+    group_b = {k: v.clone() for k, v in group_a.items()}
+    group_b["input_ids"] = torch.cat(
+        [group_b["input_ids"], torch.zeros(2, 4, dtype=torch.int64)], 1
+    )
+    for k in (
+        "token_mask",
+        "generation_logprobs",
+        "prev_logprobs",
+        "reference_policy_logprobs",
+        "advantages",
+    ):
+        group_b[k] = torch.cat([group_b[k], torch.zeros(2, 4, dtype=group_b[k].dtype)], 1)
+    nemo = NemoReplayBuffer(_torchrl(16), max_size=4, capacity=16)
+    assert nemo.add({"batch": group_a, "timestamp": 1.0}, 0, 1) == "success"
+    assert nemo.add({"batch": group_b, "timestamp": 2.0}, 0, 1) == "success"  # wider: ragged
+    out = nemo.sample(2, current_weight_version=1, max_age_steps=1)
+    assert out is not None
+    assert [t["timestamp"] for t in out["trajectories"]] == [1.0, 2.0]
+    _same(dict(out["trajectories"][0]["batch"]), group_a)
+    _same(dict(out["trajectories"][1]["batch"]), group_b)
+    assert out["avg_trajectory_age"] == 1.0
+    assert nemo.size() == 0
+
+
+def test_staleness_rules_follow_nemo_rl() -> None:
+    nemo = NemoReplayBuffer(RingBuffer(64), max_size=8, capacity=64)
+    for i, (v, target) in enumerate([(0, 1), (0, 2), (1, 2), (1, 3), (2, 3)]):
+        assert nemo.add({"batch": _group(i), "i": i}, v, target) == "success"
+    assert nemo.sample(1, current_weight_version=0, max_age_steps=2) is None  # none meant for 0
+    assert nemo.sample(3, current_weight_version=2, max_age_steps=2) is None  # only 2 meant for 2
+    out = nemo.sample(2, current_weight_version=2, max_age_steps=2)
+    assert out is not None
+    assert [t["i"] for t in out["trajectories"]] == [1, 2]
+    assert out["avg_trajectory_age"] == pytest.approx(1.5)
+    # At version 3 with max age 1, entries generated before version 2 are dropped for good.
+    out = nemo.sample(1, current_weight_version=3, max_age_steps=1)
+    assert out is not None
+    assert [t["i"] for t in out["trajectories"]] == [4]
+    assert nemo.size() == 0  # entry 0 (v0) and entry 3 (v1) were too old
+    assert nemo.last_target_weight_already_generated == 3
+
+
+def test_full_when_max_size_or_an_unsampled_entry_would_be_overwritten() -> None:
+    nemo = NemoReplayBuffer(RingBuffer(6), max_size=2, capacity=6)
+    assert nemo.add({"batch": _group(0)}, 0, 1) == "success"
+    assert nemo.add({"batch": _group(1)}, 0, 1) == "success"
+    assert nemo.add({"batch": _group(2)}, 0, 1) == "full"  # max_size entries
+    assert nemo.sample(1, 1, 1) is not None
+    assert nemo.add({"batch": _group(3, n=6)}, 0, 1) == "full"  # would overwrite entry 1
+    assert nemo.size() == 1
+    assert nemo.add({"batch": _group(4, n=4)}, 0, 1) == "success"  # over entry 0 only
+    out = nemo.sample(2, 1, 1)
+    assert out is not None
+    _same(dict(out["trajectories"][0]["batch"]), _group(1))
+    _same(dict(out["trajectories"][1]["batch"]), _group(4, n=4))
+
+
+def test_a_bad_trajectory_is_refused_and_nothing_changes() -> None:
+    nemo = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    nemo.add({"batch": _group(0)}, 0, 1)
+    with pytest.raises(KeyError, match="expected a 'batch' key"):
+        nemo.add({"data": _group(1)}, 0, 1)
+    bad = _group(1)
+    del bad["prev_logprobs"]
+    with pytest.raises(Exception, match="prev_logprobs"):
+        nemo.add({"batch": bad}, 0, 1)
+    assert nemo.size() == 1
+    assert len(nemo.buffer) == 2
+    with pytest.raises(TypeError, match="capability 'read'"):
+        NemoReplayBuffer(object(), max_size=1)
+
+
+def test_state_dict_round_trip_and_clear() -> None:
+    nemo = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    nemo.add({"batch": _group(0), "t": 0}, 0, 1)
+    nemo.add({"batch": _group(1), "t": 1}, 1, 2)
+    copy = NemoReplayBuffer(RingBuffer(16), max_size=1, capacity=16)
+    copy.load_state_dict(nemo.state_dict())
+    assert copy.size() == 2
+    assert copy.max_size == 4
+    out = copy.sample(1, 2, 1)
+    assert out is not None
+    assert out["trajectories"][0]["t"] == 1
+    _same(dict(out["trajectories"][0]["batch"]), _group(1))
+    nemo.clear()
+    assert nemo.size() == 0
+    with pytest.raises(ValueError, match="lists differ in length"):
+        copy.load_state_dict({**nemo.state_dict(), "trajectory_versions": [1]})
