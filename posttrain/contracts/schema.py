@@ -122,6 +122,13 @@ class ItemSchema:
             else {k: (c.dtype, c.shape) for k, c in self.columns.items()}
         )
         self._exact_by_n: dict[int, dict[tuple[str, ...], tuple[torch.dtype, torch.Size]]] = {}
+        # Ragged per-token columns must match the tokens' length item by item.
+        tok = LLM_LAYOUT_V1.key("tokens")
+        tc = self.columns.get(tok)
+        self._tok = tok if tc is not None and tc.shape[:1] == (RAGGED,) else None
+        self._token_cols = [
+            k for k, c in self.columns.items() if k != tok and c.shape[:1] == (RAGGED,)
+        ]
 
     @classmethod
     def of(cls, data: TensorDictBase, *, ragged: bool = False) -> ItemSchema:
@@ -182,6 +189,32 @@ class ItemSchema:
             for k in got
             if k not in self.columns
         ]
+        if not out and self._tok is not None:
+            out += self._token_length_violations(data, leaves)
+        return out
+
+    def _token_length_violations(
+        self, data: Any, leaves: dict[tuple[str, ...], Any] | None
+    ) -> list[Violation]:
+        tok = self._tok
+        assert tok is not None
+        if isinstance(data, LazyStackedTensorDict):
+            items = [leaf_items(x) for x in data.tensordicts]
+            where = [f"item {i} " for i in range(len(items))]
+            dim = 0
+        else:
+            items = [leaves if leaves is not None else leaf_items(data)]
+            where = [""]
+            dim = 1
+        out: list[Violation] = []
+        for w, li in zip(where, items, strict=True):
+            t = li[tok].shape[dim]
+            for k in self._token_cols:
+                n = li[k].shape[dim]
+                if n != t:
+                    out.append(
+                        Violation(k, f"{w}length {t} (the tokens')", f"{w}length {n}", "BUF-012")
+                    )
         return out
 
     def check(
