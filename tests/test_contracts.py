@@ -32,7 +32,10 @@ PREFIX = {"buffer": "BUF", "rollout": "ROLL", "weight_sync": "WS", "loss": "LOSS
 @pytest.mark.parametrize("cid", sorted(CONTRACTS))
 def test_catalogue_integrity(cid: str) -> None:
     c = CONTRACTS[cid]
-    assert c.version == "1.0"
+    assert c.major == 1
+    # Additive minor versions: every requirement says since when, never after the contract.
+    assert all(r.since <= c.version for r in c.requirements)
+    assert (c.version == "1.0") == all(r.since == "1.0" for r in c.requirements)
     assert c.requirements
     ids = [r.id for r in c.requirements]
     assert all(i.startswith(PREFIX[cid] + "-") for i in ids)

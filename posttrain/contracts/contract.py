@@ -20,7 +20,7 @@ class DeclarationError(ValueError):
         ...     BUFFER.check_declaration(capabilities=["teleport"])
         ... except DeclarationError as e:
         ...     print(str(e).splitlines()[0])
-        buffer v1.0: unknown capability 'teleport'; the closed set is: checkpoint, cuda, priority, ragged, thread_safe
+        buffer v1.1: unknown capability 'teleport'; the closed set is: checkpoint, cuda, priority, ragged, read, thread_safe
     """
 
 
@@ -70,7 +70,7 @@ class Contract(BaseModel):
     Example:
         >>> from posttrain.contracts import BUFFER
         >>> BUFFER.id, BUFFER.version, BUFFER.requirement("BUF-001").level.value
-        ('buffer', '1.0', 'MUST')
+        ('buffer', '1.1', 'MUST')
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
