@@ -252,3 +252,14 @@ def test_real_batched_data_dict_where_nemo_rl_imports() -> None:
     )
     data = nemo.BatchedDataDict(_train_data())
     _same(dict(from_layout(to_layout(data))), dict(data))
+
+
+@pytest.mark.parametrize("leave_one_out", [True, False])
+def test_vector_grpo_advantages(leave_one_out: bool) -> None:
+    from posttrain.adapters.nemo_rl.advantages import grpo_advantages
+
+    v = V["grpo_advantages"]
+    out = grpo_advantages(v["prompt_rows"], v["rewards"], leave_one_out=leave_one_out)
+    expected = v["leave_one_out"] if leave_one_out else v["no_leave_one_out"]
+    for key, want in expected.items():
+        torch.testing.assert_close(out[key], torch.tensor(want), atol=1e-5, rtol=0)

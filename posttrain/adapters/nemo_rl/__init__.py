@@ -10,6 +10,7 @@ Example:
     'to_layout'
 """
 
+from posttrain.adapters.nemo_rl.advantages import grpo_advantages
 from posttrain.adapters.nemo_rl.codec import (
     NEMO_KEY,
     TOKEN_ALIGNED_FIELDS,
@@ -43,6 +44,7 @@ __all__ = [
     "from_batches",
     "from_layout",
     "global_counts",
+    "grpo_advantages",
     "layout_to_wire",
     "materialize",
     "nemo_loss_module",
