@@ -32,6 +32,7 @@ from posttrain.adapters.nemo_rl.loss import (
     nemo_loss_module,
 )
 from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
+from posttrain.adapters.nemo_rl.weight_sync import NemoWeightSynchronizer
 
 __all__ = [
     "NEMO_KEY",
@@ -40,6 +41,7 @@ __all__ = [
     "NemoFormatError",
     "NemoLossModule",
     "NemoReplayBuffer",
+    "NemoWeightSynchronizer",
     "flatten_message_logs",
     "from_batches",
     "from_layout",
