@@ -25,6 +25,7 @@ from posttrain.adapters.nemo_rl.codec import (
     to_layout,
     wire_to_layout,
 )
+from posttrain.adapters.nemo_rl.logger import NemoLogger, metric_name
 from posttrain.adapters.nemo_rl.loss import (
     ContractAsNemoLoss,
     NemoLossModule,
@@ -39,6 +40,7 @@ __all__ = [
     "TOKEN_ALIGNED_FIELDS",
     "ContractAsNemoLoss",
     "NemoFormatError",
+    "NemoLogger",
     "NemoLossModule",
     "NemoReplayBuffer",
     "NemoWeightSynchronizer",
@@ -49,6 +51,7 @@ __all__ = [
     "grpo_advantages",
     "layout_to_wire",
     "materialize",
+    "metric_name",
     "nemo_loss_module",
     "pack_jagged_fields",
     "shard_by_batch_size",

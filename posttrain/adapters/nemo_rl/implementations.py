@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from posttrain.adapters.nemo_rl.loss import nemo_loss_module
 from posttrain.contracts.implementation import Implementation
 
-__all__ = ["LOSS_SEQ_MEAN_TOKEN_MEAN", "LOSS_TOKEN_MEAN"]
+__all__ = ["LOGGER_JSONL", "LOSS_SEQ_MEAN_TOKEN_MEAN", "LOSS_TOKEN_MEAN"]
 
 
 def _loss(aggregation: str) -> Implementation:
@@ -29,3 +30,27 @@ LOSS_TOKEN_MEAN = _loss("token_mean")
 """Entry point ``nemo-rl-loss-token-mean`` (NeMo-RL ``token_level``)."""
 LOSS_SEQ_MEAN_TOKEN_MEAN = _loss("seq_mean_token_mean")
 """Entry point ``nemo-rl-loss-seq-mean-token-mean`` (NeMo-RL ``sequence_level``)."""
+
+
+def _jsonl_logger(directory: Any) -> Any:
+    from posttrain.adapters.nemo_rl.logger import NemoLogger
+    from posttrain.reference_impls import JsonlSink
+
+    return NemoLogger(JsonlSink(directory))
+
+
+def _read_jsonl(directory: Any) -> Any:
+    from posttrain.reference_impls import read_jsonl
+
+    return read_jsonl(directory)
+
+
+LOGGER_JSONL = Implementation(
+    "metrics",
+    _jsonl_logger,
+    name="NemoLogger(JsonlSink)",
+    capabilities={"flush", "cross_process"},
+    extras={"reader": _read_jsonl},
+    description="NeMo-RL's LoggerInterface shape over posttrain's JSONL sink.",
+)
+"""Entry point ``nemo-rl-logger-jsonl``."""

@@ -1,0 +1,131 @@
+"""A metric sink with NeMo-RL's ``LoggerInterface`` shape, over any ``MetricSinkV1``.
+
+NeMo-RL's loggers (``nemo_rl/utils/logger.py``, commit 7ea279a) take
+``log_metrics(metrics, step, prefix="", step_metric=None, step_finished=False)``,
+``log_hyperparams(params)``, ``log_histogram(histogram, step, name)`` and
+``log_plot(figure, step, name)``; GRPO logs under prefixes ``train``, ``timing/train``,
+``performance``, ``refit`` and ``validation`` (``nemo_rl/algorithms/grpo.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from posttrain.contracts.metrics import METRIC_NAME
+
+__all__ = ["NemoLogger", "metric_name"]
+
+_BAD = re.compile(r"[^a-z0-9_/]+")
+
+
+def metric_name(name: str, prefix: str | None = "") -> str:
+    """``prefix/name`` in the catalogue's form: lowercase, ``[a-z0-9_]`` segments.
+
+    Example:
+        >>> metric_name("probs_ratio_min", "train"), metric_name("Policy Loss", "train")
+        ('train/probs_ratio_min', 'train/policy_loss')
+    """
+    full = f"{prefix}/{name}" if prefix else name
+    if METRIC_NAME.match(full):
+        return full
+    out = _BAD.sub("_", full.lower()).strip("_/")
+    out = re.sub(r"/+", "/", re.sub(r"_*/_*", "/", out))
+    if not METRIC_NAME.match(out):
+        raise ValueError(f"metric name {full!r}: no catalogue form (found {out!r})")
+    return out
+
+
+class NemoLogger:
+    """NeMo-RL's ``LoggerInterface`` over a posttrain/TorchRL metric sink; also a ``MetricSinkV1``.
+
+    Scalars (ints, floats, 0-d tensors) go to ``sink.log_scalar(prefix/name, value, step)``
+    under the catalogue form of the name (``names`` renames first: NeMo-RL name -> catalogue
+    name); a histogram is logged as its mean, min and max; a plot is not a scalar and is
+    dropped (counted in ``dropped``). ``step_metric`` and ``step_finished`` (W&B's step
+    bookkeeping) do not change what is stored.
+
+    Example:
+        >>> import tempfile
+        >>> from posttrain.reference_impls import JsonlSink, read_jsonl
+        >>> d = tempfile.mkdtemp()
+        >>> log = NemoLogger(JsonlSink(d))
+        >>> log.log_metrics({"reward": 0.5, "probs_ratio_min": 0.9}, step=3, prefix="train")
+        >>> log.flush(); sorted(read_jsonl(d))
+        ['train/probs_ratio_min', 'train/reward']
+    """
+
+    def __init__(self, sink: Any, *, names: Mapping[str, str] | None = None) -> None:
+        self.sink = sink
+        self.names = dict(names or {})
+        self.hyperparams: dict[str, Any] = {}
+        self.dropped = 0
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        """``MetricSinkV1``: one scalar, name as given (renamed if ``names`` says so)."""
+        self.sink.log_scalar(self.names.get(name, name), value, step=step)
+
+    def log_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int,
+        prefix: str | None = "",
+        step_metric: str | None = None,
+        step_finished: bool = False,
+    ) -> None:
+        """NeMo-RL's call: every scalar of ``metrics`` under ``prefix``."""
+        for key, value in metrics.items():
+            scalar = _scalar(value)
+            if scalar is None:
+                self.dropped += 1
+                continue
+            full = f"{prefix}/{key}" if prefix else key
+            name = self.names.get(full) or metric_name(key, prefix)
+            self.sink.log_scalar(name, scalar, step=step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Kept in ``hyperparams``; passed on where the sink has ``log_hparams``."""
+        self.hyperparams.update(params)
+        log_hparams = getattr(self.sink, "log_hparams", None)
+        if callable(log_hparams):
+            log_hparams(dict(params))
+
+    def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
+        """Mean, min and max of ``histogram`` as ``name/mean`` etc."""
+        values = [v for v in (_scalar(x) for x in histogram) if v is not None]
+        if not values:
+            self.dropped += 1
+            return
+        base = metric_name(name)
+        for stat, v in (
+            ("mean", sum(values) / len(values)),
+            ("min", min(values)),
+            ("max", max(values)),
+        ):
+            self.sink.log_scalar(f"{base}/{stat}", v, step=step)
+
+    def log_plot(self, figure: Any, step: int, name: str) -> None:
+        """A figure is not a scalar: dropped."""
+        self.dropped += 1
+
+    def flush(self) -> None:
+        """The sink's ``flush`` where it has one."""
+        flush = getattr(self.sink, "flush", None)
+        if callable(flush):
+            flush()
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    numel = getattr(value, "numel", None)
+    if callable(numel) and numel() == 1:
+        return float(value.item())
+    item = getattr(value, "item", None)  # numpy scalars
+    if callable(item) and getattr(value, "shape", None) == ():
+        out = item()
+        return float(out) if isinstance(out, int | float) else None
+    return None

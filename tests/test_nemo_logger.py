@@ -1,0 +1,62 @@
+"""NeMo-RL's LoggerInterface shape over posttrain/TorchRL metric sinks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.adapters.nemo_rl.logger import NemoLogger, metric_name
+from posttrain.reference_impls import JsonlSink, read_jsonl
+
+
+def test_grpo_style_calls_land_under_catalogue_names(tmp_path: Path) -> None:
+    log = NemoLogger(JsonlSink(tmp_path), names={"train/reward": "rollout/reward/mean"})
+    # As nemo_rl/algorithms/grpo.py logs a step (names from its source).
+    log.log_metrics(
+        {"reward": 0.25, "loss": torch.tensor(1.5), "probs_ratio_min": 0.9, "text": "skip"},
+        step=7,
+        prefix="train",
+    )
+    log.log_metrics(
+        {"prepare_for_generation/transfer_and_update_weights": 0.03},
+        step=7,
+        prefix="timing/train",
+        step_finished=True,
+    )
+    log.log_histogram([1.0, 2.0, 6.0], step=7, name="train/advantages/histogram")
+    log.log_plot(object(), step=7, name="train/token_mult_prob_error_plot_sample")
+    log.log_hyperparams({"lr": 1e-6})
+    log.flush()
+    got = read_jsonl(tmp_path)
+    assert got["rollout/reward/mean"] == [(7, 0.25)]
+    assert got["train/loss"] == [(7, 1.5)]
+    ((step, ratio),) = got["train/probs_ratio_min"]
+    assert step == 7
+    assert ratio == pytest.approx(0.9)
+    ((step, seconds),) = got["timing/train/prepare_for_generation/transfer_and_update_weights"]
+    assert step == 7
+    assert seconds == pytest.approx(0.03)
+    assert got["train/advantages/histogram/mean"] == [(7, 3.0)]
+    assert got["train/advantages/histogram/max"] == [(7, 6.0)]
+    assert "train/text" not in got
+    assert log.dropped == 2
+    assert log.hyperparams == {"lr": 1e-6}
+
+
+def test_names_outside_the_catalogue_form_are_normalised_or_refused() -> None:
+    assert metric_name("Mean Gen Tokens", "train") == "train/mean_gen_tokens"
+    assert metric_name("a//b", None) == "a/b"
+    with pytest.raises(ValueError, match="no catalogue form"):
+        metric_name("!!!")
+
+
+def test_torchrl_tensorboard_logger_behind_the_nemo_shape(tmp_path: Path) -> None:
+    from posttrain.adapters.torchrl.loggers import read_tensorboard, tensorboard_logger
+
+    sink = tensorboard_logger(tmp_path)
+    log = NemoLogger(sink)
+    log.log_metrics({"reward": 0.5}, step=1, prefix="train")
+    log.flush()
+    assert read_tensorboard(tmp_path)["train/reward"] == [(1, 0.5)]
