@@ -52,9 +52,14 @@ def batch_violations(data: Any) -> list[Violation]:
 
 def _free_token_dim(columns: dict[tuple[str, ...], Column]) -> dict[tuple[str, ...], Column]:
     """A ragged buffer's schema: the token dimension 'T' varies even if the first batch's
-    items happen to share one length (the LLM layout's per-token fields lead with T)."""
+    items happen to share one length (the LLM layout's per-token fields lead with T; without
+    a tokens key, every column's leading item dimension is taken as T)."""
     tok = columns.get(LLM_LAYOUT_V1.key("tokens"))
-    if tok is None or not tok.shape:
+    if tok is None:
+        return {
+            k: Column(c.dtype, (RAGGED, *c.shape[1:])) if c.shape else c for k, c in columns.items()
+        }
+    if not tok.shape:
         return columns
     t = tok.shape[0]
     return {

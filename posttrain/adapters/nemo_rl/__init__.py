@@ -25,6 +25,7 @@ from posttrain.adapters.nemo_rl.codec import (
     to_layout,
     wire_to_layout,
 )
+from posttrain.adapters.nemo_rl.data_plane import KVBatchMeta, NemoDataPlaneClient
 from posttrain.adapters.nemo_rl.logger import NemoLogger, metric_name
 from posttrain.adapters.nemo_rl.loss import (
     ContractAsNemoLoss,
@@ -39,6 +40,8 @@ __all__ = [
     "NEMO_KEY",
     "TOKEN_ALIGNED_FIELDS",
     "ContractAsNemoLoss",
+    "KVBatchMeta",
+    "NemoDataPlaneClient",
     "NemoFormatError",
     "NemoLogger",
     "NemoLossModule",

@@ -1,0 +1,96 @@
+"""NeMo-RL's data-plane client (by-key part) over posttrain/TorchRL buffers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from posttrain.adapters.nemo_rl.codec import pack_jagged_fields
+from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient
+from posttrain.reference_impls import RingBuffer
+
+
+def _ragged(capacity: int) -> Any:
+    from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
+
+    from posttrain.adapters.torchrl import ValidatedReplayBuffer
+
+    return ValidatedReplayBuffer(
+        TensorDictReplayBuffer(storage=LazyStackStorage(capacity)), ragged=True
+    )
+
+
+def _client() -> NemoDataPlaneClient:
+    return NemoDataPlaneClient(RingBuffer, make_ragged_buffer=_ragged, capacity=32)
+
+
+def _wire() -> TensorDict:
+    ids = torch.tensor([[11, 12, 13, 21, 22, 0], [11, 12, 14, 31, 32, 33], [5, 6, 0, 0, 0, 0]])
+    lengths = torch.tensor([5, 6, 2], dtype=torch.int32)
+    return pack_jagged_fields(
+        {
+            "input_ids": ids,
+            "input_lengths": lengths,
+            "token_mask": (ids > 20).long(),
+            "sample_mask": torch.ones(3),
+        },
+        lengths=lengths,
+    )
+
+
+def test_put_then_get_by_id_in_any_order_and_stage_by_stage() -> None:
+    dp = _client()
+    wire = _wire()
+    meta = dp.put_samples(["a", "b", "c"], "train", wire, tags=[{"k": 1}] * 3)
+    assert meta.sample_ids == ["a", "b", "c"]
+    assert meta.sequence_lengths == [5, 6, 2]
+    assert set(meta.fields) == {"input_ids", "input_lengths", "token_mask", "sample_mask"}
+    got = dp.get_samples(["c", "a"], "train", ["input_ids", "sample_mask"])
+    assert got["input_ids"].is_nested
+    assert [r.tolist() for r in got["input_ids"].unbind()] == [[5, 6], [11, 12, 13, 21, 22]]
+    assert got["sample_mask"].tolist() == [1.0, 1.0]
+    # A later stage adds a field for the same ids (NeMo-RL: advantages after rewards).
+    adv = pack_jagged_fields(
+        {"advantages": torch.tensor([[0.5] * 6, [-1.0] * 6, [2.0] * 6])},
+        lengths=torch.tensor([5, 6, 2]),
+    )
+    dp.put_samples(["a", "b", "c"], "train", adv)
+    both = dp.get_samples(["b"], "train", ["input_ids", "advantages"])
+    assert both["advantages"].unbind()[0].tolist() == [-1.0] * 6
+    assert both["input_ids"].unbind()[0].tolist() == [11, 12, 14, 31, 32, 33]
+
+
+def test_clear_and_errors_name_what_is_missing() -> None:
+    dp = _client()
+    dp.put_samples(["a", "b", "c"], "train", _wire())
+    dp.clear_samples(["a"], "train")
+    with pytest.raises(KeyError, match=r"no value for sample ids \['a'\]"):
+        dp.get_samples(["a", "b"], "train", ["input_ids"])
+    with pytest.raises(KeyError, match="field 'nope': not in partition 'train'"):
+        dp.get_samples(["b"], "train", ["nope"])
+    with pytest.raises(ValueError, match="no implicit fetch-all"):
+        dp.get_samples(["b"], "train", [])
+    dp.clear_samples(None, "train")
+    with pytest.raises(KeyError, match="no value for sample ids"):
+        dp.get_samples(["b"], "train", ["input_ids"])
+    with pytest.raises(ValueError, match=r"expected batch size \[2\]"):
+        dp.put_samples(["x", "y"], "train", _wire())
+    with pytest.raises(ValueError, match="is jagged: pass make_ragged_buffer="):
+        NemoDataPlaneClient(RingBuffer).put_samples(["a", "b", "c"], "p", _wire())
+    dp.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        dp.get_samples(["b"], "train", ["input_ids"])
+
+
+def test_a_refused_write_leaves_every_id_as_it_was() -> None:
+    dp = _client()
+    dp.put_samples(["a"], "train", TensorDict({"x": torch.tensor([1.0])}, [1]))
+    bad = TensorDict({"x": torch.tensor([2], dtype=torch.int64), "y": torch.tensor([3.0])}, [1])
+    with pytest.raises(Exception, match="'value'"):  # the x store refuses int64 (BUF-011)
+        dp.put_samples(["a"], "train", bad)
+    assert dp.get_samples(["a"], "train", ["x"])["x"].tolist() == [1.0]
+    with pytest.raises(KeyError, match="field 'y'"):
+        dp.get_samples(["a"], "train", ["y"])
