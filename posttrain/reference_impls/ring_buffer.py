@@ -171,10 +171,11 @@ class RingBuffer:
         """The items at storage ``indices`` (as :meth:`extend` returned them), in that order."""
         idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
         with self._lock:
-            bad = [int(i) for i in idx if not 0 <= int(i) < self._len]
-            if bad or self._rows is None:
+            bad = idx[(idx < 0) | (idx >= self._len)]
+            if bad.numel() or self._rows is None:
                 raise IndexError(
-                    f"read: indices {bad or idx.tolist()} hold no item (stored: 0..{self._len - 1})"
+                    f"read: indices {(bad if bad.numel() else idx).tolist()} hold no item "
+                    f"(stored: 0..{self._len - 1})"
                 )
             rows = self._rows.index_select(0, idx.to(self._rows.device))
         return _tensordict(self._nested(self._views(rows)), int(idx.shape[0]), self.device)

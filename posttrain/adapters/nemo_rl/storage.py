@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from posttrain.adapters.nemo_rl.codec import from_layout, to_layout
+from posttrain.adapters.nemo_rl.codec import batched_data_dict, from_layout, to_layout
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 
 __all__ = ["NemoReplayBuffer"]
@@ -25,6 +25,7 @@ __all__ = ["NemoReplayBuffer"]
 class _Entry:
     indices: list[int]
     offset: int  # items this facade had written before this entry
+    width: int  # the group's S
     version: int
     target: int
     extras: dict[str, Any] = field(default_factory=dict)
@@ -105,6 +106,7 @@ class NemoReplayBuffer:
             _Entry(
                 indices=[int(i) for i in idx.tolist()],
                 offset=self._written,
+                width=int(td.get(self.layout.key("tokens")).shape[1]),
                 version=int(weight_version),
                 target=int(target_weight_version),
                 extras={k: v for k, v in trajectory.items() if k != "batch"},
@@ -128,16 +130,20 @@ class NemoReplayBuffer:
         if len(intended) < num_prompt_groups:
             return None
         chosen = intended[:num_prompt_groups]
-        trajectories = [
-            {
-                "batch": from_layout(
-                    self.buffer.read(torch.tensor(e.indices, dtype=torch.int64)),
-                    layout=self.layout,
-                ),
-                **e.extras,
+        # One read and one codec call for every chosen group; groups are row slices.
+        rows = self.buffer.read(torch.tensor([i for e in chosen for i in e.indices]))
+        data = dict(from_layout(rows, layout=self.layout))
+        trajectories = []
+        start = 0
+        for e in chosen:
+            stop = start + len(e.indices)
+            wide = data["input_ids"].shape[1]  # the widest chosen group: cut back to this one's
+            batch = {
+                k: v[start:stop, : e.width] if v.ndim == 2 and v.shape[1] == wide else v[start:stop]
+                for k, v in data.items()
             }
-            for e in chosen
-        ]
+            trajectories.append({"batch": batched_data_dict(batch), **e.extras})
+            start = stop
         taken = {id(e) for e in chosen}
         self._entries = [e for e in self._entries if id(e) not in taken]
         self.last_target_weight_already_generated = max(
@@ -158,7 +164,7 @@ class NemoReplayBuffer:
         """NeMo-RL's keys (``trajectories`` as storage indices) plus the backing buffer's state."""
         return {
             "trajectories": [
-                {"indices": e.indices, "offset": e.offset, "extras": e.extras}
+                {"indices": e.indices, "offset": e.offset, "width": e.width, "extras": e.extras}
                 for e in self._entries
             ],
             "trajectory_versions": [e.version for e in self._entries],
@@ -180,7 +186,14 @@ class NemoReplayBuffer:
             raise ValueError(f"state: lists differ in length: {lengths}")
         self.buffer.load_state_dict(state["buffer"])
         self._entries = [
-            _Entry(list(t["indices"]), int(t["offset"]), int(v), int(g), dict(t["extras"]))
+            _Entry(
+                list(t["indices"]),
+                int(t["offset"]),
+                int(t["width"]),
+                int(v),
+                int(g),
+                dict(t["extras"]),
+            )
             for t, v, g in zip(*(state[k] for k in keys), strict=True)
         ]
         self._written = int(state.get("written", 0))

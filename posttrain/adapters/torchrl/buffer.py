@@ -98,9 +98,9 @@ class ValidatedReplayBuffer:
         """
         idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
         n = len(self.rb)
-        bad = [int(i) for i in idx if not 0 <= int(i) < n]
-        if bad:
-            raise IndexError(f"read: indices {bad} hold no item (stored: 0..{n - 1})")
+        bad = idx[(idx < 0) | (idx >= n)]
+        if bad.numel():
+            raise IndexError(f"read: indices {bad.tolist()} hold no item (stored: 0..{n - 1})")
         return self.rb[idx]
 
     def __len__(self) -> int:
