@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.contracts import CONTRACTS, LAYOUT_REQUIREMENTS, LLM_LAYOUT_V1, Contract
+from posttrain.contracts.catalogue import CATALOGUE_V1, Catalogue
+from posttrain.contracts.catalogue import FRAMEWORKS as CATALOGUE_FRAMEWORKS
 from posttrain.contracts.contract import Capability, Option
 from posttrain.contracts.layout import Layout, LayoutField, key_str
 from posttrain.contracts.mapping import FRAMEWORK_KEYS, FRAMEWORKS
@@ -214,6 +216,61 @@ def render_layout_schema(layout: Layout) -> dict[str, Any]:
     return schema
 
 
+def render_catalogue_markdown(cat: Catalogue) -> str:
+    """The human spec of the metric catalogue, with the crosswalk to the frameworks."""
+    lines = [
+        _HEADER,
+        f"# Metric catalogue: {cat.name} v{cat.version}",
+        "",
+        "Every metric with its unit, reduction and exact formula. Reductions combine global "
+        "(numerator, denominator) pairs across microbatches, steps and ranks, never a mean of "
+        "means: `tok` = sum over masked tokens / masked-token count; `seq` = sum over "
+        "sequences / sequence count; `sum`; `min`; `max`; `last`; `rate` = sum of a quantity / "
+        "sum of seconds. `asst` is the layout's assistant mask. Names match "
+        "`^[a-z0-9_]+(/[a-z0-9_]+)*$`; `<reward_fn>` stands for one series per reward function.",
+        "",
+        "| name | unit | reduction | formula | inputs |",
+        "|---|---|---|---|---|",
+    ]
+    for m in cat.metrics:
+        lines.append(
+            f"| `{m.name}` | {m.unit} | `{m.reduction}` | {_cell(m.formula)} | "
+            f"{', '.join(f'`{i}`' for i in m.inputs)} |"
+        )
+    lines += [
+        "",
+        "## Crosswalk",
+        "",
+        "The frameworks' nearest metric, and how it differs (from their source: TRL 1.16 "
+        "`grpo_trainer.py`/`reward_trainer.py`, NeMo-RL 7ea279a `grpo.py` and "
+        "`loss/loss_functions.py`, TorchRL 0.14 `objectives/llm/grpo.py`; blank: none known).",
+        "",
+        "| name | " + " | ".join(CATALOGUE_FRAMEWORKS) + " |",
+        "|---|" + "---|" * len(CATALOGUE_FRAMEWORKS),
+    ]
+    for m in cat.metrics:
+        if m.crosswalk:
+            cells = [_cell(m.crosswalk.get(f, "")) for f in CATALOGUE_FRAMEWORKS]
+            lines.append(f"| `{m.name}` | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Versioning",
+        "",
+        f"v{cat.version}. New metrics bump the minor version; a changed formula, unit or "
+        "reduction makes a new major. Names are never reused for another quantity.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_catalogue_schema(cat: Catalogue) -> dict[str, Any]:
+    """The machine spec of the catalogue: the model's schema plus the catalogue's data."""
+    schema = Catalogue.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"urn:posttrain:catalogue:{cat.name}:v{cat.version.split('.')[0]}"
+    schema["x-catalogue"] = cat.model_dump(mode="json")
+    return schema
+
+
 def _dump(obj: dict[str, Any]) -> str:
     return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
 
@@ -227,6 +284,8 @@ def render_all() -> dict[str, str]:
     lay = LLM_LAYOUT_V1
     files[f"{lay.name}_layout-v1.md"] = render_layout_markdown(lay)
     files[f"{lay.name}_layout-v1.schema.json"] = _dump(render_layout_schema(lay))
+    files["metrics_catalogue-v1.md"] = render_catalogue_markdown(CATALOGUE_V1)
+    files["metrics_catalogue-v1.schema.json"] = _dump(render_catalogue_schema(CATALOGUE_V1))
     return files
 
 

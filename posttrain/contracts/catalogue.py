@@ -1,0 +1,212 @@
+"""The metric catalogue v1: every post-training metric with name, unit, reduction and formula.
+
+A metric's *reduction* says how values from microbatches, steps and ranks combine, always from
+global (numerator, denominator) pairs, never as a mean of means:
+
+- ``tok``: sum over masked tokens / count of masked tokens;
+- ``seq``: sum over sequences / count of sequences;
+- ``sum``: sum; ``min`` / ``max``: extremum; ``last``: the latest value;
+- ``rate``: sum of a quantity / sum of seconds.
+
+Masks are named after the LLM layout's fields: ``asst`` is ``assistant_mask`` (the tokens the
+loss trains on), position 0 excluded where log-probs are involved (no logit predicts it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from posttrain.contracts.metrics import METRIC_NAME
+
+__all__ = ["CATALOGUE_V1", "FRAMEWORKS", "Catalogue", "MetricDef", "Reduction"]
+
+Reduction = Literal["tok", "seq", "sum", "min", "max", "last", "rate"]
+FRAMEWORKS = ("trl", "nemo_rl", "torchrl", "verl")
+
+
+class MetricDef(BaseModel):
+    """One metric: what it is, in which unit, how it reduces, and the exact formula.
+
+    ``per`` names a family (``reward_fn``: one series per reward function, the name's
+    ``<reward_fn>`` segment replaced by the function's name). ``crosswalk`` gives the
+    frameworks' nearest metric and how it differs (empty: none).
+
+    Example:
+        >>> m = CATALOGUE_V1.metric("policy/kl_ref/k3")
+        >>> m.reduction, m.unit
+        ('tok', 'nats')
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    unit: str
+    reduction: Reduction
+    formula: str
+    inputs: tuple[str, ...]
+    section: str
+    per: Literal["reward_fn"] | None = None
+    since: str = "1.0"
+    crosswalk: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not METRIC_NAME.match(v.replace("<reward_fn>", "x")):
+            raise ValueError(f"metric name {v!r} must match {METRIC_NAME.pattern}")
+        return v
+
+    @field_validator("crosswalk")
+    @classmethod
+    def _frameworks(cls, v: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(v) - set(FRAMEWORKS))
+        if unknown:
+            raise ValueError(f"crosswalk: unknown frameworks {unknown}; known {list(FRAMEWORKS)}")
+        return v
+
+
+class Catalogue(BaseModel):
+    """A versioned set of metrics (additive minor versions, as the contracts).
+
+    Example:
+        >>> CATALOGUE_V1.version, len(CATALOGUE_V1.metrics) > 40
+        ('1.0', True)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    version: str
+    metrics: tuple[MetricDef, ...]
+
+    @model_validator(mode="after")
+    def _unique(self) -> Catalogue:
+        names = [m.name for m in self.metrics]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"catalogue {self.name}: duplicate names {dup}")
+        return self
+
+    def metric(self, name: str) -> MetricDef:
+        """The metric with this name (``KeyError`` listing the sections otherwise)."""
+        for m in self.metrics:
+            if m.name == name:
+                return m
+        raise KeyError(
+            f"catalogue {self.name} v{self.version} has no metric {name!r}; sections: "
+            f"{sorted({m.section for m in self.metrics})}"
+        )
+
+
+def _m(
+    name: str,
+    unit: str,
+    reduction: Reduction,
+    formula: str,
+    inputs: tuple[str, ...],
+    **crosswalk: str,
+) -> MetricDef:
+    per: Literal["reward_fn"] | None = "reward_fn" if "<reward_fn>" in name else None
+    return MetricDef(
+        name=name,
+        unit=unit,
+        reduction=reduction,
+        formula=formula,
+        inputs=inputs,
+        section=name.split("/")[0],
+        per=per,
+        crosswalk=crosswalk,
+    )
+
+
+_TOKMEAN = "over asst tokens of the whole global batch (one (sum, count) pair across microbatches and ranks)"
+
+CATALOGUE_V1 = Catalogue(
+    name="posttrain-metrics",
+    version="1.0",
+    metrics=(
+        # --- rollout: rewards, groups, advantages, lengths -------------------------------
+        _m("rollout/reward/mean", "1", "seq", "sum_i r_i / n over sequences (NaN rewards excluded from both)", ("reward",),
+           trl="reward (nanmean per step; steps then averaged)", nemo_rl="train/reward", torchrl="—"),
+        _m("rollout/reward/std", "1", "seq", "sqrt(E[r^2] - E[r]^2) over sequences, from the seq reductions of r and r^2 (population std)", ("reward",),
+           trl="reward_std (unbiased nanstd per step)"),
+        _m("rollout/reward/min", "1", "min", "min_i r_i", ("reward",), nemo_rl="train/min_total_reward"),
+        _m("rollout/reward/max", "1", "max", "max_i r_i", ("reward",), nemo_rl="train/max_total_reward"),
+        _m("rollout/reward_fn/<reward_fn>/mean", "1", "seq", "mean over sequences of reward function f's value (before weighting)", ("reward_fn:<f>",),
+           trl="rewards/<name>/mean"),
+        _m("rollout/group/zero_std_frac", "1", "seq", "fraction of GRPO groups (same group_id) whose rewards all equal", ("reward", "group_id"),
+           trl="frac_reward_zero_std (per sample, not per group)", nemo_rl="train/baseline_reward/pct_0 + pct_1 (binary rewards only)"),
+        _m("rollout/advantage/mean", "1", "seq", "mean over sequences of the sequence's advantage (a [B, T] advantage: its token mean over asst)", ("advantage",),
+           nemo_rl="train/advantages/mean"),
+        _m("rollout/advantage/std", "1", "seq", "population std over sequences, from the seq reductions of a and a^2", ("advantage",)),
+        _m("rollout/advantage/min", "1", "min", "min over sequences", ("advantage",), nemo_rl="train/advantages/min"),
+        _m("rollout/advantage/max", "1", "max", "max over sequences", ("advantage",), nemo_rl="train/advantages/max"),
+        _m("rollout/response_len/mean", "tokens", "seq", "mean over sequences of sum_t asst[t]", ("assistant_mask",),
+           trl="completions/mean_length", nemo_rl="train/mean_gen_tokens_per_sample"),
+        _m("rollout/response_len/min", "tokens", "min", "min over sequences of sum_t asst[t]", ("assistant_mask",), trl="completions/min_length"),
+        _m("rollout/response_len/max", "tokens", "max", "max over sequences of sum_t asst[t]", ("assistant_mask",),
+           trl="completions/max_length", nemo_rl="train/max_gen_tokens_per_sample"),
+        _m("rollout/prompt_len/mean", "tokens", "seq", "mean over sequences of the real tokens before the first asst token", ("attention_mask", "assistant_mask"),
+           nemo_rl="train/mean_prompt_length"),
+        _m("rollout/prompt_len/max", "tokens", "max", "max over sequences of the real tokens before the first asst token", ("attention_mask", "assistant_mask")),
+        _m("rollout/truncated_frac", "1", "seq", "fraction of sequences whose generation stopped at the length limit (finish reason, not the tensor width)", ("truncated",),
+           trl="completions/clipped_ratio (last token not EOS/pad)", nemo_rl="train/truncation_rate", verl="response_length/clip_ratio"),
+        # --- policy: KL, entropy, ratios, clipping --------------------------------------
+        _m("policy/kl_ref/k1", "nats", "tok", f"logp - ref_logp, {_TOKMEAN}", ("log_probs(policy)", "ref_log_probs", "assistant_mask")),
+        _m("policy/kl_ref/k3", "nats", "tok", f"exp(ref_logp - logp) - (ref_logp - logp) - 1, {_TOKMEAN}", ("log_probs(policy)", "ref_log_probs", "assistant_mask"),
+           trl="kl (same k3, token mean; only when beta != 0)", nemo_rl="train/kl_penalty (k3 token mean, before the coefficient)",
+           torchrl="kl_to_ref (mean over every padded position: diluted)"),
+        _m("policy/kl_ref/seq_k1", "nats", "seq", "mean over sequences of sum_t asst[t] (logp - ref_logp)", ("log_probs(policy)", "ref_log_probs", "assistant_mask")),
+        _m("policy/entropy", "nats", "tok", f"-sum_v p_v log p_v over the full vocabulary, {_TOKMEAN}", ("logits(policy)", "assistant_mask"),
+           trl="entropy (same)", torchrl="entropy (mean over every padded position: diluted)"),
+        _m("policy/entropy/sampled", "nats", "tok", f"-logp of the sampled token (an unbiased estimate of the entropy), {_TOKMEAN}", ("log_probs(policy)", "assistant_mask"),
+           nemo_rl="train/approx_entropy"),
+        _m("policy/ratio/mean", "1", "tok", f"exp(logp - old_logp), {_TOKMEAN}", ("log_probs(policy)", "sample_log_probs", "assistant_mask"),
+           nemo_rl="train/probs_ratio"),
+        _m("policy/ratio/min", "1", "min", "min over asst tokens of exp(logp - old_logp)", ("log_probs(policy)", "sample_log_probs", "assistant_mask"),
+           nemo_rl="train/probs_ratio_min"),
+        _m("policy/ratio/max", "1", "max", "max over asst tokens of exp(logp - old_logp)", ("log_probs(policy)", "sample_log_probs", "assistant_mask"),
+           nemo_rl="train/probs_ratio_max"),
+        _m("policy/clip_frac/low", "1", "tok", f"[ratio < 1 - eps_low and A < 0] (the clip that binds for a negative advantage), {_TOKMEAN}", ("ratio", "advantage", "assistant_mask"),
+           trl="clip_ratio/low_mean (same)", torchrl="clip_fraction (both sides, sign-blind, over every padded position)"),
+        _m("policy/clip_frac/high", "1", "tok", f"[ratio > 1 + eps_high and A > 0], {_TOKMEAN}", ("ratio", "advantage", "assistant_mask"),
+           trl="clip_ratio/high_mean (same)"),
+        _m("policy/mismatch_kl", "nats", "tok", f"k3 between the inference engine's log-probs and the trainer's recomputed old log-probs, {_TOKMEAN}", ("sample_log_probs", "old_log_probs", "assistant_mask"),
+           nemo_rl="train/gen_kl_error", trl="sampling/sampling_logp_difference/mean (mean |diff|, not KL)"),
+        # --- loss and optimiser -----------------------------------------------------------
+        _m("loss/total", "1", "sum", "the objective backpropagated: sum of the loss terms, each already normalized by global counts", ("loss",),
+           trl="loss", nemo_rl="train/loss", torchrl="sum of loss_* entries"),
+        _m("loss/policy", "1", "sum", "the policy-gradient term", ("loss:loss_objective",), trl="policy_loss", torchrl="loss_objective"),
+        _m("loss/kl", "1", "sum", "coefficient times the KL-to-reference term", ("loss:loss_kl_to_ref",), torchrl="loss_kl_to_ref"),
+        _m("loss/entropy", "1", "sum", "minus coefficient times the entropy term", ("loss:loss_entropy",), torchrl="loss_entropy"),
+        _m("optim/grad_norm", "1", "last", "global L2 norm of the gradients before clipping", ("optimizer",), trl="grad_norm", nemo_rl="train/grad_norm"),
+        _m("optim/lr", "1", "last", "learning rate of the step", ("optimizer",), trl="learning_rate", nemo_rl="train/lr"),
+        # --- time and throughput ------------------------------------------------------------
+        _m("time/rollout_s", "s", "sum", "wall time spent generating", ("timer:rollout",), nemo_rl="timing/train/generation"),
+        _m("time/weight_sync_s", "s", "sum", "wall time of weight sync (trainer to generator)", ("timer:weight_sync",),
+           nemo_rl="timing/train/prepare_for_generation/transfer_and_update_weights"),
+        _m("time/train_s", "s", "sum", "wall time of the optimizer step(s)", ("timer:train",), nemo_rl="timing/train/policy_training"),
+        _m("time/step_s", "s", "sum", "wall time of the whole step", ("timer:step",), nemo_rl="timing/train/total_step_time"),
+        _m("perf/gen_tokens_per_s", "tokens/s", "rate", "generated tokens (sum asst) / time/rollout_s", ("assistant_mask", "timer:rollout"),
+           nemo_rl="— (none out of the box)"),
+        _m("perf/train_tokens_per_s", "tokens/s", "rate", "trained tokens (sum attention) / time/train_s", ("attention_mask", "timer:train"),
+           nemo_rl="timing/train/valid_tokens_per_sec_per_gpu (per GPU)"),
+        # --- staleness ------------------------------------------------------------------------
+        _m("staleness/policy_version", "1", "last", "the learner's weights version", ("learner",)),
+        _m("staleness/mean", "versions", "seq", "mean over sequences of learner version - policy_version", ("policy_version",),
+           nemo_rl="train/avg_trajectory_age (async)"),
+        _m("staleness/max", "versions", "max", "max over sequences of learner version - policy_version", ("policy_version",)),
+        # --- buffer ---------------------------------------------------------------------------
+        _m("buffer/size", "items", "last", "len(buffer)", ("buffer",)),
+        _m("buffer/capacity", "items", "last", "the buffer's capacity", ("buffer",)),
+        _m("buffer/utilization", "1", "last", "buffer/size / buffer/capacity", ("buffer",)),
+        _m("buffer/writes", "items", "sum", "items written (extend)", ("buffer",)),
+        _m("buffer/reads", "items", "sum", "items sampled or read", ("buffer",)),
+        # --- reward model ---------------------------------------------------------------------
+        _m("reward_model/accuracy", "1", "seq", "fraction of pairs with score(chosen) > score(rejected)", ("pairs",), trl="accuracy (RewardTrainer)"),
+        _m("reward_model/margin", "1", "seq", "mean over pairs of score(chosen) - score(rejected)", ("pairs",), trl="margin (RewardTrainer)"),
+    ),
+)  # fmt: skip
+"""The catalogue v1 (spec: ``specs/metrics_catalogue-v1.md``)."""
