@@ -1,0 +1,28 @@
+"""Observability: the metric catalogue's hooks and reductions, usable from any loop.
+
+Example:
+    >>> from posttrain.observability import Accumulator, rollout_metrics
+    >>> from posttrain.conformance.data import llm_batch
+    >>> "rollout/reward/mean" in rollout_metrics(llm_batch(2)).values()
+    True
+"""
+
+from posttrain.observability.hooks import (
+    Timers,
+    buffer_metrics,
+    loss_metrics,
+    optim_metrics,
+    policy_metrics,
+    rollout_metrics,
+)
+from posttrain.observability.reduce import Accumulator
+
+__all__ = [
+    "Accumulator",
+    "Timers",
+    "buffer_metrics",
+    "loss_metrics",
+    "optim_metrics",
+    "policy_metrics",
+    "rollout_metrics",
+]

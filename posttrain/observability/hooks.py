@@ -1,0 +1,282 @@
+"""Hooks that compute the catalogue's metrics from a layout batch, a policy's logits, a loss
+output, a buffer and timers, into an :class:`~posttrain.observability.reduce.Accumulator`.
+
+Every token metric is a (sum over masked tokens, count) pair and every sequence metric a (sum,
+count) pair, so padding never dilutes and microbatches add up. All hooks run under
+``torch.no_grad`` and cost a few tensor operations per metric: cheap enough for every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from posttrain.contracts.alignment import token_log_probs
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.observability.reduce import Accumulator
+
+__all__ = [
+    "Timers",
+    "buffer_metrics",
+    "loss_metrics",
+    "optim_metrics",
+    "policy_metrics",
+    "rollout_metrics",
+]
+
+
+def _dense(td: TensorDictBase, layout: Layout) -> TensorDictBase:
+    if not isinstance(td, LazyStackedTensorDict):
+        return td.reshape(-1) if td.batch_dims != 1 else td
+    # Ragged: pad per-token fields with False/0 (masks decide; values under False are unread).
+    tok = layout.key("tokens")
+    lengths = [x.get(tok).shape[-1] for x in td.tensordicts]
+    out = {}
+    for key in td.tensordicts[0].keys(include_nested=True, leaves_only=True):
+        vs = [x.get(key) for x in td.tensordicts]
+        if all(v.ndim >= 1 and v.shape[0] == n for v, n in zip(vs, lengths, strict=True)):
+            out[key] = torch.nn.utils.rnn.pad_sequence(vs, batch_first=True, padding_value=0)
+        else:
+            out[key] = torch.stack(vs)
+    return TensorDict(out, batch_size=[len(lengths)])
+
+
+def _seq(acc: Accumulator, name: str, values: torch.Tensor) -> None:
+    acc.add(name, values.sum(), values.numel())
+
+
+@torch.no_grad()
+def rollout_metrics(
+    td: TensorDictBase,
+    acc: Accumulator | None = None,
+    *,
+    learner_version: int | None = None,
+    truncated: torch.Tensor | None = None,
+    reward_fns: Mapping[str, torch.Tensor] | None = None,
+    layout: Layout = LLM_LAYOUT_V1,
+) -> Accumulator:
+    """Rewards, groups, advantages, lengths, truncation and staleness of a rollout batch.
+
+    Group metrics need whole groups: call it on the rollout batch (or on microbatches that
+    do not split a ``group_id``).
+
+    Example:
+        >>> from posttrain.conformance.data import llm_batch
+        >>> vals = rollout_metrics(llm_batch(4, 8), learner_version=9).values()
+        >>> vals["staleness/mean"], vals["rollout/response_len/max"] <= 5
+        (2.0, True)
+    """
+    acc = acc if acc is not None else Accumulator()
+    td = _dense(td, layout)
+    k = layout.key
+    attn = td.get(k("attention_mask"))
+    asst = td.get(k("assistant_mask")) & attn
+    reward = td.get(k("reward"), None)
+    if reward is not None:
+        r = reward.float().reshape(-1)
+        ok = r[torch.isfinite(r)]
+        _seq(acc, "rollout/reward/mean", ok)
+        acc.add_moments("rollout/reward/std", ok.sum(), (ok * ok).sum(), ok.numel())
+        if ok.numel():
+            acc.add("rollout/reward/min", ok.min())
+            acc.add("rollout/reward/max", ok.max())
+        group = td.get(k("group_id"), None)
+        if group is not None:
+            ids = group.reshape(-1)
+            uniq = ids.unique()
+            flat = [bool((r[ids == g] == r[ids == g][0]).all()) for g in uniq]
+            acc.add("rollout/group/zero_std_frac", sum(flat), len(flat))
+    adv = td.get(k("advantage"), None)
+    if adv is not None:
+        a = adv.float()
+        if a.ndim == 2:  # per token: the sequence's token mean over its assistant tokens
+            a = (a * asst).sum(-1) / asst.sum(-1).clamp_min(1)
+        _seq(acc, "rollout/advantage/mean", a)
+        acc.add_moments("rollout/advantage/std", a.sum(), (a * a).sum(), a.numel())
+        acc.add("rollout/advantage/min", a.min())
+        acc.add("rollout/advantage/max", a.max())
+    resp = asst.sum(-1).float()
+    _seq(acc, "rollout/response_len/mean", resp)
+    acc.add("rollout/response_len/min", resp.min())
+    acc.add("rollout/response_len/max", resp.max())
+    prompt = (attn & (asst.int().cumsum(-1) == 0)).sum(-1).float()
+    _seq(acc, "rollout/prompt_len/mean", prompt)
+    acc.add("rollout/prompt_len/max", prompt.max())
+    if truncated is not None:
+        _seq(acc, "rollout/truncated_frac", truncated.float().reshape(-1))
+    for name, values in (reward_fns or {}).items():
+        v = values.float().reshape(-1)
+        v = v[torch.isfinite(v)]
+        _seq(acc, f"rollout/reward_fn/{name}/mean", v)
+    version = td.get(k("policy_version"), None)
+    if learner_version is not None:
+        acc.add("staleness/policy_version", learner_version)
+        if version is not None:
+            age = (learner_version - version.reshape(-1)).float()
+            _seq(acc, "staleness/mean", age)
+            acc.add("staleness/max", age.max())
+    return acc
+
+
+@torch.no_grad()
+def policy_metrics(
+    td: TensorDictBase,
+    logits: torch.Tensor,
+    acc: Accumulator | None = None,
+    *,
+    clip: tuple[float, float] = (0.2, 0.2),
+    old_log_probs: torch.Tensor | None = None,
+    layout: Layout = LLM_LAYOUT_V1,
+) -> Accumulator:
+    """KL to reference, entropy, importance ratios, sign-aware clip fractions, mismatch KL.
+
+    ``logits`` [B, T, V] are the current policy's on ``td``'s tokens (logits at t predict
+    t+1). The behaviour log-probs are ``sample_log_probs``; ``old_log_probs`` (the trainer's
+    recomputation of them, before the update) adds ``policy/mismatch_kl``.
+
+    Example:
+        >>> import torch
+        >>> from posttrain.conformance.data import llm_batch
+        >>> td = llm_batch(2, 6, vocab_size=8)
+        >>> vals = policy_metrics(td, torch.zeros(2, 6, 8)).values()  # uniform policy
+        >>> round(vals["policy/entropy"], 4) == round(float(torch.log(torch.tensor(8.0))), 4)
+        True
+    """
+    acc = acc if acc is not None else Accumulator()
+    td = _dense(td, layout)
+    k = layout.key
+    tokens = td.get(k("tokens"))
+    mask = td.get(k("assistant_mask")) & td.get(k("attention_mask"))
+    mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
+    n = mask.sum()
+    logp = torch.where(mask, token_log_probs(logits, tokens), 0.0)
+    lp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    ent = -(lp_all.exp() * lp_all).sum(-1)
+    ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+    acc.add("policy/entropy", torch.where(mask, ent, 0.0).sum(), n)
+    acc.add("policy/entropy/sampled", (-logp).sum(), n)
+    old = td.get(k("sample_log_probs"), None)
+    if old is not None:
+        old = torch.where(mask, old.float(), 0.0)
+        ratio = torch.where(mask, (logp - old).exp(), 0.0)
+        acc.add("policy/ratio/mean", ratio.sum(), n)
+        if n:
+            acc.add("policy/ratio/min", ratio[mask].min())
+            acc.add("policy/ratio/max", ratio[mask].max())
+        adv = td.get(k("advantage"), None)
+        if adv is not None:
+            a = adv.float()
+            a = a[:, None].expand_as(ratio) if a.ndim == 1 else a
+            low = mask & (ratio < 1 - clip[0]) & (a < 0)
+            high = mask & (ratio > 1 + clip[1]) & (a > 0)
+            acc.add("policy/clip_frac/low", low.sum(), n)
+            acc.add("policy/clip_frac/high", high.sum(), n)
+        if old_log_probs is not None:
+            d = torch.where(mask, old_log_probs.float() - old, 0.0)
+            acc.add("policy/mismatch_kl", torch.where(mask, d.exp() - d - 1, 0.0).sum(), n)
+    ref = td.get(k("ref_log_probs"), None)
+    if ref is not None:
+        d = torch.where(mask, ref.float() - logp, 0.0)
+        k1 = torch.where(mask, -d, 0.0)
+        acc.add("policy/kl_ref/k1", k1.sum(), n)
+        acc.add("policy/kl_ref/k3", torch.where(mask, d.exp() - d - 1, 0.0).sum(), n)
+        acc.add("policy/kl_ref/seq_k1", k1.sum(-1).sum(), k1.shape[0])
+    return acc
+
+
+def loss_metrics(out: Mapping[str, Any], acc: Accumulator | None = None) -> Accumulator:
+    """``loss/total`` (sum of the ``loss_*`` terms) and the named terms of a loss output.
+
+    Example:
+        >>> import torch
+        >>> loss_metrics({"loss_objective": torch.tensor(1.0), "loss_kl_to_ref": torch.tensor(0.5)}).values()
+        {'loss/total': 1.5, 'loss/policy': 1.0, 'loss/kl': 0.5}
+    """
+    acc = acc if acc is not None else Accumulator()
+    terms = {key: float(v) for key, v in out.items() if str(key).startswith("loss_")}
+    acc.add("loss/total", sum(terms.values()))
+    for key, name in (
+        ("loss_objective", "loss/policy"),
+        ("loss_kl_to_ref", "loss/kl"),
+        ("loss_entropy", "loss/entropy"),
+    ):
+        if key in terms:
+            acc.add(name, terms[key])
+    return acc
+
+
+def optim_metrics(
+    grad_norm: float | torch.Tensor, lr: float, acc: Accumulator | None = None
+) -> Accumulator:
+    """``optim/grad_norm`` and ``optim/lr`` of the step."""
+    acc = acc if acc is not None else Accumulator()
+    acc.add("optim/grad_norm", grad_norm)
+    acc.add("optim/lr", lr)
+    return acc
+
+
+def buffer_metrics(
+    buffer: Any,
+    acc: Accumulator | None = None,
+    *,
+    capacity: int | None = None,
+    writes: int = 0,
+    reads: int = 0,
+) -> Accumulator:
+    """Size, capacity and utilization of a ``ReplayBufferV1``; writes and reads since last time.
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> from posttrain.conformance.data import llm_batch
+        >>> rb = RingBuffer(8); _ = rb.extend(llm_batch(2))
+        >>> buffer_metrics(rb, writes=2).values()["buffer/utilization"]
+        0.25
+    """
+    acc = acc if acc is not None else Accumulator()
+    size = len(buffer)
+    cap = capacity if capacity is not None else getattr(buffer, "capacity", None)
+    acc.add("buffer/size", size)
+    if cap:
+        acc.add("buffer/capacity", cap)
+        acc.add("buffer/utilization", size / cap)
+    acc.add("buffer/writes", writes)
+    acc.add("buffer/reads", reads)
+    return acc
+
+
+class Timers:
+    """Phase timers: ``with timers.phase("weight_sync"):`` adds to ``time/weight_sync_s``;
+    :meth:`rate` turns counted tokens and a phase's seconds into a ``perf/`` rate pair.
+
+    Example:
+        >>> timers = Timers()
+        >>> with timers.phase("rollout"):
+        ...     pass
+        >>> timers.rate("perf/gen_tokens_per_s", tokens=100, phase="rollout")
+        >>> sorted(timers.acc.values())
+        ['perf/gen_tokens_per_s', 'time/rollout_s']
+    """
+
+    def __init__(self, acc: Accumulator | None = None) -> None:
+        self.acc = acc if acc is not None else Accumulator()
+        self.last: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as ``time/<name>_s`` (summed over calls)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            self.last[name] = seconds
+            self.acc.add(f"time/{name}_s", seconds)
+
+    def rate(self, name: str, *, tokens: float, phase: str) -> None:
+        """``name`` += (tokens, seconds of the phase's last run)."""
+        self.acc.add(name, tokens, self.last[phase])

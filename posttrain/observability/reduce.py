@@ -1,0 +1,156 @@
+"""Reductions by (numerator, denominator) pairs: microbatches, steps and ranks add up exactly.
+
+A token mean over a global batch is ``sum(x * mask) / sum(mask)`` of the whole batch; averaging
+the microbatches' means instead weights each microbatch equally, whatever its token count (the
+"mean of means" the catalogue forbids). :class:`Accumulator` keeps the pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from posttrain.contracts.catalogue import CATALOGUE_V1, Catalogue
+
+__all__ = ["Accumulator"]
+
+
+class Accumulator:
+    """Per metric: (sum, count) for ``tok``/``seq``/``rate``, a total for ``sum``, the
+    extremum for ``min``/``max``, the latest value for ``last``; reductions from the catalogue.
+
+    Example:
+        >>> acc = Accumulator()
+        >>> acc.add("policy/kl_ref/k3", 3.0, 2)   # a microbatch: 2 tokens summing to 3
+        >>> acc.add("policy/kl_ref/k3", 1.0, 6)   # another: 6 tokens summing to 1
+        >>> acc.values()["policy/kl_ref/k3"]      # 4 / 8, not (1.5 + 0.1667) / 2
+        0.5
+    """
+
+    def __init__(self, catalogue: Catalogue = CATALOGUE_V1) -> None:
+        self.catalogue = catalogue
+        self._kind: dict[str, str] = {}
+        self._num: dict[str, float] = {}
+        self._den: dict[str, float] = {}
+        self._ext: dict[str, float] = {}
+        self._last: dict[str, float] = {}
+        self._mom: dict[str, list[float]] = {}  # std metrics: [sum, sum of squares, count]
+
+    def reduction(self, name: str) -> str:
+        """The catalogue's reduction of ``name`` (a ``<reward_fn>`` family member included)."""
+        kind = self._kind.get(name)
+        if kind is None:
+            parts = name.split("/")
+            for m in self.catalogue.metrics:
+                pat = m.name.split("/")
+                if len(pat) == len(parts) and all(
+                    a == b or a == "<reward_fn>" for a, b in zip(pat, parts, strict=True)
+                ):
+                    kind = m.reduction
+                    break
+            else:
+                raise KeyError(f"metric {name!r} is not in catalogue {self.catalogue.name}")
+            self._kind[name] = kind
+        return kind
+
+    def add(self, name: str, value: float | torch.Tensor, count: float | torch.Tensor = 1) -> None:
+        """Add a numerator and its denominator (``tok``/``seq``/``rate``), or one value."""
+        v = float(value)
+        kind = self.reduction(name)
+        if kind in ("tok", "seq", "rate"):
+            self._num[name] = self._num.get(name, 0.0) + v
+            self._den[name] = self._den.get(name, 0.0) + float(count)
+        elif kind == "sum":
+            self._num[name] = self._num.get(name, 0.0) + v
+        elif kind == "min":
+            self._ext[name] = min(self._ext.get(name, math.inf), v)
+        elif kind == "max":
+            self._ext[name] = max(self._ext.get(name, -math.inf), v)
+        else:
+            self._last[name] = v
+
+    def add_moments(
+        self, name: str, total: float | torch.Tensor, squares: float | torch.Tensor, count: float
+    ) -> None:
+        """A ``.../std`` metric: population std from sums of x and x^2 over ``count`` items."""
+        if self.reduction(name) != "seq":
+            raise ValueError(f"{name!r}: moments need a 'seq' reduction")
+        m = self._mom.setdefault(name, [0.0, 0.0, 0.0])
+        m[0] += float(total)
+        m[1] += float(squares)
+        m[2] += float(count)
+
+    def merge(self, other: Accumulator) -> None:
+        """Fold another accumulator (another microbatch, step or rank) into this one."""
+        for name, num in other._num.items():
+            if name in other._den:
+                self.add(name, num, other._den[name])
+            else:
+                self.add(name, num)
+        for name, v in other._ext.items():
+            self.add(name, v)
+        for name, v in other._last.items():
+            self.add(name, v)
+        for name, (a, b, c) in other._mom.items():
+            self.add_moments(name, a, b, c)
+
+    def all_reduce(self, group: Any = None) -> None:
+        """Reduce across ``torch.distributed`` ranks (sums, mins, maxes); no-op without it.
+
+        Every rank must hold the same metric names.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        for name, (a, b, c) in sorted(self._mom.items()):  # as three sums
+            self._num[f"{name}\0s"], self._den[f"{name}\0s"] = a, c
+            self._num[f"{name}\0q"] = b
+        sums = sorted(self._num)
+        dens = sorted(self._den)
+        mins = sorted(n for n in self._ext if self.reduction(n) == "min")
+        maxs = sorted(n for n in self._ext if self.reduction(n) == "max")
+        if sums or dens:
+            t = torch.tensor(
+                [self._num[n] for n in sums] + [self._den[n] for n in dens], dtype=torch.float64
+            )
+            dist.all_reduce(t, group=group)
+            vals = t.tolist()
+            self._num.update(zip(sums, vals[: len(sums)], strict=True))
+            self._den.update(zip(dens, vals[len(sums) :], strict=True))
+        for names, op in ((mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
+            if names:
+                t = torch.tensor([self._ext[n] for n in names], dtype=torch.float64)
+                dist.all_reduce(t, op=op, group=group)
+                self._ext.update(zip(names, t.tolist(), strict=True))
+        for name in self._mom:
+            self._mom[name] = [
+                self._num.pop(f"{name}\0s"),
+                self._num.pop(f"{name}\0q"),
+                self._den.pop(f"{name}\0s"),
+            ]
+
+    def values(self) -> dict[str, float]:
+        """The reduced value of every metric added (NaN for a ratio with nothing counted)."""
+        out: dict[str, float] = {}
+        for name, num in self._num.items():
+            if name in self._den:
+                den = self._den[name]
+                out[name] = num / den if den else math.nan
+            else:
+                out[name] = num
+        out.update(self._ext)
+        out.update(self._last)
+        for name, (a, b, c) in self._mom.items():
+            out[name] = math.sqrt(max(b / c - (a / c) ** 2, 0.0)) if c else math.nan
+        return out
+
+    def log_to(self, sink: Any, step: int) -> Mapping[str, float]:
+        """Write every value to a ``MetricSinkV1`` at ``step``; return them."""
+        vals = self.values()
+        for name, v in vals.items():
+            sink.log_scalar(name, v, step=step)
+        return vals
