@@ -69,9 +69,14 @@ def _free_token_dim(columns: dict[tuple[str, ...], Column]) -> dict[tuple[str, .
 
 
 def _columns(
-    data: TensorDictBase, leaves: dict[tuple[str, ...], Any] | None = None
+    data: TensorDictBase,
+    leaves: dict[tuple[str, ...], Any] | None = None,
+    items_out: list[dict[tuple[str, ...], Any]] | None = None,
 ) -> dict[tuple[str, ...], Column | str]:
-    """Each leaf's column, or the type name of a leaf that is not a tensor."""
+    """Each leaf's column, or the type name of a leaf that is not a tensor.
+
+    For a lazy stack, ``items_out`` receives each item's leaves (walked once, reused).
+    """
     out: dict[tuple[str, ...], Column | str] = {}
     if not (isinstance(data, LazyStackedTensorDict) and data.stack_dim == 0):
         for key, v in (leaf_items(data) if leaves is None else leaves).items():
@@ -87,6 +92,8 @@ def _columns(
     # One pass per item (a direct walk), then per key: far cheaper than asking the lazy
     # stack for each key's parts and item shape.
     items = [leaf_items(t) for t in data.tensordicts]
+    if items_out is not None:
+        items_out.extend(items)
     if not items:
         return out
     common = [k for k in items[0] if all(k in it for it in items[1:])]
@@ -165,7 +172,8 @@ class ItemSchema:
         bad = batch_violations(data)
         if bad:
             return bad
-        got = _columns(data, leaves)
+        per_item: list[dict[tuple[str, ...], Any]] = []
+        got = _columns(data, leaves, per_item)
         out: list[Violation] = []
         for k, col in self.columns.items():
             c = got.get(k)
@@ -195,16 +203,19 @@ class ItemSchema:
             if k not in self.columns
         ]
         if not out and self._tok is not None:
-            out += self._token_length_violations(data, leaves)
+            out += self._token_length_violations(data, leaves, per_item)
         return out
 
     def _token_length_violations(
-        self, data: Any, leaves: dict[tuple[str, ...], Any] | None
+        self,
+        data: Any,
+        leaves: dict[tuple[str, ...], Any] | None,
+        per_item: list[dict[tuple[str, ...], Any]],
     ) -> list[Violation]:
         tok = self._tok
         assert tok is not None
         if isinstance(data, LazyStackedTensorDict):
-            items = [leaf_items(x) for x in data.tensordicts]
+            items = per_item or [leaf_items(x) for x in data.tensordicts]
             where = [f"item {i} " for i in range(len(items))]
             dim = 0
         else:
@@ -212,10 +223,12 @@ class ItemSchema:
             where = [""]
             dim = 1
         out: list[Violation] = []
-        for w, li in zip(where, items, strict=True):
-            t = li[tok].shape[dim]
-            for k in self._token_cols:
-                n = li[k].shape[dim]
+        toks = [li[tok].shape[dim] for li in items]
+        for k in self._token_cols:
+            lens = [li[k].shape[dim] for li in items]
+            if lens == toks:  # the common case: one list comparison per column
+                continue
+            for w, t, n in zip(where, toks, lens, strict=True):
                 if n != t:
                     out.append(
                         Violation(k, f"{w}length {t} (the tokens')", f"{w}length {n}", "BUF-012")
