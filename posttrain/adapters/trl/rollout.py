@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,6 +33,10 @@ class CaptureRollouts:
     of different prompts is refused: TRL's grouping changed). ``policy_version`` is the
     trainer's ``state.global_step`` when the batch was generated (optimizer steps so far), or
     what ``version(trainer)`` returns.
+
+    ``metrics`` (an ``posttrain.observability.Accumulator``) receives the catalogue's rollout
+    metrics of every training batch, its generation time and tokens per second (read by
+    ``posttrain.adapters.trl.callback.CatalogueCallback``).
 
     Items are ragged (one per completion: prompt then completion tokens, attention all true,
     assistant mask on the completion, log-probs of the completion tokens under the sampling
@@ -57,6 +62,7 @@ class CaptureRollouts:
         prompt_ids: Any = None,
         eval_buffer: ReplayBufferV1 | None = None,
         report_logprobs: bool = False,
+        metrics: Any = None,
     ) -> None:
         self.buffer = buffer
         self.eval_buffer = eval_buffer
@@ -67,6 +73,7 @@ class CaptureRollouts:
             prompt_ids, "posttrain_prompt_ids", prompt_ids if prompt_ids is not None else {}
         )
         self.report_logprobs = report_logprobs
+        self.metrics = metrics
         self.groups = 0
         self.calls = 0
 
@@ -92,11 +99,19 @@ class CaptureRollouts:
         tok = trainer.processing_class
         chat = getattr(trainer, "chat_template_kwargs", None) or {}
         prompt_ids = self._prompt_ids(tok, prompts, chat)
+        start = time.perf_counter()
         items, completion_ids, logprobs = self.generate(trainer, prompt_ids, g)
+        seconds = time.perf_counter() - start
         target = self.buffer if training else self.eval_buffer
         if target is not None:
             target.extend(items)  # before bookkeeping: a refused extend changes nothing here
             self.groups += len(prompts) // g
+        if self.metrics is not None and training:
+            from posttrain.observability.hooks import rollout_metrics
+
+            rollout_metrics(items, self.metrics, learner_version=self.version(trainer))
+            self.metrics.add("time/rollout_s", seconds)
+            self.metrics.add("perf/gen_tokens_per_s", sum(len(c) for c in completion_ids), seconds)
         self.calls += 1
         return {
             "prompt_ids": prompt_ids,

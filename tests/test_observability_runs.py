@@ -1,0 +1,142 @@
+"""Issue 7's done-when: a TRL GRPOTrainer run and a TorchRL GRPO run on the same tiny setup emit
+the catalogue's core metrics under the same names, read back from TensorBoard event files."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from posttrain.adapters._hf import word_level_tokenizer
+from posttrain.adapters.torchrl.loggers import read_tensorboard, tensorboard_logger
+from posttrain.adapters.torchrl.loss import make_loss
+from posttrain.adapters.torchrl.rollout import llm_collector
+from posttrain.adapters.trl import CaptureRollouts, hf_reward_model, to_padded, trl_reward_func
+from posttrain.conformance.policy import tiny_causal_lm, tiny_reward_model
+from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.observability import (
+    Accumulator,
+    Timers,
+    loss_metrics,
+    policy_metrics,
+    rollout_metrics,
+)
+
+K = LLM_LAYOUT_V1.key
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+CORE = {
+    "policy/kl_ref/k3",
+    "policy/entropy",
+    "policy/clip_frac/low",
+    "policy/clip_frac/high",
+    "rollout/reward/mean",
+    "rollout/response_len/mean",
+    "rollout/prompt_len/mean",
+    "staleness/mean",
+    "time/rollout_s",
+    "perf/gen_tokens_per_s",
+    "loss/total",
+}
+
+
+def _trl_run(tmp: Path) -> dict[str, list[tuple[int, float]]]:
+    from datasets import Dataset
+    from trl.trainer.grpo_config import GRPOConfig
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from posttrain.adapters.trl.callback import CatalogueCallback, install
+    from posttrain.reference_impls import RingBuffer
+
+    tok = word_level_tokenizer(tiny_causal_lm().config)
+    tok.padding_side = "left"
+    sink = tensorboard_logger(tmp / "trl")
+    # With beta > 0 TRL loads a reference copy by the model's path: save the tiny model locally.
+    tiny_causal_lm().save_pretrained(tmp / "policy")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    capture = CaptureRollouts(RingBuffer(64), width=16, metrics=Accumulator())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(
+            model=str(tmp / "policy"),
+            reward_funcs=[trl_reward_func(hf_reward_model(tiny_reward_model()), tok, name="rm")],
+            args=GRPOConfig(
+                output_dir=str(tmp / "out"),
+                max_steps=2,
+                per_device_train_batch_size=4,
+                num_generations=2,
+                max_completion_length=4,
+                beta=0.04,  # a reference model: TRL then logs its k3 KL
+                logging_steps=1,
+                report_to=[],
+                use_cpu=True,
+                save_strategy="no",
+            ),
+            train_dataset=Dataset.from_dict({"prompt": ["t5 t6 t7", "t8 t9", "t10", "t11 t12"]}),
+            processing_class=tok,
+            rollout_func=capture,
+        )
+        install(trainer, CatalogueCallback(capture, sink=sink))
+        trainer.train()
+    sink.close()
+    return read_tensorboard(tmp / "trl")
+
+
+def _torchrl_run(tmp: Path) -> dict[str, list[tuple[int, float]]]:
+    torch.manual_seed(0)
+    policy = tiny_causal_lm()
+    reference = tiny_causal_lm()
+    src = llm_collector(policy, [[5, 6, 7]] * 4, 2, max_new_tokens=4, adapted=True)
+    reward = hf_reward_model(tiny_reward_model())
+    loss_fn = make_loss("GRPOLoss", adapted=True)(policy, kl_to_ref_coeff=0.04)
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    sink = tensorboard_logger(tmp / "torchrl")
+    timers = Timers()
+    it = iter(src)
+    for step in range(2):
+        with timers.phase("rollout"):
+            batch = next(it)
+        batch = reward(batch)
+        acc = timers.acc
+        rollout_metrics(batch, acc, learner_version=step)
+        timers.rate(
+            "perf/gen_tokens_per_s",
+            tokens=float(sum(int(x.get(K("assistant_mask")).sum()) for x in batch.tensordicts)),
+            phase="rollout",
+        )
+        dense = to_padded(batch)
+        r = dense.get(K("reward"))
+        dense.set(K("advantage"), (r - r.mean()) / (r.std() + 1e-6))
+        tokens, attn = dense.get(K("tokens")), dense.get(K("attention_mask"))
+        with torch.no_grad():
+            ref_logits = reference(input_ids=tokens, attention_mask=attn.long()).logits
+            from posttrain.contracts.alignment import token_log_probs
+
+            dense.set(K("ref_log_probs"), token_log_probs(ref_logits, tokens))
+            policy_metrics(dense, policy(input_ids=tokens, attention_mask=attn.long()).logits, acc)
+        out = loss_fn(dense)
+        loss_metrics(out, acc)
+        opt.zero_grad()
+        sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+        opt.step()
+        acc.log_to(sink, step + 1)
+        timers.acc = Accumulator()
+    src.shutdown()
+    sink.close()
+    return read_tensorboard(tmp / "torchrl")
+
+
+def test_trl_and_torchrl_emit_the_core_metrics_under_the_same_names(tmp_path: Path) -> None:
+    trl = _trl_run(tmp_path)
+    torchrl = _torchrl_run(tmp_path)
+    for name, run in (("TRL", trl), ("TorchRL", torchrl)):
+        missing = sorted(CORE - set(run))
+        assert not missing, f"{name} run lacks {missing}"
+        for metric in CORE:
+            steps = [s for s, _ in run[metric]]
+            values = [v for _, v in run[metric]]
+            assert steps == [1, 2], (name, metric, steps)
+            assert all(math.isfinite(v) for v in values), (name, metric, values)
+    assert all(v >= 0 for _, v in trl["policy/kl_ref/k3"])
