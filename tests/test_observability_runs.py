@@ -1,5 +1,6 @@
 """Issue 7's done-when: a TRL GRPOTrainer run and a TorchRL GRPO run on the same tiny setup emit
-the catalogue's core metrics under the same names, read back from TensorBoard event files."""
+the catalogue's core metrics under the same names, read back from TensorBoard event files (with
+TensorBoard's reader) and from an MLflow tracking store (with MLflow's client)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from posttrain.observability import (
     policy_metrics,
     rollout_metrics,
 )
+from posttrain.observability.sinks import MlflowSink, Tee
 
 K = LLM_LAYOUT_V1.key
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -42,7 +44,10 @@ CORE = {
 }
 
 
-def _trl_run(tmp: Path) -> dict[str, list[tuple[int, float]]]:
+Scalars = dict[str, list[tuple[int, float]]]
+
+
+def _trl_run(tmp: Path) -> tuple[Scalars, Scalars]:
     from datasets import Dataset
     from trl.trainer.grpo_config import GRPOConfig
     from trl.trainer.grpo_trainer import GRPOTrainer
@@ -52,7 +57,7 @@ def _trl_run(tmp: Path) -> dict[str, list[tuple[int, float]]]:
 
     tok = word_level_tokenizer(tiny_causal_lm().config)
     tok.padding_side = "left"
-    sink = tensorboard_logger(tmp / "trl")
+    sink = Tee(tensorboard_logger(tmp / "trl"), MlflowSink(tmp / "mlflow", run_name="trl"))
     # With beta > 0 TRL loads a reference copy by the model's path: save the tiny model locally.
     tiny_causal_lm().save_pretrained(tmp / "policy")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -81,10 +86,10 @@ def _trl_run(tmp: Path) -> dict[str, list[tuple[int, float]]]:
         install(trainer, CatalogueCallback(capture, sink=sink))
         trainer.train()
     sink.close()
-    return read_tensorboard(tmp / "trl")
+    return read_tensorboard(tmp / "trl"), _run(tmp / "mlflow", "trl")
 
 
-def _torchrl_run(tmp: Path) -> dict[str, list[tuple[int, float]]]:
+def _torchrl_run(tmp: Path) -> tuple[Scalars, Scalars]:
     torch.manual_seed(0)
     policy = tiny_causal_lm()
     reference = tiny_causal_lm()
@@ -92,7 +97,7 @@ def _torchrl_run(tmp: Path) -> dict[str, list[tuple[int, float]]]:
     reward = hf_reward_model(tiny_reward_model())
     loss_fn = make_loss("GRPOLoss", adapted=True)(policy, kl_to_ref_coeff=0.04)
     opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    sink = tensorboard_logger(tmp / "torchrl")
+    sink = Tee(tensorboard_logger(tmp / "torchrl"), MlflowSink(tmp / "mlflow", run_name="torchrl"))
     timers = Timers()
     it = iter(src)
     for step in range(2):
@@ -125,13 +130,37 @@ def _torchrl_run(tmp: Path) -> dict[str, list[tuple[int, float]]]:
         timers.acc = Accumulator()
     src.shutdown()
     sink.close()
-    return read_tensorboard(tmp / "torchrl")
+    return read_tensorboard(tmp / "torchrl"), _run(tmp / "mlflow", "torchrl")
+
+
+def _run(directory: Path, name: str) -> Scalars:
+    """One MLflow run's metrics, through MLflow's client."""
+    from mlflow.tracking import MlflowClient
+
+    from posttrain.observability.sinks import EXPERIMENT, mlflow_uri
+
+    client = MlflowClient(tracking_uri=mlflow_uri(directory))
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    assert exp is not None
+    (run,) = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == name]
+    return {
+        key: sorted(
+            (int(m.step), float(m.value)) for m in client.get_metric_history(run.info.run_id, key)
+        )
+        for key in run.data.metrics
+    }
 
 
 def test_trl_and_torchrl_emit_the_core_metrics_under_the_same_names(tmp_path: Path) -> None:
-    trl = _trl_run(tmp_path)
-    torchrl = _torchrl_run(tmp_path)
-    for name, run in (("TRL", trl), ("TorchRL", torchrl)):
+    trl, trl_mlflow = _trl_run(tmp_path)
+    torchrl, torchrl_mlflow = _torchrl_run(tmp_path)
+    runs = [
+        ("TRL tb", trl),
+        ("TorchRL tb", torchrl),
+        ("TRL mlflow", trl_mlflow),
+        ("TorchRL mlflow", torchrl_mlflow),
+    ]
+    for name, run in runs:
         missing = sorted(CORE - set(run))
         assert not missing, f"{name} run lacks {missing}"
         for metric in CORE:

@@ -1,0 +1,31 @@
+"""Conformance declarations of the observability sinks (entry points in ``pyproject.toml``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.contracts.implementation import Implementation
+
+__all__ = ["MLFLOW_SINK"]
+
+
+def _mlflow(directory: Any) -> Any:
+    from posttrain.observability.sinks import MlflowSink
+
+    return MlflowSink(directory)
+
+
+def _read_mlflow(directory: Any) -> Any:
+    from posttrain.observability.sinks import read_mlflow
+
+    return read_mlflow(directory)
+
+
+MLFLOW_SINK = Implementation(
+    "metrics",
+    _mlflow,
+    name="posttrain.MlflowSink (SQLite tracking store)",
+    extras={"reader": _read_mlflow},
+    description="MLflow through its client API into a local SQLite store, read back with MlflowClient.",
+)
+"""Entry point ``mlflow-sink``."""
