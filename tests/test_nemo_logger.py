@@ -60,3 +60,19 @@ def test_torchrl_tensorboard_logger_behind_the_nemo_shape(tmp_path: Path) -> Non
     log.log_metrics({"reward": 0.5}, step=1, prefix="train")
     log.flush()
     assert read_tensorboard(tmp_path)["train/reward"] == [(1, 0.5)]
+
+
+def test_catalogue_names_for_nemo_rl_metrics(tmp_path: Path) -> None:
+    from posttrain.adapters.nemo_rl.logger import NEMO_TO_CATALOGUE
+    from posttrain.contracts.catalogue import CATALOGUE_V1
+
+    for name in NEMO_TO_CATALOGUE.values():
+        CATALOGUE_V1.metric(name)  # every target exists
+    log = NemoLogger(JsonlSink(tmp_path), catalogue=True)
+    log.log_metrics({"kl_penalty": 0.01, "approx_entropy": 2.0}, step=1, prefix="train")
+    log.log_metrics(
+        {"prepare_for_generation/transfer_and_update_weights": 0.2}, step=1, prefix="timing/train"
+    )
+    log.flush()
+    got = read_jsonl(tmp_path)
+    assert sorted(got) == ["policy/kl_ref/k3", "time/weight_sync_s", "train/approx_entropy"]

@@ -15,7 +15,29 @@ from typing import Any
 
 from posttrain.contracts.metrics import METRIC_NAME
 
-__all__ = ["NemoLogger", "metric_name"]
+__all__ = ["NEMO_TO_CATALOGUE", "NemoLogger", "metric_name"]
+
+NEMO_TO_CATALOGUE = {
+    "train/reward": "rollout/reward/mean",
+    "train/mean_prompt_length": "rollout/prompt_len/mean",
+    "train/kl_penalty": "policy/kl_ref/k3",
+    "train/probs_ratio": "policy/ratio/mean",
+    "train/probs_ratio_min": "policy/ratio/min",
+    "train/probs_ratio_max": "policy/ratio/max",
+    "train/loss": "loss/total",
+    "train/grad_norm": "optim/grad_norm",
+    "train/lr": "optim/lr",
+    "train/avg_trajectory_age": "staleness/mean",
+    "timing/train/generation": "time/rollout_s",
+    "timing/train/policy_training": "time/train_s",
+    "timing/train/total_step_time": "time/step_s",
+    "timing/train/prepare_for_generation/transfer_and_update_weights": "time/weight_sync_s",
+}
+"""NeMo-RL log name (prefix/key as grpo.py logs it) -> catalogue name, where the formula is the
+catalogue's: the loss metrics are token means over the global batch (divided by the global
+valid-token count, summed over microbatches), ``kl_penalty`` is the k3 KL before its coefficient
+(NeMo-RL's default k3). Left out, as different or not verified: ``approx_entropy``,
+``gen_kl_error`` (its KL estimator is unchecked), ``token_mult_prob_error``, per-GPU tokens/s."""
 
 _BAD = re.compile(r"[^a-z0-9_/]+")
 
@@ -42,7 +64,7 @@ class NemoLogger:
 
     Scalars (ints, floats, 0-d tensors) go to ``sink.log_scalar(prefix/name, value, step)``
     under the catalogue form of the name (``names`` renames first: NeMo-RL name -> catalogue
-    name); a histogram is logged as its mean, min and max; a plot is not a scalar and is
+    name; ``catalogue=True`` starts from :data:`NEMO_TO_CATALOGUE`); a histogram is logged as its mean, min and max; a plot is not a scalar and is
     dropped (counted in ``dropped``). ``step_metric`` and ``step_finished`` (W&B's step
     bookkeeping) do not change what is stored.
 
@@ -56,9 +78,11 @@ class NemoLogger:
         ['train/probs_ratio_min', 'train/reward']
     """
 
-    def __init__(self, sink: Any, *, names: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, sink: Any, *, names: Mapping[str, str] | None = None, catalogue: bool = False
+    ) -> None:
         self.sink = sink
-        self.names = dict(names or {})
+        self.names = {**(NEMO_TO_CATALOGUE if catalogue else {}), **(names or {})}
         self.hyperparams: dict[str, Any] = {}
         self.dropped = 0
 
