@@ -141,3 +141,25 @@ def test_bad_calls_say_what_was_expected() -> None:
     bad: Any = None
     with pytest.raises(TypeError, match="expected next_token_logprobs= and data="):
         _nemo_default()(data=bad, global_valid_seqs=2, global_valid_toks=5)
+
+
+_NO_NEMO = (
+    "nemo_rl is not on the package index (0.0.0 placeholder); the vector pins its loss instead"
+)
+
+
+def test_real_clipped_pg_loss_where_nemo_rl_imports() -> None:
+    losses = pytest.importorskip("nemo_rl.algorithms.loss.loss_functions", reason=_NO_NEMO)
+    cfg = losses.ClippedPGLossConfig()
+    real = losses.ClippedPGLossFn(cfg)
+    data = _data()
+    ntl = torch.tensor(V["next_token_logprobs"])
+    seqs, toks = global_counts(data)
+    want, _ = real(ntl, data, seqs, toks)
+    got, _ = _nemo_default()(
+        next_token_logprobs=ntl, data=data, global_valid_seqs=seqs, global_valid_toks=toks
+    )
+    assert got.item() == pytest.approx(want.item(), abs=1e-6)
+    module = NemoLossModule(real, tiny_causal_lm())
+    out = module(llm_batch(2, 6, vocab_size=64))
+    assert torch.isfinite(out["loss_objective"])

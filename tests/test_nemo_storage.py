@@ -148,3 +148,25 @@ def test_state_dict_round_trip_and_clear() -> None:
     assert nemo.size() == 0
     with pytest.raises(ValueError, match="lists differ in length"):
         copy.load_state_dict({**nemo.state_dict(), "trajectory_versions": [1]})
+
+
+def test_real_replay_buffer_where_nemo_rl_imports() -> None:
+    impl = pytest.importorskip(
+        "nemo_rl.algorithms.async_utils.replay_buffer",
+        reason="nemo_rl is not on the package index (0.0.0 placeholder); its rules are "
+        "reproduced from replay_buffer.py at 7ea279a instead",
+    )
+    real = impl.ReplayBufferImpl(max_size=8, drop_incomplete_targets_on_restore=False)
+    ours = NemoReplayBuffer(RingBuffer(64), max_size=8, capacity=64)
+    plan = [(0, 1), (0, 2), (1, 2), (1, 3), (2, 3)]
+    for i, (v, target) in enumerate(plan):
+        assert real.add({"batch": _group(i), "i": i}, v, target) == ours.add(
+            {"batch": _group(i), "i": i}, v, target
+        )
+    for current, age, n in [(0, 2, 1), (2, 2, 2), (3, 1, 1)]:
+        a, b = real.sample(n, current, age), ours.sample(n, current, age)
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert [t["i"] for t in a["trajectories"]] == [t["i"] for t in b["trajectories"]]
+            assert a["avg_trajectory_age"] == pytest.approx(b["avg_trajectory_age"])
+    assert real.size() == ours.size()
