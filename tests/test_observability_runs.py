@@ -169,3 +169,13 @@ def test_trl_and_torchrl_emit_the_core_metrics_under_the_same_names(tmp_path: Pa
             assert steps == [1, 2], (name, metric, steps)
             assert all(math.isfinite(v) for v in values), (name, metric, values)
     assert all(v >= 0 for _, v in trl["policy/kl_ref/k3"])
+    # The dashboard draws from what the backends hold (TensorBoard here, MLflow for the other).
+    from posttrain.observability.plot import dashboard, main, read_run
+
+    png = dashboard(read_run(tmp_path / "torchrl"), tmp_path / "torchrl.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (
+        main([str(tmp_path / "mlflow"), "--mlflow-run", "trl", "--out", str(tmp_path / "trl.png")])
+        == 0
+    )
+    assert (tmp_path / "trl.png").stat().st_size > 10_000

@@ -82,8 +82,11 @@ class MlflowSink:
             self.client.set_terminated(self.run_id)
 
 
-def read_mlflow(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """Every metric of every run under ``directory``, through MLflow's own client."""
+def read_mlflow(
+    directory: str | os.PathLike[str], run_name: str | None = None
+) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of every run (or of the runs named ``run_name``) under ``directory``,
+    through MLflow's own client."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=mlflow_uri(directory))
@@ -92,6 +95,8 @@ def read_mlflow(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, 
     if exp is None:
         return out
     for run in client.search_runs([exp.experiment_id]):
+        if run_name is not None and run.info.run_name != run_name:
+            continue
         for key in run.data.metrics:
             history = client.get_metric_history(run.info.run_id, key)
             out.setdefault(key, []).extend((int(m.step), float(m.value)) for m in history)
