@@ -8,13 +8,14 @@ import torch
 from posttrain.conformance import Implementation, Status, checks_for, run
 from posttrain.contracts import CONTRACTS
 from posttrain.reference_impls import (
+    GENERATION_SERVER,
     HF_ROLLOUT,
     IN_PROCESS_WEIGHT_SYNC,
     JSONL_SINK,
     PG_LOSSES,
     RING_BUFFER,
 )
-from tests.mutants import buffers, losses, rollouts, sinks, weight_syncs
+from tests.mutants import buffers, generation, losses, rollouts, sinks, weight_syncs
 
 MUTANTS: dict[str, dict[str, Implementation]] = {
     "buffer": buffers.MUTANTS,
@@ -22,8 +23,16 @@ MUTANTS: dict[str, dict[str, Implementation]] = {
     "rollout": rollouts.MUTANTS,
     "weight_sync": weight_syncs.MUTANTS,
     "metrics": sinks.MUTANTS,
+    "generation": generation.MUTANTS,
 }
-REFERENCES = [RING_BUFFER, *PG_LOSSES.values(), HF_ROLLOUT, IN_PROCESS_WEIGHT_SYNC, JSONL_SINK]
+REFERENCES = [
+    RING_BUFFER,
+    *PG_LOSSES.values(),
+    HF_ROLLOUT,
+    IN_PROCESS_WEIGHT_SYNC,
+    JSONL_SINK,
+    GENERATION_SERVER,
+]
 NEEDS_CUDA = {"BUF-021", "WS-009"}
 
 

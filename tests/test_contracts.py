@@ -26,7 +26,14 @@ from posttrain.contracts import (
     get_contract,
 )
 
-PREFIX = {"buffer": "BUF", "rollout": "ROLL", "weight_sync": "WS", "loss": "LOSS", "metrics": "MET"}
+PREFIX = {
+    "buffer": "BUF",
+    "rollout": "ROLL",
+    "weight_sync": "WS",
+    "loss": "LOSS",
+    "metrics": "MET",
+    "generation": "GEN",
+}
 
 
 @pytest.mark.parametrize("cid", sorted(CONTRACTS))

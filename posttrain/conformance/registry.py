@@ -19,6 +19,7 @@ _SUITE_MODULES = {
     "rollout": "posttrain.conformance.suites.rollout",
     "weight_sync": "posttrain.conformance.suites.weight_sync",
     "metrics": "posttrain.conformance.suites.metrics",
+    "generation": "posttrain.conformance.suites.generation",
 }
 
 

@@ -6,7 +6,7 @@ never the other way round.
 Example:
     >>> from posttrain.contracts import CONTRACTS, LLM_LAYOUT_V1
     >>> sorted(CONTRACTS)
-    ['buffer', 'loss', 'metrics', 'rollout', 'weight_sync']
+    ['buffer', 'generation', 'loss', 'metrics', 'rollout', 'weight_sync']
     >>> LLM_LAYOUT_V1.key("assistant_mask")
     ('masks', 'all_assistant_mask')
 """
@@ -20,6 +20,7 @@ from posttrain.contracts.buffer import (
     SupportsRead,
 )
 from posttrain.contracts.contract import Capability, Contract, DeclarationError, Option
+from posttrain.contracts.generation import GENERATION, GenerationClientV1, GenerationServerV1
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Key, Layout, LayoutField, key_str, norm_key
 from posttrain.contracts.loss import AGGREGATIONS, LOSS, LossModuleV1, LossOutput
@@ -40,6 +41,7 @@ __all__ = [
     "AGGREGATIONS",
     "BUFFER",
     "CONTRACTS",
+    "GENERATION",
     "LAYOUT_REQUIREMENTS",
     "LLM_LAYOUT_V1",
     "LOSS",
@@ -51,6 +53,8 @@ __all__ = [
     "Contract",
     "ContractViolation",
     "DeclarationError",
+    "GenerationClientV1",
+    "GenerationServerV1",
     "Implementation",
     "Key",
     "Layout",

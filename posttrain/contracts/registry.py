@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from posttrain.contracts.buffer import BUFFER
 from posttrain.contracts.contract import Contract
+from posttrain.contracts.generation import GENERATION
 from posttrain.contracts.loss import LOSS
 from posttrain.contracts.metrics import METRICS
 from posttrain.contracts.rollout import ROLLOUT
@@ -11,7 +12,9 @@ from posttrain.contracts.weight_sync import WEIGHT_SYNC
 
 __all__ = ["CONTRACTS", "get_contract"]
 
-CONTRACTS: dict[str, Contract] = {c.id: c for c in (BUFFER, ROLLOUT, WEIGHT_SYNC, LOSS, METRICS)}
+CONTRACTS: dict[str, Contract] = {
+    c.id: c for c in (BUFFER, ROLLOUT, WEIGHT_SYNC, LOSS, METRICS, GENERATION)
+}
 """The v1 contracts in dependency order."""
 
 

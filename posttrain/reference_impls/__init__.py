@@ -9,6 +9,7 @@ Example:
 from functools import partial
 
 from posttrain.contracts import Implementation
+from posttrain.reference_impls.generation_server import ThreadGenerationServer
 from posttrain.reference_impls.hf_rollout import HFRolloutSource
 from posttrain.reference_impls.jsonl_sink import JsonlSink, read_jsonl
 from posttrain.reference_impls.pg_loss import PolicyGradientLoss
@@ -20,6 +21,7 @@ from posttrain.reference_impls.weight_sync import (
 )
 
 __all__ = [
+    "GENERATION_SERVER",
     "HF_ROLLOUT",
     "IN_PROCESS_WEIGHT_SYNC",
     "JSONL_SINK",
@@ -35,6 +37,7 @@ __all__ = [
     "JsonlSink",
     "PolicyGradientLoss",
     "RingBuffer",
+    "ThreadGenerationServer",
     "in_process_weight_sync",
     "make_ring_buffer",
     "read_jsonl",
@@ -118,3 +121,13 @@ HF_ROLLOUT = Implementation(
     description="Reference in-process rollout source over Hugging Face generate (2 samples per prompt).",
 )
 """The reference rollout source's declaration (entry point ``reference-rollout-hf``)."""
+
+
+GENERATION_SERVER = Implementation(
+    "generation",
+    ThreadGenerationServer,
+    name="posttrain.ThreadGenerationServer",
+    options={"on_shutdown": "fail"},
+    description="Reference generation server: one worker thread batching requests over HF generate (greedy).",
+)
+"""The reference generation server's declaration (entry point ``reference-generation``)."""

@@ -1,0 +1,130 @@
+"""Contract ``generation`` v1: a push-style generation server (request in, response out).
+
+The twin of the pull-style ``rollout`` contract: many callers submit single requests, the server
+batches them, generates, and answers each caller with its own response, stamped with the
+weights version that produced it. TorchRL's ``InferenceServer`` (``client().submit(td) ->
+future``, ``update_policy_weights_``, ``stats()``, ``shutdown()``) has this shape.
+
+Request: a TensorDict with batch size [] holding ``("tokens", "prompt")`` (int64 [P]).
+Response: ``("tokens", "response")`` (int64 [R], R <= max_new_tokens, EOS included when
+generated), ``("log_probs", "response")`` (float32 [R], log p of each response token under the
+serving weights) and ``policy_version`` (int64 []).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDictBase
+
+from posttrain.contracts.contract import Capability, Contract, Option
+from posttrain.contracts.requirements import Level, Requirement
+
+__all__ = [
+    "GENERATION",
+    "PROMPT_KEY",
+    "RESPONSE_KEY",
+    "RESPONSE_LOG_PROBS_KEY",
+    "GenerationClientV1",
+    "GenerationServerV1",
+]
+
+PROMPT_KEY = ("tokens", "prompt")
+RESPONSE_KEY = ("tokens", "response")
+RESPONSE_LOG_PROBS_KEY = ("log_probs", "response")
+
+
+class GenerationClientV1(Protocol):
+    """One caller's handle: submit a request, get a future of its response.
+
+    Example:
+        >>> def ask(client: GenerationClientV1, request):
+        ...     return client.submit(request).result(timeout=30.0)
+    """
+
+    def submit(self, request: TensorDictBase, /) -> Any:
+        """A ``concurrent.futures.Future``-like object: ``.result(timeout)`` gives the response
+        or raises the request's own error."""
+        ...
+
+
+class GenerationServerV1(Protocol):
+    """The server: hands out clients, takes new weights, reports statistics, shuts down.
+
+    Example:
+        >>> def refresh(server: GenerationServerV1, weights) -> int:
+        ...     server.update_policy_weights_(weights)
+        ...     return server.policy_version
+    """
+
+    def client(self) -> GenerationClientV1:
+        """A new client handle (one per caller thread)."""
+        ...
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> Any:
+        """Load ``weights`` (``None``: re-read the policy's own); later requests use them."""
+        ...
+
+    @property
+    def policy_version(self) -> int:
+        """The version stamped on responses generated from now on."""
+        ...
+
+    def stats(self) -> Mapping[str, float]:
+        """At least ``queue_wait_s``, ``batch_size`` and ``forward_s`` (means over served batches)."""
+        ...
+
+    def shutdown(self, timeout: float | None = 5.0) -> Any:
+        """Stop serving within ``timeout``; pending requests drain or fail as declared."""
+        ...
+
+
+_M, _S = Level.MUST, Level.SHOULD
+
+GENERATION = Contract(
+    id="generation",
+    title="Generation server",
+    purpose=(
+        "Serves generation requests pushed by many callers: batches them, generates with the "
+        "current weights and answers every caller with exactly its own response, stamped with "
+        "the weights version. A bad request fails its caller only; shutdown never hangs."
+    ),
+    protocol=GenerationServerV1,
+    extra_protocols=(GenerationClientV1,),
+    factory=(
+        "factory(policy, *, max_new_tokens: int) -> GenerationServerV1  # policy: an HF causal "
+        "LM the suite supplies; greedy decoding"
+    ),
+    capabilities=(
+        Capability(name="processes", text="Clients may live in other processes than the server."),
+    ),
+    options=(
+        Option(name="on_shutdown", values=("drain", "fail"), default="fail", text="What `shutdown` does with requests still pending: serve them, or fail their futures."),
+    ),
+    requirements=(
+        Requirement(id="GEN-001", level=_M, title="response layout",
+            text="A response MUST hold `('tokens', 'response')` int64 [R] with 1 <= R <= max_new_tokens, `('log_probs', 'response')` float32 [R] and `policy_version` int64 []."),
+        Requirement(id="GEN-002", level=_M, title="own response",
+            text="With many clients in concurrent threads submitting distinct prompts, every caller MUST receive the response to its own prompt, never another's.", depends_on=("GEN-001",)),
+        Requirement(id="GEN-003", level=_M, title="batching does not change results",
+            text="A request served alone and the same request served inside a batch MUST give the same tokens (greedy) and log-probs within 1e-4.", depends_on=("GEN-001",)),
+        Requirement(id="GEN-004", level=_M, title="behaviour log-probs",
+            text="`('log_probs', 'response')` MUST equal the serving weights' log-probs of the response tokens within 1e-4.", depends_on=("GEN-001",)),
+        Requirement(id="GEN-005", level=_M, title="version stamped",
+            text="Every response MUST carry the `policy_version` of the weights that produced it, and `policy_version` MUST rise with every update.", depends_on=("GEN-001",)),
+        Requirement(id="GEN-006", level=_M, title="new weights used",
+            text="After `update_policy_weights_` returns, every later request MUST be served by the new weights (checked through the generated tokens).", depends_on=("GEN-005",)),
+        Requirement(id="GEN-007", level=_M, title="bad request isolated",
+            text="A request with a missing key or a wrong dtype MUST fail its own future with an error naming the key, while concurrent and later valid requests are served.", depends_on=("GEN-001",)),
+        Requirement(id="GEN-008", level=_M, title="shutdown",
+            text="`shutdown` MUST return within its timeout with requests still pending, leave no pending future unresolved (each served or failed, as the `on_shutdown` option says), and be idempotent.", depends_on=("GEN-001",)),
+        Requirement(id="GEN-009", level=_M, title="closed server refuses",
+            text="A request submitted after `shutdown` MUST raise (or fail its future) with a clear error instead of hanging.", depends_on=("GEN-008",)),
+        Requirement(id="GEN-010", level=_S, title="statistics",
+            text="After serving, `stats()` SHOULD report finite, non-negative `queue_wait_s`, `batch_size` and `forward_s`.", depends_on=("GEN-001",)),
+        Requirement(id="GEN-011", level=_M, title="clients in other processes", capability="processes",
+            text="Clients in other processes MUST each receive the response to their own prompt.", depends_on=("GEN-002",)),
+    ),
+)  # fmt: skip
