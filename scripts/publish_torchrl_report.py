@@ -13,6 +13,7 @@ from pathlib import Path
 
 from posttrain.adapters.torchrl.deviations import (
     DEVIATIONS,
+    GENERATION_DEVIATIONS,
     LOSS_DEVIATIONS,
     ROLLOUT_DEVIATIONS,
     WEIGHT_SYNC_DEVIATIONS,
@@ -41,7 +42,8 @@ def main(out_dir: Path) -> Path:
         "prompt_mean, GRPOLoss with kl_to_ref_coeff); LLMCollector with a generating "
         "TransformersWrapper; SharedMemWeightSyncScheme, MultiProcessWeightSyncScheme and "
         "VanillaWeightUpdater (update_policy_weights_'s local path); CSVLogger and "
-        "TensorboardLogger. SFTLoss is outside the loss contract (no advantage, no behaviour "
+        "TensorboardLogger; InferenceServer (thread backend) serving greedy generation through the "
+        "generation contract. SFTLoss is outside the loss contract (no advantage, no behaviour "
         "log-probs: a supervised loss), so it has no row; see docs/torchrl.md.",
         "",
     ]
@@ -59,7 +61,13 @@ def main(out_dir: Path) -> Path:
         lines += ["", "## Not applicable here, with the reason", ""]
         lines += [f"- {rid}: {msg}" for rid, msg in na]
     lines += ["", "## Deviations, with repros", ""]
-    for d in (*DEVIATIONS, *LOSS_DEVIATIONS, *ROLLOUT_DEVIATIONS, *WEIGHT_SYNC_DEVIATIONS):
+    for d in (
+        *DEVIATIONS,
+        *LOSS_DEVIATIONS,
+        *ROLLOUT_DEVIATIONS,
+        *WEIGHT_SYNC_DEVIATIONS,
+        *GENERATION_DEVIATIONS,
+    ):
         lines += [
             f"### {', '.join(d.requirements)}: {d.title}",
             "",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEVIATIONS",
+    "GENERATION_DEVIATIONS",
     "LOSS_DEVIATIONS",
     "ROLLOUT_DEVIATIONS",
     "WEIGHT_SYNC_DEVIATIONS",
@@ -361,3 +362,72 @@ worker.shutdown()
     ),
 )
 """Known deviations of TorchRL 0.14.1's weight transports, found by the weight-sync suite."""
+
+
+_SERVER = """import concurrent.futures
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torchrl.modules.inference_server import InferenceServer
+
+policy = TensorDictModule(torch.nn.Linear(2, 1), in_keys=["x"], out_keys=["y"])
+"""
+
+GENERATION_DEVIATIONS: tuple[Deviation, ...] = (
+    Deviation(
+        ("GEN-006",),
+        "InferenceServer (thread backend)",
+        "update_policy_weights_(model_id, weights) bumps the version but loads nothing",
+        _SERVER
+        + """server = InferenceServer(policy, transport="auto", min_batch_size=2, timeout=1.0).start()
+client = server.client()
+before = [client.submit(TensorDict({"x": torch.ones(2)})) for _ in range(2)][0].result(10)
+server.update_policy_weights_(None, {k: torch.zeros_like(v) for k, v in policy.state_dict().items()})
+after = [client.submit(TensorDict({"x": torch.ones(2)})) for _ in range(2)][0].result(10)
+assert int(after["policy_version"]) == 1 and torch.equal(after["y"], before["y"])  # old weights
+server.shutdown()
+""",
+    ),
+    Deviation(
+        ("GEN-007",),
+        "InferenceServer (thread backend)",
+        "a malformed request reaches the model and its error fails every request of the batch",
+        _SERVER
+        + """server = InferenceServer(policy, transport="auto", min_batch_size=2, timeout=1.0).start()
+client = server.client()
+good = client.submit(TensorDict({"x": torch.ones(2)}))
+bad = client.submit(TensorDict({"z": torch.ones(2)}))  # "x" missing
+assert isinstance(good.exception(10), KeyError)  # the valid request fails with the bad one
+server.shutdown()
+""",
+    ),
+    Deviation(
+        ("GEN-009",),
+        "InferenceServer (thread backend)",
+        "a request submitted after shutdown() is never answered nor failed",
+        _SERVER
+        + """server = InferenceServer(policy, transport="auto").start()
+client = server.client()
+server.shutdown()
+future = client.submit(TensorDict({"x": torch.ones(2)}))
+try:
+    future.result(timeout=2)
+    raise AssertionError("answered")
+except concurrent.futures.TimeoutError:
+    pass  # still pending: the caller waits forever without a timeout
+""",
+    ),
+    Deviation(
+        ("GEN-010",),
+        "InferenceServer (thread backend)",
+        "stats() reports p50/p95 milliseconds and avg_batch_size, not queue_wait_s/batch_size/forward_s",
+        _SERVER
+        + """server = InferenceServer(policy, transport="auto").start()
+server.client().submit(TensorDict({"x": torch.ones(2)})).result(10)
+stats = server.stats()
+assert "p50_queue_ms" in stats and "queue_wait_s" not in stats
+server.shutdown()
+""",
+    ),
+)
+"""TorchRL's InferenceServer against the generation contract, with executable repros."""

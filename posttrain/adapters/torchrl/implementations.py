@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 from posttrain.adapters.torchrl.buffer import ValidatedReplayBuffer
+from posttrain.adapters.torchrl.generation import inference_server
 from posttrain.adapters.torchrl.loggers import (
     csv_logger,
     read_tensorboard,
@@ -31,6 +32,7 @@ __all__ = [
     "ADAPTED_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN",
     "ADAPTED_GRPOLOSS_TOKEN_MEAN",
     "ADAPTED_GRPOLOSS_TOKEN_MEAN_KL",
+    "ADAPTED_INFERENCE_SERVER",
     "ADAPTED_LAZY_MEMMAP",
     "ADAPTED_LAZY_STACK",
     "ADAPTED_LAZY_TENSOR",
@@ -48,6 +50,7 @@ __all__ = [
     "RAW_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN",
     "RAW_GRPOLOSS_TOKEN_MEAN",
     "RAW_GRPOLOSS_TOKEN_MEAN_KL",
+    "RAW_INFERENCE_SERVER",
     "RAW_LAZY_MEMMAP",
     "RAW_LAZY_STACK",
     "RAW_LAZY_TENSOR",
@@ -268,3 +271,23 @@ WEIGHT_SYNCS: dict[str, Implementation] = {
     "torchrl-adapted-vanilla": ADAPTED_VANILLA,
 }
 """TorchRL's weight transports, raw and adapted, by entry-point name."""
+
+
+def _inference_server(*, adapted: bool) -> Implementation:
+    factory = partial(inference_server, adapted=adapted)
+    return Implementation(
+        "generation",
+        factory,
+        name=f"{'ContractInferenceServer(' if adapted else ''}InferenceServer(GenerateBatch, "
+        f"thread){')' if adapted else ''}",
+        options={"on_shutdown": "fail"},
+        description="TorchRL's thread InferenceServer batching greedy HF generation (GenerateBatch)"
+        + (": bad requests refused at submit, weights loaded through update_model, pending "
+           "futures failed at shutdown, contract stats" if adapted else ", as TorchRL ships it"),
+    )  # fmt: skip
+
+
+RAW_INFERENCE_SERVER = _inference_server(adapted=False)
+"""Entry point ``torchrl-raw-inference-server``."""
+ADAPTED_INFERENCE_SERVER = _inference_server(adapted=True)
+"""Entry point ``torchrl-adapted-inference-server``."""

@@ -1,0 +1,223 @@
+"""TorchRL's ``InferenceServer`` serving LLM generation, raw and adapted to ``GenerationServerV1``.
+
+The server (``torchrl.modules.inference_server``, thread backend) batches single requests with
+``lazy_stack``, calls a model on the batch, stamps ``policy_version`` and fans results back to
+per-request futures. The model here is greedy HF generation over the batch's prompts
+(:class:`GenerateBatch`); everything else is TorchRL's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signature
+from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY, RESPONSE_LOG_PROBS_KEY
+
+__all__ = ["ContractInferenceServer", "GenerateBatch", "inference_server"]
+
+
+class GenerateBatch(torch.nn.Module):
+    """The served model: a batch of requests (a lazy stack) -> a lazy stack of responses.
+
+    Greedy generation over the left-padded prompts, then each answer scored alone (prompt +
+    response, no padding) for its log-probs.
+    """
+
+    def __init__(self, policy: Any, max_new_tokens: int) -> None:
+        super().__init__()
+        self.policy = policy
+        self.max_new_tokens = max_new_tokens
+        cfg = policy.config
+        self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDictBase) -> TensorDictBase:
+        items = batch.tensordicts if isinstance(batch, LazyStackedTensorDict) else batch.unbind(0)
+        prompts = [x.get(PROMPT_KEY) for x in items]
+        n, width = len(prompts), max(int(p.numel()) for p in prompts)
+        ids = torch.full((n, width), self.pad, dtype=torch.int64)
+        mask = torch.zeros(n, width, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            ids[i, width - p.numel() :] = p
+            mask[i, width - p.numel() :] = 1
+        out = self.policy.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=self.max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad,
+            eos_token_id=self.eos,
+        )
+        answers = []
+        for i, p in enumerate(prompts):
+            resp = out[i, width:].tolist()
+            if self.eos is not None and self.eos in resp:
+                resp = resp[: resp.index(self.eos) + 1]
+            full = torch.tensor([*p.tolist(), *resp], dtype=torch.int64)
+            lp = self.policy(input_ids=full[None]).logits[0, :-1].float().log_softmax(-1)
+            lps = lp[p.numel() - 1 :].gather(-1, full[p.numel() :, None])[:, 0]
+            answers.append(
+                TensorDict({RESPONSE_KEY: full[p.numel() :], RESPONSE_LOG_PROBS_KEY: lps}, [])
+            )
+        return LazyStackedTensorDict.lazy_stack(answers, 0)
+
+
+def _server(policy: Any, max_new_tokens: int) -> Any:
+    from torchrl.modules.inference_server import InferenceServer
+
+    server = InferenceServer(
+        GenerateBatch(policy, max_new_tokens), transport="auto", max_batch_size=8, timeout=0.005
+    )
+    return server.start()
+
+
+def inference_server(policy: Any, *, max_new_tokens: int = 4, adapted: bool = False) -> Any:
+    """TorchRL's thread ``InferenceServer`` generating with ``policy`` (raw or adapted).
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> server = inference_server(tiny_causal_lm(), max_new_tokens=2, adapted=True)
+        >>> out = server.client().submit(TensorDict({("tokens", "prompt"): torch.tensor([5, 6])}, [])).result(30)
+        >>> out["tokens", "response"].shape
+        torch.Size([2])
+        >>> server.shutdown(); server.shutdown()
+    """
+    raw = _server(policy, max_new_tokens)
+    return ContractInferenceServer(raw, policy) if adapted else raw
+
+
+class _ServerClosed(RuntimeError):
+    """A request reached an adapted server after ``shutdown()``."""
+
+
+class _Client:
+    def __init__(self, owner: ContractInferenceServer) -> None:
+        self.owner = owner
+        self.inner = owner.server.client()
+
+    def submit(self, request: TensorDictBase, /) -> Future[TensorDictBase]:
+        return self.owner._submit(self.inner, request)
+
+
+class ContractInferenceServer:
+    """TorchRL's ``InferenceServer`` made to conform to ``GenerationServerV1`` (thin).
+
+    - A malformed request fails its own future before it reaches the batch (TorchRL runs it
+      with the batch, and the model's error fails every request of that batch).
+    - ``update_policy_weights_(weights)`` checks names, shapes and dtypes, then loads them
+      through ``server.update_model`` (under the server's model lock, version bumped).
+      TorchRL's own ``update_policy_weights_(model_id, policy_or_weights)`` only records an
+      update: weights reach it through a ``WeightSyncScheme``.
+    - ``shutdown`` fails every request still pending (TorchRL leaves their futures unresolved)
+      and is idempotent; a request after it fails at once.
+    - ``stats()`` adds ``queue_wait_s``, ``batch_size``, ``forward_s`` (from TorchRL's p50
+      milliseconds and average batch size).
+    """
+
+    def __init__(self, server: Any, policy: Any) -> None:
+        self.server = server
+        self.policy = policy
+        self._pending: set[Future[TensorDictBase]] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def client(self) -> _Client:
+        """A client whose ``submit`` validates, then forwards to TorchRL's client."""
+        return _Client(self)
+
+    @property
+    def policy_version(self) -> int:
+        """TorchRL's ``policy_version``."""
+        return int(self.server.policy_version)
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        """Check, then load ``weights`` under TorchRL's model lock (``None``: just bump)."""
+        if weights is None:
+            self.server.update_model(lambda model: None)
+            return
+        problems = weight_problems(weight_signature(self.policy), weights)
+        if problems:
+            raise ValueError("weights rejected (server unchanged): " + "; ".join(problems))
+        self.server.update_model(lambda model: model.policy.load_state_dict(dict(weights)))
+
+    def stats(self) -> dict[str, float]:
+        """TorchRL's statistics plus the contract's three, in seconds and items."""
+        s = dict(self.server.stats())
+        return s | {
+            "queue_wait_s": float(s.get("p50_queue_ms", 0.0)) / 1000,
+            "batch_size": float(s.get("avg_batch_size", 0.0)),
+            "forward_s": float(s.get("p50_forward_ms", 0.0)) / 1000,
+        }
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        """TorchRL's shutdown, then every pending future fails; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.server.shutdown(timeout)
+        with self._lock:
+            pending, self._pending = self._pending, set()
+        for fut in pending:
+            _settle(fut, error=_ServerClosed("the server shut down before serving this request"))
+
+    def _submit(self, inner: Any, request: TensorDictBase) -> Future[TensorDictBase]:
+        out: Future[TensorDictBase] = Future()
+        if self._closed:
+            out.set_exception(
+                _ServerClosed("submit after shutdown(): this server serves no more requests")
+            )
+            return out
+        problem = _problem(request)
+        if problem:
+            out.set_exception(ValueError(problem))
+            return out
+        inner_future = inner.submit(request)
+        with self._lock:
+            self._pending.add(out)
+
+        def relay(f: Any) -> None:
+            with self._lock:
+                self._pending.discard(out)
+            try:
+                result = f.result()
+            except Exception as e:
+                _settle(out, error=e)
+            else:
+                _settle(out, result=result)
+
+        inner_future.add_done_callback(relay)
+        return out
+
+
+def _settle(fut: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    # A future already failed by shutdown() keeps that outcome.
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+
+def _problem(td: Any) -> str | None:
+    if not isinstance(td, TensorDictBase):
+        return f"request: expected a TensorDict, found {type(td).__name__}"
+    prompt = td.get(PROMPT_KEY, None)
+    if prompt is None:
+        return f"request: key {PROMPT_KEY!r} is missing"
+    if not isinstance(prompt, torch.Tensor) or prompt.dtype != torch.int64 or prompt.ndim != 1:
+        found = (
+            f"{prompt.dtype} {list(prompt.shape)}"
+            if isinstance(prompt, torch.Tensor)
+            else type(prompt).__name__
+        )
+        return f"request: key {PROMPT_KEY!r} expected int64 [P], found {found}"
+    return None
