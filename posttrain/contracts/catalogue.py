@@ -204,6 +204,13 @@ CATALOGUE_V1 = Catalogue(
         _m("buffer/utilization", "1", "last", "buffer/size / buffer/capacity", ("buffer",)),
         _m("buffer/writes", "items", "sum", "items written (extend)", ("buffer",)),
         _m("buffer/reads", "items", "sum", "items sampled or read", ("buffer",)),
+        # --- generation server (GenerationServerV1.stats()) ------------------------------------
+        _m("gen_server/queue_wait_s", "s", "last", "the server's mean (or median) wait of a request in the queue before its batch ran", ("gen_server",),
+           torchrl="p50_queue_ms (InferenceServer.stats, milliseconds)"),
+        _m("gen_server/batch_size", "items", "last", "the server's mean number of requests per batch", ("gen_server",),
+           torchrl="avg_batch_size"),
+        _m("gen_server/forward_s", "s", "last", "the server's mean (or median) time of one batch's forward pass", ("gen_server",),
+           torchrl="p50_forward_ms (milliseconds)"),
         # --- reward model ---------------------------------------------------------------------
         _m("reward_model/accuracy", "1", "seq", "fraction of pairs with score(chosen) > score(rejected)", ("pairs",), trl="accuracy (RewardTrainer)"),
         _m("reward_model/margin", "1", "seq", "mean over pairs of score(chosen) - score(rejected)", ("pairs",), trl="margin (RewardTrainer)"),

@@ -10,6 +10,7 @@ Example:
 from posttrain.observability.hooks import (
     Timers,
     buffer_metrics,
+    generation_server_metrics,
     loss_metrics,
     optim_metrics,
     policy_metrics,
@@ -21,6 +22,7 @@ __all__ = [
     "Accumulator",
     "Timers",
     "buffer_metrics",
+    "generation_server_metrics",
     "loss_metrics",
     "optim_metrics",
     "policy_metrics",

@@ -23,6 +23,7 @@ from posttrain.observability.reduce import Accumulator
 __all__ = [
     "Timers",
     "buffer_metrics",
+    "generation_server_metrics",
     "loss_metrics",
     "optim_metrics",
     "policy_metrics",
@@ -246,6 +247,23 @@ def buffer_metrics(
         acc.add("buffer/utilization", size / cap)
     acc.add("buffer/writes", writes)
     acc.add("buffer/reads", reads)
+    return acc
+
+
+def generation_server_metrics(server: Any, acc: Accumulator | None = None) -> Accumulator:
+    """``gen_server/*`` from a ``GenerationServerV1``'s ``stats()``.
+
+    Example:
+        >>> class S:
+        ...     def stats(self): return {"queue_wait_s": 0.01, "batch_size": 4.0, "forward_s": 0.2}
+        >>> generation_server_metrics(S()).values()["gen_server/batch_size"]
+        4.0
+    """
+    acc = acc if acc is not None else Accumulator()
+    stats = server.stats()
+    for key in ("queue_wait_s", "batch_size", "forward_s"):
+        if key in stats:
+            acc.add(f"gen_server/{key}", float(stats[key]))
     return acc
 
 
