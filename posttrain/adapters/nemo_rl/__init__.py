@@ -26,6 +26,7 @@ from posttrain.adapters.nemo_rl.codec import (
     wire_to_layout,
 )
 from posttrain.adapters.nemo_rl.data_plane import KVBatchMeta, NemoDataPlaneClient
+from posttrain.adapters.nemo_rl.generation import NemoGeneration
 from posttrain.adapters.nemo_rl.logger import NemoLogger, metric_name
 from posttrain.adapters.nemo_rl.loss import (
     ContractAsNemoLoss,
@@ -43,6 +44,7 @@ __all__ = [
     "KVBatchMeta",
     "NemoDataPlaneClient",
     "NemoFormatError",
+    "NemoGeneration",
     "NemoLogger",
     "NemoLossModule",
     "NemoReplayBuffer",
