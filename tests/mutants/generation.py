@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -120,6 +121,31 @@ class NoStats(ThreadGenerationServer):
         return {}
 
 
+class BadRequestKillsServer(ThreadGenerationServer):
+    """The worker thread dies on a malformed request: everyone after it waits forever."""
+
+    def _run(self, batch: list[_Request]) -> None:
+        from posttrain.reference_impls.generation_server import _problem
+
+        for r in batch:
+            problem = _problem(r.td)
+            if problem:
+                r.future.set_exception(ValueError(problem))
+                raise SystemExit  # ends the worker thread
+        super()._run(batch)
+
+
+class HangsOnShutdown(ThreadGenerationServer):
+    """With requests pending, waits for a drain that never comes (no timeout honoured)."""
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        if self._queue.empty():
+            super().shutdown(timeout)
+            return
+        self._closed = True
+        threading.Event().wait()  # forever
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("options", {"on_shutdown": "fail"})
     return Implementation("generation", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -140,5 +166,12 @@ MUTANTS: dict[str, Implementation] = {
     "GEN-011": _impl("GEN-011", ThreadGenerationServer, capabilities={"processes"}),
 }
 """Requirement id -> a generation server that breaks exactly that requirement."""
+
+EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("GEN-007", _impl("GEN-007", BadRequestKillsServer)),
+    ("GEN-008", _impl("GEN-008", HangsOnShutdown)),
+]
+"""The issue's named bugs beside the main mutants: a bad request that kills the server, a hang
+on shutdown."""
 
 _ = RESPONSE_LOG_PROBS_KEY
