@@ -126,7 +126,13 @@ class ThreadGenerationServer:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        if self.on_shutdown == "fail":  # stop after the batch in progress: the sentinel goes first
+            with self._queue.mutex:
+                self._queue.queue.appendleft(None)
+                self._queue.unfinished_tasks += 1
+                self._queue.not_empty.notify()
+        else:  # drain: the sentinel queues behind every pending request
+            self._queue.put(None)
         self._worker.join(timeout)
         while True:  # whatever the worker did not take fails now: no future stays pending
             try:
