@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from posttrain.adapters.torchrl.deviations import GENERATION_DEVIATIONS, Deviation
 from posttrain.adapters.torchrl.implementations import (
     ADAPTED_INFERENCE_SERVER,
+    ADAPTED_INFERENCE_SERVER_MP,
     RAW_INFERENCE_SERVER,
 )
 from posttrain.conformance import Status, run
 
 
-def test_adapted_inference_server_conforms() -> None:
-    rep = run(ADAPTED_INFERENCE_SERVER)
+@pytest.mark.parametrize(
+    "impl", [ADAPTED_INFERENCE_SERVER, ADAPTED_INFERENCE_SERVER_MP], ids=["thread", "mp"]
+)
+def test_adapted_inference_server_conforms(impl: Any) -> None:
+    rep = run(impl)
     assert rep.ok, [r.message for r in rep.results if r.status in (Status.FAIL, Status.ERROR)]
+    if "processes" in impl.capabilities:  # clients in spawned processes got their own answers
+        assert {r.id: r.status for r in rep.results}["GEN-011"] is Status.PASS
 
 
 def test_raw_inference_server_fails_exactly_the_published_requirements() -> None:

@@ -70,16 +70,23 @@ class GenerateBatch(torch.nn.Module):
         return LazyStackedTensorDict.lazy_stack(answers, 0)
 
 
-def _server(policy: Any, max_new_tokens: int) -> Any:
+def _server(policy: Any, max_new_tokens: int, processes: bool) -> Any:
     from torchrl.modules.inference_server import InferenceServer
 
+    transport: Any = "auto"
+    if processes:  # clients that can be handed to spawned processes
+        from torchrl.modules.inference_server._mp import MPTransport
+
+        transport = MPTransport()
     server = InferenceServer(
-        GenerateBatch(policy, max_new_tokens), transport="auto", max_batch_size=8, timeout=0.005
+        GenerateBatch(policy, max_new_tokens), transport=transport, max_batch_size=8, timeout=0.005
     )
     return server.start()
 
 
-def inference_server(policy: Any, *, max_new_tokens: int = 4, adapted: bool = False) -> Any:
+def inference_server(
+    policy: Any, *, max_new_tokens: int = 4, adapted: bool = False, processes: bool = False
+) -> Any:
     """TorchRL's thread ``InferenceServer`` generating with ``policy`` (raw or adapted).
 
     Example:
@@ -90,7 +97,7 @@ def inference_server(policy: Any, *, max_new_tokens: int = 4, adapted: bool = Fa
         torch.Size([2])
         >>> server.shutdown(); server.shutdown()
     """
-    raw = _server(policy, max_new_tokens)
+    raw = _server(policy, max_new_tokens, processes)
     return ContractInferenceServer(raw, policy) if adapted else raw
 
 
@@ -105,6 +112,24 @@ class _Client:
 
     def submit(self, request: TensorDictBase, /) -> Future[TensorDictBase]:
         return self.owner._submit(self.inner, request)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        # In another process: TorchRL's client (a multiprocessing transport's is picklable),
+        # still refusing malformed requests before they reach anyone's batch.
+        return _RemoteClient, (self.inner,)
+
+
+class _RemoteClient:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def submit(self, request: TensorDictBase, /) -> Any:
+        problem = _problem(request)
+        if problem:
+            out: Future[TensorDictBase] = Future()
+            out.set_exception(ValueError(problem))
+            return out
+        return self.inner.submit(request)
 
 
 class ContractInferenceServer:
@@ -185,16 +210,20 @@ class ContractInferenceServer:
             self._pending.add(out)
 
         def relay(f: Any) -> None:
-            with self._lock:
-                self._pending.discard(out)
             try:
                 result = f.result()
             except Exception as e:
                 _settle(out, error=e)
             else:
                 _settle(out, result=result)
+            with self._lock:  # only now: until settled, shutdown() must be able to fail it
+                self._pending.discard(out)
 
-        inner_future.add_done_callback(relay)
+        add = getattr(inner_future, "add_done_callback", None)
+        if callable(add):
+            add(relay)
+        else:  # TorchRL's multiprocessing transport answers with a future without callbacks
+            threading.Thread(target=relay, args=(inner_future,), daemon=True).start()
         return out
 
 

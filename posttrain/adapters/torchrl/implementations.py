@@ -33,6 +33,7 @@ __all__ = [
     "ADAPTED_GRPOLOSS_TOKEN_MEAN",
     "ADAPTED_GRPOLOSS_TOKEN_MEAN_KL",
     "ADAPTED_INFERENCE_SERVER",
+    "ADAPTED_INFERENCE_SERVER_MP",
     "ADAPTED_LAZY_MEMMAP",
     "ADAPTED_LAZY_STACK",
     "ADAPTED_LAZY_TENSOR",
@@ -287,6 +288,16 @@ def _inference_server(*, adapted: bool) -> Implementation:
     )  # fmt: skip
 
 
+ADAPTED_INFERENCE_SERVER_MP = Implementation(
+    "generation",
+    partial(inference_server, adapted=True, processes=True),
+    name="ContractInferenceServer(InferenceServer(GenerateBatch, thread, MPTransport))",
+    capabilities={"processes"},
+    options={"on_shutdown": "fail"},
+    description="The adapted InferenceServer over TorchRL's multiprocessing transport: clients "
+    "handed to spawned processes.",
+)
+"""Entry point ``torchrl-adapted-inference-server-mp``."""
 RAW_INFERENCE_SERVER = _inference_server(adapted=False)
 """Entry point ``torchrl-raw-inference-server``."""
 ADAPTED_INFERENCE_SERVER = _inference_server(adapted=True)
