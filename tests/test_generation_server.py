@@ -33,3 +33,48 @@ def test_a_server_that_fails_pending_requests_cannot_declare_drain() -> None:
     row = {r.id: r for r in run(liar).results}["GEN-008"]
     assert row.status is Status.FAIL
     assert "pending requests failed" in row.message
+
+
+def test_a_cancelled_request_does_not_kill_the_server() -> None:
+    import torch
+    from tensordict import TensorDict
+
+    from posttrain.conformance.policy import tiny_causal_lm
+    from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY
+
+    server = ThreadGenerationServer(tiny_causal_lm(), max_new_tokens=2, timeout=0.2)
+    client = server.client()
+    req = TensorDict({PROMPT_KEY: torch.tensor([5, 6])}, [])
+    first = client.submit(req)  # the worker waits 0.2 s for more before running its batch
+    cancelled = first.cancel()
+    later = client.submit(req).result(timeout=30)
+    assert later.get(RESPONSE_KEY).numel() == 2
+    assert cancelled == first.cancelled()
+    server.shutdown()
+
+
+def test_submits_racing_shutdown_never_stay_pending() -> None:
+    import threading
+
+    import torch
+    from tensordict import TensorDict
+
+    from posttrain.conformance.policy import tiny_causal_lm
+    from posttrain.contracts.generation import PROMPT_KEY
+
+    server = ThreadGenerationServer(tiny_causal_lm(), max_new_tokens=2)
+    futures = []
+    stop = threading.Event()
+
+    def keep_submitting() -> None:
+        client = server.client()
+        while not stop.is_set():
+            futures.append(client.submit(TensorDict({PROMPT_KEY: torch.tensor([5])}, [])))
+
+    t = threading.Thread(target=keep_submitting)
+    t.start()
+    server.shutdown(5.0)
+    stop.set()
+    t.join(10)
+    assert futures
+    assert all(f.done() for f in futures)

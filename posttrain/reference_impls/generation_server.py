@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,8 @@ class ThreadGenerationServer:
         self.eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._weights_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # _closed, enqueueing and the in-flight batch
+        self._inflight: list[_Request] = []
         self._version = 0
         self._closed = False
         self._stats = {"queue_wait_s": 0.0, "batch_size": 0.0, "forward_s": 0.0}
@@ -164,6 +167,7 @@ class ThreadGenerationServer:
                     self._drain()
                 return
             batch = [first]
+            stop = False
             deadline = time.perf_counter() + self.timeout
             while len(batch) < self.max_batch_size:
                 try:
@@ -171,10 +175,14 @@ class ThreadGenerationServer:
                 except queue.Empty:
                     break
                 if item is None:
-                    self._queue.put(None)  # seen again after this batch
+                    stop = True
                     break
                 batch.append(item)
             self._run(batch)
+            if stop:
+                if self.on_shutdown == "drain":
+                    self._drain()
+                return
 
     def _drain(self) -> None:
         pending = []
@@ -191,13 +199,17 @@ class ThreadGenerationServer:
     def _run(self, batch: list[_Request]) -> None:
         valid = []
         for req in batch:
+            if not req.future.set_running_or_notify_cancel():
+                continue  # cancelled by its caller
             problem = _problem(req.td)
             if problem:
-                req.future.set_exception(ValueError(problem))
+                _settle(req.future, error=ValueError(problem))
             else:
                 valid.append(req)
         if not valid:
             return
+        with self._state_lock:
+            self._inflight = valid
         start = time.perf_counter()
         try:
             with self._weights_lock, torch.no_grad():
@@ -213,15 +225,16 @@ class ThreadGenerationServer:
         self._stats["forward_s"] += forward
         self._stats["queue_wait_s"] += sum(start - r.queued for r in valid) / len(valid)
         for r, (tokens, lps) in zip(valid, answers, strict=True):
-            r.future.set_result(
-                TensorDict(
+            _settle(
+                r.future,
+                result=TensorDict(
                     {
                         RESPONSE_KEY: tokens,
                         RESPONSE_LOG_PROBS_KEY: lps,
                         "policy_version": torch.tensor(version, dtype=torch.int64),
                     },
                     batch_size=[],
-                )
+                ),
             )
 
     def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -249,6 +262,15 @@ class ThreadGenerationServer:
             lp = logits.log_softmax(-1)[p.numel() - 1 :].gather(-1, full[p.numel() :, None])[:, 0]
             answers.append((full[p.numel() :], lp))
         return answers
+
+
+def _settle(fut: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    # A future cancelled by its caller, or already failed by shutdown(), keeps its outcome.
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
 
 
 def _problem(td: Any) -> str | None:

@@ -55,11 +55,18 @@ class OffByOneLogProbs(ThreadGenerationServer):
 
 
 class StampsZero(ThreadGenerationServer):
-    def _run(self, batch: list[_Request]) -> None:
-        super()._run(batch)
-        for r in batch:
-            if r.future.done() and r.future.exception() is None:
-                r.future.result().set("policy_version", torch.tensor(0))
+    """Reports rising versions but stamps every response with the first one."""
+
+    _public = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self._public
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        super().update_policy_weights_(weights)
+        self._public = self._version
+        self._version = 0
 
 
 class StaleAfterUpdate(ThreadGenerationServer):

@@ -196,18 +196,18 @@ class ContractInferenceServer:
 
     def _submit(self, inner: Any, request: TensorDictBase) -> Future[TensorDictBase]:
         out: Future[TensorDictBase] = Future()
-        if self._closed:
-            out.set_exception(
-                _ServerClosed("submit after shutdown(): this server serves no more requests")
-            )
-            return out
         problem = _problem(request)
         if problem:
             out.set_exception(ValueError(problem))
             return out
-        inner_future = inner.submit(request)
-        with self._lock:
+        with self._lock:  # shutdown() sees every future registered before its flag
+            if self._closed:
+                out.set_exception(
+                    _ServerClosed("submit after shutdown(): this server serves no more requests")
+                )
+                return out
             self._pending.add(out)
+        inner_future = inner.submit(request)
 
         def relay(f: Any) -> None:
             try:
@@ -249,4 +249,6 @@ def _problem(td: Any) -> str | None:
             else type(prompt).__name__
         )
         return f"request: key {PROMPT_KEY!r} expected int64 [P], found {found}"
+    if prompt.numel() == 0:
+        return f"request: key {PROMPT_KEY!r} is empty"
     return None

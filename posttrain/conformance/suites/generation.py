@@ -11,6 +11,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import TimeoutError as FuturesTimeout  # not the builtin before 3.11
 from contextlib import contextmanager
 from typing import Any
 
@@ -75,7 +76,7 @@ def _alone(policy: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 def _result(future: Any, what: str, wait: float = WAIT) -> TensorDictBase:
     try:
         out: TensorDictBase = future.result(timeout=wait)
-    except TimeoutError:
+    except (TimeoutError, FuturesTimeout):
         raise _fail(f"{what}: no response within {wait:.0f} s") from None
     return out
 
@@ -120,7 +121,8 @@ def response_layout(ctx: Context) -> None:
 @requirement("GEN-002")
 def own_response(ctx: Context) -> None:
     with _server(ctx) as (policy, server):
-        want = {tuple(p): _alone(policy, p)[0] for p in PROMPTS}
+        alone = {tuple(p): _alone(policy, p) for p in PROMPTS}
+        want = {k: v[0] for k, v in alone.items()}
         got: dict[tuple[int, ...], list[int]] = {}
         errors: list[str] = []
         barrier = threading.Barrier(len(PROMPTS))
@@ -146,6 +148,8 @@ def own_response(ctx: Context) -> None:
             t.join(WAIT)
         if errors:
             raise _fail(f"{len(PROMPTS)} concurrent callers: " + "; ".join(errors[:3]))
+        if len(got) != len(PROMPTS):
+            raise _fail(f"only {len(got)} of {len(PROMPTS)} concurrent callers were answered")
 
 
 @requirement("GEN-003")
@@ -211,8 +215,16 @@ def new_weights_used(ctx: Context) -> None:
         early = [client.submit(_request(p)) for p in PROMPTS]
         server.update_policy_weights_(forced_token_weights(policy, FORCED))
         late = [server.client().submit(_request(p)) for p in PROMPTS]
+        v1 = int(server.policy_version)
         for f in early:
-            _result(f, "in flight during the update")
+            out = _result(f, "in flight during the update")
+            forced = out.get(RESPONSE_KEY).tolist()[0] == FORCED
+            if forced != (int(out.get("policy_version")) == v1):
+                raise _fail(
+                    f"a request in flight during the update was answered "
+                    f"{'with' if forced else 'without'} the new weights but stamped version "
+                    f"{int(out.get('policy_version'))} (new version {v1})"
+                )
         for p, f in zip(PROMPTS, late, strict=True):
             toks = _result(f, "after the update").get(RESPONSE_KEY).tolist()
             if toks[0] != FORCED:
@@ -244,9 +256,10 @@ def bad_request_isolated(ctx: Context) -> None:
             else:
                 raise _fail(f"{what}: the bad request was answered instead of failing")
         for p, f in ((PROMPTS[0], good_before), (PROMPTS[1], good_with)):
-            _check_layout(
-                _result(f, f"valid request {p} next to bad ones", REFUSE_WAIT), f"valid request {p}"
-            )
+            out = _result(f, f"valid request {p} next to bad ones", REFUSE_WAIT)
+            _check_layout(out, f"valid request {p}")
+            if out.get(RESPONSE_KEY).tolist() != _alone(policy, p)[0]:
+                raise _fail(f"valid request {p} next to bad ones got another answer")
         later = _result(
             server.client().submit(_request(PROMPTS[2])), "a request after the bad ones"
         )
@@ -299,7 +312,7 @@ def closed_server_refuses(ctx: Context) -> None:
             try:
                 server.client().submit(_request(PROMPTS[0])).result(timeout=REFUSE_WAIT)
                 outcome.append("answered")
-            except TimeoutError:
+            except (TimeoutError, FuturesTimeout):
                 outcome.append("hung")
             except Exception:
                 outcome.append("refused")
@@ -319,6 +332,10 @@ def statistics(ctx: Context) -> None:
         for f in [server.client().submit(_request(p)) for p in PROMPTS]:
             _result(f, "serving")
         stats = dict(server.stats())
+        if not isinstance(stats.get("batch_size"), int | float) or stats["batch_size"] < 1:
+            raise _fail(
+                f"stats()['batch_size'] is {stats.get('batch_size')!r} after serving 8 requests"
+            )
         for key in ("queue_wait_s", "batch_size", "forward_s"):
             v = stats.get(key)
             if not isinstance(v, int | float) or not v >= 0 or v != v or v == float("inf"):
