@@ -153,6 +153,22 @@ class HangsOnShutdown(ThreadGenerationServer):
         threading.Event().wait()  # forever
 
 
+class PadsPastEos(ThreadGenerationServer):
+    """Returns the padded generation width: pads follow an early EOS."""
+
+    def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for t, lp in super()._generate(prompts):
+            extra = self.max_new_tokens - t.numel()
+            out.append(
+                (
+                    torch.cat([t, torch.full((extra,), self.pad, dtype=t.dtype)]),
+                    torch.cat([lp, torch.zeros(extra)]),
+                )
+            )
+        return out
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("options", {"on_shutdown": "fail"})
     return Implementation("generation", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -175,6 +191,7 @@ MUTANTS: dict[str, Implementation] = {
 """Requirement id -> a generation server that breaks exactly that requirement."""
 
 EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("GEN-001", _impl("GEN-001", PadsPastEos)),
     ("GEN-007", _impl("GEN-007", BadRequestKillsServer)),
     ("GEN-008", _impl("GEN-008", HangsOnShutdown)),
 ]

@@ -112,10 +112,28 @@ def _check_layout(out: Any, what: str) -> None:
 
 @requirement("GEN-001")
 def response_layout(ctx: Context) -> None:
-    with _server(ctx) as (_policy, server):
-        _check_layout(
-            _result(server.client().submit(_request(PROMPTS[0])), "one request"), "one request"
-        )
+    with _server(ctx) as (policy, server):
+        eos = policy.config.eos_token_id
+        for p in PROMPTS:
+            out = _result(server.client().submit(_request(p)), f"prompt {p}")
+            _check_layout(out, f"prompt {p}")
+            toks = out.get(RESPONSE_KEY).tolist()
+            if eos in toks[:-1]:
+                raise _fail(f"prompt {p}: response {toks} goes on after EOS ({eos})")
+    # A policy that answers EOS at once: the response is that one token.
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    policy.load_state_dict(forced_token_weights(policy, policy.config.eos_token_id))
+    server = ctx.make(policy, max_new_tokens=MAX_NEW)
+    try:
+        toks = _result(server.client().submit(_request(PROMPTS[0])), "EOS first").get(RESPONSE_KEY)
+        if toks.tolist() != [policy.config.eos_token_id]:
+            raise _fail(
+                f"a policy that emits EOS first got response {toks.tolist()}, expected only EOS"
+            )
+    finally:
+        t = threading.Thread(target=server.shutdown, daemon=True)
+        t.start()
+        t.join(5.0 + SHUTDOWN_GRACE)
 
 
 @requirement("GEN-002")
@@ -134,7 +152,11 @@ def own_response(ctx: Context) -> None:
                 for _ in range(3):
                     out = _result(client.submit(_request(prompt)), f"prompt {prompt}")
                     got[tuple(prompt)] = out.get(RESPONSE_KEY).tolist()
-                    if got[tuple(prompt)] != want[tuple(prompt)]:
+                    lps = out.get(RESPONSE_LOG_PROBS_KEY)
+                    own = alone[tuple(prompt)][1]
+                    # Tokens and log-probs: two prompts may share a greedy answer, not its scores.
+                    mismatch = lps.shape != own.shape or float((lps - own).abs().max()) > 1e-4
+                    if got[tuple(prompt)] != want[tuple(prompt)] or mismatch:
                         errors.append(
                             f"prompt {prompt} got {got[tuple(prompt)]}, its own answer is {want[tuple(prompt)]}"
                         )
@@ -248,11 +270,13 @@ def bad_request_isolated(ctx: Context) -> None:
         for what, f in futures.items():
             try:
                 f.result(timeout=REFUSE_WAIT)
-            except TimeoutError:
+            except (TimeoutError, FuturesTimeout):
                 raise _fail(f"{what}: the bad request's future never resolved") from None
             except Exception as e:
-                if "prompt" not in str(e):
-                    raise _fail(f"{what}: failed without naming the key: {e}") from None
+                if repr(PROMPT_KEY) not in str(e) and "tokens.prompt" not in str(e):
+                    raise _fail(
+                        f"{what}: failed without naming the key {PROMPT_KEY!r}: {e}"
+                    ) from None
             else:
                 raise _fail(f"{what}: the bad request was answered instead of failing")
         for p, f in ((PROMPTS[0], good_before), (PROMPTS[1], good_with)):
