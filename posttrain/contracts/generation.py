@@ -29,6 +29,7 @@ __all__ = [
     "RESPONSE_LOG_PROBS_KEY",
     "GenerationClientV1",
     "GenerationServerV1",
+    "request_problem",
 ]
 
 PROMPT_KEY = ("tokens", "prompt")
@@ -79,6 +80,31 @@ class GenerationServerV1(Protocol):
     def shutdown(self, timeout: float | None = 5.0) -> Any:
         """Stop serving within ``timeout``; pending requests drain or fail as declared."""
         ...
+
+
+def request_problem(request: Any) -> str | None:
+    """What is wrong with a generation request (naming the key), or ``None``.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> request_problem(TensorDict({("tokens", "prompt"): torch.tensor([5.0])}, []))
+        "request: key ('tokens', 'prompt') expected int64 [P], found torch.float32 [1]"
+    """
+    if not isinstance(request, TensorDictBase):
+        return f"request: expected a TensorDict, found {type(request).__name__}"
+    prompt = request.get(PROMPT_KEY, None)
+    if prompt is None:
+        return f"request: key {PROMPT_KEY!r} is missing"
+    if not isinstance(prompt, torch.Tensor) or prompt.dtype != torch.int64 or prompt.ndim != 1:
+        found = (
+            f"{prompt.dtype} {list(prompt.shape)}"
+            if isinstance(prompt, torch.Tensor)
+            else type(prompt).__name__
+        )
+        return f"request: key {PROMPT_KEY!r} expected int64 [P], found {found}"
+    if prompt.numel() == 0:
+        return f"request: key {PROMPT_KEY!r} is empty"
+    return None
 
 
 _M, _S = Level.MUST, Level.SHOULD

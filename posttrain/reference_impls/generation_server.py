@@ -14,7 +14,12 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY, RESPONSE_LOG_PROBS_KEY
+from posttrain.contracts.generation import (
+    PROMPT_KEY,
+    RESPONSE_KEY,
+    RESPONSE_LOG_PROBS_KEY,
+    request_problem,
+)
 
 __all__ = ["ServerClosed", "ThreadGenerationServer"]
 
@@ -201,7 +206,7 @@ class ThreadGenerationServer:
         for req in batch:
             if not req.future.set_running_or_notify_cancel():
                 continue  # cancelled by its caller
-            problem = _problem(req.td)
+            problem = request_problem(req.td)
             if problem:
                 _settle(req.future, error=ValueError(problem))
             else:
@@ -271,21 +276,3 @@ def _settle(fut: Future[Any], *, result: Any = None, error: BaseException | None
             fut.set_exception(error)
         else:
             fut.set_result(result)
-
-
-def _problem(td: Any) -> str | None:
-    if not isinstance(td, TensorDictBase):
-        return f"request: expected a TensorDict, found {type(td).__name__}"
-    prompt = td.get(PROMPT_KEY, None)
-    if prompt is None:
-        return f"request: key {PROMPT_KEY!r} is missing"
-    if not isinstance(prompt, torch.Tensor) or prompt.dtype != torch.int64 or prompt.ndim != 1:
-        found = (
-            f"{prompt.dtype} {list(prompt.shape)}"
-            if isinstance(prompt, torch.Tensor)
-            else type(prompt).__name__
-        )
-        return f"request: key {PROMPT_KEY!r} expected int64 [P], found {found}"
-    if prompt.numel() == 0:
-        return f"request: key {PROMPT_KEY!r} is empty"
-    return None

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from posttrain.contracts import Implementation
-from posttrain.contracts.generation import RESPONSE_LOG_PROBS_KEY
+from posttrain.contracts.generation import RESPONSE_LOG_PROBS_KEY, request_problem
 from posttrain.reference_impls import ThreadGenerationServer
 from posttrain.reference_impls.generation_server import _Request
 
@@ -89,9 +89,7 @@ class StaleAfterUpdate(ThreadGenerationServer):
 
 class BadRequestFailsItsBatch(ThreadGenerationServer):
     def _run(self, batch: list[_Request]) -> None:
-        from posttrain.reference_impls.generation_server import _problem
-
-        problems = [p for p in (_problem(r.td) for r in batch) if p]
+        problems = [p for p in (request_problem(r.td) for r in batch) if p]
         if problems:
             for r in batch:
                 r.future.set_exception(ValueError(problems[0]))
@@ -132,10 +130,8 @@ class BadRequestKillsServer(ThreadGenerationServer):
     """The worker thread dies on a malformed request: everyone after it waits forever."""
 
     def _run(self, batch: list[_Request]) -> None:
-        from posttrain.reference_impls.generation_server import _problem
-
         for r in batch:
-            problem = _problem(r.td)
+            problem = request_problem(r.td)
             if problem:
                 r.future.set_exception(ValueError(problem))
                 raise SystemExit  # ends the worker thread

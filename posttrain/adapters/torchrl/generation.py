@@ -18,7 +18,12 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signature
-from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY, RESPONSE_LOG_PROBS_KEY
+from posttrain.contracts.generation import (
+    PROMPT_KEY,
+    RESPONSE_KEY,
+    RESPONSE_LOG_PROBS_KEY,
+    request_problem,
+)
 
 __all__ = ["ContractInferenceServer", "GenerateBatch", "inference_server"]
 
@@ -124,7 +129,7 @@ class _RemoteClient:
         self.inner = inner
 
     def submit(self, request: TensorDictBase, /) -> Any:
-        problem = _problem(request)
+        problem = request_problem(request)
         if problem:
             out: Future[TensorDictBase] = Future()
             out.set_exception(ValueError(problem))
@@ -196,7 +201,7 @@ class ContractInferenceServer:
 
     def _submit(self, inner: Any, request: TensorDictBase) -> Future[TensorDictBase]:
         out: Future[TensorDictBase] = Future()
-        problem = _problem(request)
+        problem = request_problem(request)
         if problem:
             out.set_exception(ValueError(problem))
             return out
@@ -234,21 +239,3 @@ def _settle(fut: Future[Any], *, result: Any = None, error: BaseException | None
             fut.set_exception(error)
         else:
             fut.set_result(result)
-
-
-def _problem(td: Any) -> str | None:
-    if not isinstance(td, TensorDictBase):
-        return f"request: expected a TensorDict, found {type(td).__name__}"
-    prompt = td.get(PROMPT_KEY, None)
-    if prompt is None:
-        return f"request: key {PROMPT_KEY!r} is missing"
-    if not isinstance(prompt, torch.Tensor) or prompt.dtype != torch.int64 or prompt.ndim != 1:
-        found = (
-            f"{prompt.dtype} {list(prompt.shape)}"
-            if isinstance(prompt, torch.Tensor)
-            else type(prompt).__name__
-        )
-        return f"request: key {PROMPT_KEY!r} expected int64 [P], found {found}"
-    if prompt.numel() == 0:
-        return f"request: key {PROMPT_KEY!r} is empty"
-    return None
