@@ -21,7 +21,7 @@ from posttrain.contracts.generation import (
     request_problem,
 )
 
-__all__ = ["ServerClosed", "ThreadGenerationServer"]
+__all__ = ["ServerClosed", "ThreadGenerationServer", "greedy_answers"]
 
 
 class ServerClosed(RuntimeError):
@@ -243,30 +243,44 @@ class ThreadGenerationServer:
             )
 
     def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        n, width = len(prompts), max(int(p.numel()) for p in prompts)
-        ids = torch.full((n, width), self.pad, dtype=torch.int64)
-        mask = torch.zeros(n, width, dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            ids[i, width - p.numel() :] = p
-            mask[i, width - p.numel() :] = 1
-        out = self.policy.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=self.max_new_tokens,
-            do_sample=False,
-            pad_token_id=self.pad,
-            eos_token_id=self.eos,
-        )
-        answers = []
-        for i, p in enumerate(prompts):
-            resp = out[i, width:].tolist()
-            if self.eos is not None and self.eos in resp:
-                resp = resp[: resp.index(self.eos) + 1]
-            full = torch.tensor([*p.tolist(), *resp], dtype=torch.int64)
-            logits = self.policy(input_ids=full[None]).logits[0, :-1].float()
-            lp = logits.log_softmax(-1)[p.numel() - 1 :].gather(-1, full[p.numel() :, None])[:, 0]
-            answers.append((full[p.numel() :], lp))
-        return answers
+        return greedy_answers(self.policy, prompts, self.max_new_tokens, pad=self.pad, eos=self.eos)
+
+
+def greedy_answers(
+    policy: Any, prompts: list[torch.Tensor], max_new_tokens: int, *, pad: int, eos: int | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per prompt: its greedy response (cut after EOS) and the response's log-probs, each
+    answer scored alone (prompt + response, no padding) so batching cannot move them.
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> [(t.shape, lp.dtype) for t, lp in greedy_answers(tiny_causal_lm(), [torch.tensor([5, 6])], 2, pad=0, eos=2)]
+        [(torch.Size([2]), torch.float32)]
+    """
+    n, width = len(prompts), max(int(p.numel()) for p in prompts)
+    ids = torch.full((n, width), pad, dtype=torch.int64)
+    mask = torch.zeros(n, width, dtype=torch.int64)
+    for i, p in enumerate(prompts):  # HF batched generation wants left padding
+        ids[i, width - p.numel() :] = p
+        mask[i, width - p.numel() :] = 1
+    out = policy.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=eos,
+    )
+    answers = []
+    for i, p in enumerate(prompts):
+        resp = out[i, width:].tolist()
+        if eos is not None and eos in resp:
+            resp = resp[: resp.index(eos) + 1]
+        full = torch.tensor([*p.tolist(), *resp], dtype=torch.int64)
+        logits = policy(input_ids=full[None]).logits[0, :-1].float()
+        lp = logits.log_softmax(-1)[p.numel() - 1 :].gather(-1, full[p.numel() :, None])[:, 0]
+        answers.append((full[p.numel() :], lp))
+    return answers
 
 
 def _settle(fut: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:

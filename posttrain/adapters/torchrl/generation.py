@@ -24,16 +24,14 @@ from posttrain.contracts.generation import (
     RESPONSE_LOG_PROBS_KEY,
     request_problem,
 )
+from posttrain.reference_impls.generation_server import greedy_answers
 
 __all__ = ["ContractInferenceServer", "GenerateBatch", "inference_server"]
 
 
 class GenerateBatch(torch.nn.Module):
-    """The served model: a batch of requests (a lazy stack) -> a lazy stack of responses.
-
-    Greedy generation over the left-padded prompts, then each answer scored alone (prompt +
-    response, no padding) for its log-probs.
-    """
+    """The served model: a batch of requests (a lazy stack) -> a lazy stack of responses,
+    computed as the reference server computes them (``greedy_answers``)."""
 
     def __init__(self, policy: Any, max_new_tokens: int) -> None:
         super().__init__()
@@ -47,31 +45,12 @@ class GenerateBatch(torch.nn.Module):
     def forward(self, batch: TensorDictBase) -> TensorDictBase:
         items = batch.tensordicts if isinstance(batch, LazyStackedTensorDict) else batch.unbind(0)
         prompts = [x.get(PROMPT_KEY) for x in items]
-        n, width = len(prompts), max(int(p.numel()) for p in prompts)
-        ids = torch.full((n, width), self.pad, dtype=torch.int64)
-        mask = torch.zeros(n, width, dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            ids[i, width - p.numel() :] = p
-            mask[i, width - p.numel() :] = 1
-        out = self.policy.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=self.max_new_tokens,
-            do_sample=False,
-            pad_token_id=self.pad,
-            eos_token_id=self.eos,
-        )
-        answers = []
-        for i, p in enumerate(prompts):
-            resp = out[i, width:].tolist()
-            if self.eos is not None and self.eos in resp:
-                resp = resp[: resp.index(self.eos) + 1]
-            full = torch.tensor([*p.tolist(), *resp], dtype=torch.int64)
-            lp = self.policy(input_ids=full[None]).logits[0, :-1].float().log_softmax(-1)
-            lps = lp[p.numel() - 1 :].gather(-1, full[p.numel() :, None])[:, 0]
-            answers.append(
-                TensorDict({RESPONSE_KEY: full[p.numel() :], RESPONSE_LOG_PROBS_KEY: lps}, [])
+        answers = [
+            TensorDict({RESPONSE_KEY: tokens, RESPONSE_LOG_PROBS_KEY: lps}, [])
+            for tokens, lps in greedy_answers(
+                self.policy, prompts, self.max_new_tokens, pad=self.pad, eos=self.eos
             )
+        ]
         return LazyStackedTensorDict.lazy_stack(answers, 0)
 
 
