@@ -370,13 +370,17 @@ def empty_extend(ctx: Context) -> None:
 def epochs_without_replacement(ctx: Context) -> None:
     r = _Run(ctx)
     r.write(6)
-    got: list[int] = []
-    for _ in range(3):
-        got += r.table.check_sample(r.rb.sample(2), set(r.fifo))
-    if sorted(got) != sorted(r.fifo):
-        raise _fail(
-            f"three samples of 2 from 6 items drew uids {got}; an epoch must visit each of {sorted(r.fifo)} once"
-        )
+    # Five epochs, not one: a sampler drawing with replacement passes a single epoch by chance
+    # 1.5% of the time (6!/6**6); all five, about once in a billion runs.
+    for epoch in range(5):
+        got: list[int] = []
+        for _ in range(3):
+            got += r.table.check_sample(r.rb.sample(2), set(r.fifo))
+        if sorted(got) != sorted(r.fifo):
+            raise _fail(
+                f"epoch {epoch}: three samples of 2 from 6 items drew uids {got}; "
+                f"an epoch must visit each of {sorted(r.fifo)} once"
+            )
 
 
 @requirement("BUF-017")
