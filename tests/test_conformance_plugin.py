@@ -16,18 +16,18 @@ def test_reference_passes_from_an_empty_directory(pytester: pytest.Pytester) -> 
     res = pytester.runpytest_inprocess(
         "--conformance=buffer", f"--conformance-impl={REF}", f"--conformance-report={report}"
     )
-    res.assert_outcomes(passed=18, skipped=4)
+    res.assert_outcomes(passed=18, skipped=5)
     assert res.ret == 0
     res.stdout.fnmatch_lines(
         [
-            "posttrain conformance: posttrain.RingBuffer (*) against buffer v1.1; capabilities: checkpoint, read, thread_safe*",
+            "posttrain conformance: posttrain.RingBuffer (*) against buffer v1.2; capabilities: checkpoint, read, thread_safe*",
             "BUF-009   MUST   PASS           missing key rejected atomically",
-            "*18 PASS, 0 FAIL, 0 ERROR, 4 NOT_APPLICABLE; conforms*",
+            "*18 PASS, 0 FAIL, 0 ERROR, 5 NOT_APPLICABLE; conforms*",
         ]
     )
     data = json.loads(report.read_text())
     assert data["run"]["implementation"] == "posttrain.RingBuffer"
-    assert data["run"]["contract_version"] == "1.1"
+    assert data["run"]["contract_version"] == "1.2"
     assert {"torch", "tensordict", "posttrain"} <= set(data["run"]["versions"])
     rows = {r["id"]: r for r in data["results"]}
     assert rows["BUF-020"]["status"] == "NOT_APPLICABLE"
@@ -49,7 +49,7 @@ def test_zero_filling_buffer_fails_buf009(pytester: pytest.Pytester) -> None:
         "--conformance=buffer", "--conformance-impl=port:IMPL", "-k", "BUF-009"
     )
     assert res.ret == 1
-    res.assert_outcomes(failed=1, deselected=21)
+    res.assert_outcomes(failed=1, deselected=22)
     res.stdout.fnmatch_lines(
         [
             "*FAIL BUF-009: extend with key ('masks', 'all_attention_mask') missing: was accepted*",
@@ -62,7 +62,7 @@ def test_plain_factory_and_entry_point(pytester: pytest.Pytester) -> None:
     res = pytester.runpytest_inprocess(
         "--conformance=buffer", "--conformance-impl=posttrain.reference_impls:make_ring_buffer"
     )
-    res.assert_outcomes(passed=15, skipped=7)  # no capabilities declared
+    res.assert_outcomes(passed=15, skipped=8)  # no capabilities declared
     res = pytester.runpytest_inprocess(
         "--conformance=buffer", "--conformance-impl=reference-buffer", "-k", "BUF-01"
     )
@@ -99,7 +99,7 @@ def test_list_prints_the_catalogue(pytester: pytest.Pytester) -> None:
     assert res.ret == 0
     res.stdout.fnmatch_lines(
         [
-            "buffer v1.1 — Replay buffer",
+            "buffer v1.2 — Replay buffer",
             "  BUF-001 MUST   extend returns indices",
             "  BUF-017 MUST   priorities steer sampling [capability priority]",
         ]
@@ -131,7 +131,7 @@ def test_two_contracts_in_one_run(pytester: pytest.Pytester) -> None:
         f"--conformance-report={report}",
     )
     assert res.ret == 0
-    res.assert_outcomes(passed=18 + 12, skipped=4 + 1)
+    res.assert_outcomes(passed=18 + 12, skipped=5 + 1)
     data = json.loads(report.read_text())
     assert [d["run"]["contract"] for d in data] == ["buffer", "loss"]
     assert data[1]["run"]["options"] == {"aggregation": "seq_mean_token_sum"}

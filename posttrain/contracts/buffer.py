@@ -110,7 +110,7 @@ _M, _S = Level.MUST, Level.SHOULD
 
 BUFFER = Contract(
     id="buffer",
-    version="1.1",
+    version="1.2",
     title="Replay buffer",
     purpose=(
         "Stores rollout items (rows of a TensorDict, usually in the LLM layout) and samples them "
@@ -128,6 +128,7 @@ BUFFER = Contract(
         Capability(name="ragged", text="Items may differ in their 'T' dimension (lazy stacks / jagged tensors)."),
         Capability(name="cuda", text="Storage lives on a CUDA device; samples come back on it."),
         Capability(name="read", text="`read(indices)` returns the items at storage indices (as `extend` returned them); since 1.1."),
+        Capability(name="remote_writers", text="`client()` returns a picklable handle to the same buffer that Ray tasks in the cluster the buffer lives in extend concurrently; since 1.2."),
     ),
     options=(
         Option(name="eviction", values=("fifo",), default="fifo", text="Which stored item a write replaces when the buffer is full."),
@@ -178,5 +179,7 @@ BUFFER = Contract(
             text="With CUDA storage, samples MUST come back on the storage device, bit-exactly.", depends_on=("BUF-006",)),
         Requirement(id="BUF-022", level=_M, title="read by index", capability="read", since="1.1",
             text="`read(indices)` MUST return, in the order asked, bit-exactly the item the latest write put at each index, and MUST raise an error naming the index for one that holds no item.", depends_on=("BUF-001",)),
+        Requirement(id="BUF-023", level=_M, title="many producers, one learner", capability="remote_writers", since="1.2",
+            text="Once a first write has fixed the schema, items extended concurrently through `client()` handles by 3 Ray tasks while this process samples MUST each be stored exactly once: `len` MUST equal the number written, the indices the extends returned MUST be distinct and cover exactly the positions written, every sample MUST hold only written items bit-exactly, and an extend with a missing key sent by a producer MUST raise there, naming the key, and leave the buffer unchanged.", depends_on=("BUF-006",)),
     ),
 )  # fmt: skip

@@ -70,7 +70,7 @@ class Contract(BaseModel):
     Example:
         >>> from posttrain.contracts import BUFFER
         >>> BUFFER.id, BUFFER.version, BUFFER.requirement("BUF-001").level.value
-        ('buffer', '1.1', 'MUST')
+        ('buffer', '1.2', 'MUST')
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)

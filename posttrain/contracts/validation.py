@@ -103,10 +103,16 @@ class ContractViolation(ValueError):
 
     def __init__(self, violations: list[Violation], context: str = "") -> None:
         self.violations = list(violations)
+        self.context = context
         head = f"{context}: " if context else ""
         lines = [f"{head}{len(self.violations)} contract violation(s)"]
         lines += [f"  - {v}" for v in self.violations]
         super().__init__("\n".join(lines))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled across processes (a Ray actor's error) it must rebuild from its violations,
+        # not from the formatted message Exception would hand back to __init__.
+        return (type(self), (self.violations, self.context))
 
     @property
     def requirement_ids(self) -> list[str]:

@@ -189,6 +189,25 @@ class ReadsInStorageOrder(RingBuffer):
         return super().read(torch.as_tensor(indices).sort().values)
 
 
+def _replica_per_client(capacity: int) -> Any:
+    """A served buffer whose client() serves a fresh replica (a handle pickled by value, not
+    by reference): every producer writes into a buffer of its own, and the learner sees none."""
+    from posttrain.adapters.ray import RemoteBuffer, serve_buffer
+    from posttrain.adapters.ray.implementations import shared_host
+
+    class ReplicaPerClient(RemoteBuffer):
+        replicas: list[RemoteBuffer]
+
+        def client(self) -> RemoteBuffer:
+            self.replicas.append(serve_buffer(RingBuffer, capacity, host=shared_host()))
+            return self.replicas[-1].client()
+
+    rb = serve_buffer(RingBuffer, capacity, host=shared_host())
+    rb.__class__ = ReplicaPerClient
+    rb.replicas = []  # type: ignore[attr-defined]  # mypy keeps the pre-assignment class
+    return rb
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"checkpoint", "thread_safe"})
     return Implementation("buffer", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -217,6 +236,7 @@ MUTANTS: dict[str, Implementation] = {
     "BUF-020": _impl("BUF-020", RingBuffer, capabilities={"ragged"}),
     "BUF-021": _impl("BUF-021", RingBuffer, capabilities={"cuda"}),
     "BUF-022": _impl("BUF-022", ReadsInStorageOrder, capabilities={"read"}),
+    "BUF-023": _impl("BUF-023", _replica_per_client, capabilities={"remote_writers"}),
 }
 """Requirement id -> a buffer that breaks exactly that requirement."""
 

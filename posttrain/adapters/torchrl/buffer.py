@@ -147,5 +147,34 @@ class ValidatedReplayBuffer:
         """Delegate to the wrapped buffer."""
         self.rb.update_priority(index, priority)
 
+    def client(self) -> ValidatedReplayBuffer:
+        """A picklable handle for producers in other processes, checking the same schema.
+
+        Only for a served buffer (TorchRL's ``service_backend="ray"``), whose ``client()`` is
+        the handle. Validation runs in the producer, before anything is sent, so the schema
+        must be fixed first: write one batch here, then hand out clients. (A schema fixed
+        independently by each producer could differ between them.)
+        """
+        make = getattr(self.rb, "client", None)
+        if not callable(make):
+            raise TypeError(
+                f"client: {type(self.rb).__name__} is not a served buffer (no client())"
+            )
+        if self._schema is None:
+            raise RuntimeError(
+                "client: the schema is not fixed yet; extend this buffer once before handing "
+                "out clients, so every producer checks against the same schema"
+            )
+        out = ValidatedReplayBuffer(make(), ragged=self.ragged)
+        out._schema = self._schema
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __repr__(self) -> str:
         return f"ValidatedReplayBuffer({self.rb!r})"

@@ -6,7 +6,9 @@ group so ``make report`` shows TorchRL's rows. Factories import TorchRL lazily.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -40,6 +42,7 @@ __all__ = [
     "ADAPTED_LAZY_TENSOR_NO_REPLACEMENT",
     "ADAPTED_LLM_COLLECTOR",
     "ADAPTED_MULTIPROCESS",
+    "ADAPTED_RAY_LAZY_TENSOR",
     "ADAPTED_SHARED_MEM",
     "ADAPTED_VANILLA",
     "CSV_LOGGER",
@@ -58,6 +61,7 @@ __all__ = [
     "RAW_LAZY_TENSOR_NO_REPLACEMENT",
     "RAW_LLM_COLLECTOR",
     "RAW_MULTIPROCESS",
+    "RAW_RAY_LAZY_TENSOR",
     "RAW_SHARED_MEM",
     "RAW_VANILLA",
     "TENSORBOARD_LOGGER",
@@ -136,6 +140,48 @@ def _impl(
     )
 
 
+def _ray_served(capacity: int, *, adapted: bool) -> Any:
+    """TorchRL's own Ray service: a TensorDictReplayBuffer in an actor (RayReplayBuffer)."""
+    from posttrain.adapters._ray import ensure_cluster
+
+    ray = ensure_cluster()  # joined, not owned, by TorchRL: its close() never shuts Ray down
+    data = _torchrl()
+    rb = data.TensorDictReplayBuffer(
+        storage=partial(data.LazyTensorStorage, capacity),
+        sampler=data.RandomSampler,
+        service_backend="ray",
+        service_backend_options={"remote_config": {"num_cpus": 0}},
+    )
+    # The suite never closes what it makes; kill the actor when the buffer is dropped.
+    # TorchRL exposes no public handle, and finalizing on rb.close would keep rb alive.
+    weakref.finalize(rb, _kill_quietly, ray, rb._rb)
+    return ValidatedReplayBuffer(rb) if adapted else rb
+
+
+def _kill_quietly(ray: Any, actor: Any) -> None:
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)
+
+
+def _ray_impl(*, adapted: bool) -> Implementation:
+    make = partial(_ray_served, adapted=adapted)
+    caps = {"checkpoint", "thread_safe", "remote_writers"} | ({"read"} if adapted else set())
+    inner = 'TensorDictReplayBuffer(LazyTensorStorage, RandomSampler, service_backend="ray")'
+    return Implementation(
+        "buffer",
+        make,
+        name=f"ValidatedReplayBuffer({inner})" if adapted else inner,
+        capabilities=caps,
+        unavailable={
+            "priority": "PrioritizedSampler needs torchrl's C++ extension (see prioritized_unavailable())"
+        },
+        description="TorchRL's Ray-served replay buffer (one actor per buffer, local Ray cluster)"
+        + (", checked by the adapter in each client" if adapted else ""),
+    )
+
+
+RAW_RAY_LAZY_TENSOR = _ray_impl(adapted=False)
+ADAPTED_RAY_LAZY_TENSOR = _ray_impl(adapted=True)
 RAW_LAZY_TENSOR = _impl("tensor", "LazyTensorStorage", adapted=False)
 RAW_LAZY_TENSOR_NO_REPLACEMENT = _impl(
     "tensor", "LazyTensorStorage", adapted=False, without_replacement=True

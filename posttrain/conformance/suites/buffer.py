@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import itertools
 import threading
+import time
 from typing import Any
 
 import torch
@@ -519,3 +520,98 @@ def read_by_index(ctx: Context) -> None:
             ) from None
         return
     raise _fail(f"read([{bad}]) returned data for an index that holds no item (3 of {CAP} written)")
+
+
+PRODUCERS, EXTENDS_PER_PRODUCER, PER_EXTEND = 3, 4, 3
+PRODUCERS_WAIT_S = 120.0
+
+
+def _produce(
+    handle: Any, batches: list[TensorDictBase], bad: TensorDictBase | None
+) -> tuple[list[list[int]], str]:
+    """One producer, run as a Ray task: extend each batch (the bad one half-way); report.
+
+    Returns the indices each good extend returned, and what the bad extend did:
+    ``"raised <type>: <message>"``, ``"accepted"``, or ``""`` when there was none.
+    """
+    written: list[list[int]] = []
+    outcome = ""
+    for i, b in enumerate(batches):
+        if bad is not None and i == len(batches) // 2:
+            try:
+                handle.extend(bad)
+                outcome = "accepted"
+            except Exception as e:  # any type; the message must name the key
+                outcome = f"raised {type(e).__name__}: {e}"
+        written.append([int(j) for j in handle.extend(b).tolist()])
+    return written, outcome
+
+
+@requirement("BUF-023")
+def many_producers(ctx: Context) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise _fail("capability remote_writers declared, but ray is not installed") from None
+    n_items = PRODUCERS * EXTENDS_PER_PRODUCER * PER_EXTEND
+    total = 2 + n_items
+    r = _Run(ctx, capacity=total + 8)  # room to spare: a duplicated write shows in len
+    learner_idx = _indices(r.write(2), 2, "the learner's first extend of 2 items")
+    if not ray.is_initialized():
+        raise _fail("capability remote_writers declared, but the buffer started no Ray cluster")
+    client = getattr(r.rb, "client", None)
+    if not callable(client):
+        raise _fail("capability remote_writers declared, but the buffer has no client()")
+    batches = [[r.batch(PER_EXTEND) for _ in range(EXTENDS_PER_PRODUCER)] for _ in range(PRODUCERS)]
+    for bs in batches:
+        for b in bs:
+            r.table.add(b)
+    key = LLM_LAYOUT_V1.key("attention_mask")
+    bad = r.batch(PER_EXTEND).exclude(key)  # its uids never enter the table: must never show
+    task = ray.remote(num_cpus=0)(_produce)
+    refs = [task.remote(client(), bs, bad if i == 0 else None) for i, bs in enumerate(batches)]
+    allowed, pending, draws, stray = set(r.table.items), list(refs), 0, ""
+    deadline = time.monotonic() + PRODUCERS_WAIT_S
+    while pending and time.monotonic() < deadline:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.05)
+        try:
+            r.table.check_sample(r.rb.sample(min(4, len(r.rb))), allowed)
+        except ConformanceError as e:
+            stray = stray or f"a sample drawn while they wrote: {e}"
+        draws += 1
+    if pending:
+        raise _fail(
+            f"{len(pending)} of {PRODUCERS} producers did not finish within {PRODUCERS_WAIT_S:.0f} s"
+        )
+    try:
+        results = ray.get(refs)
+    except Exception as e:
+        raise _fail(f"a producer's good extend raised {type(e).__name__}: {str(e)[:300]}") from None
+    problems = [stray] if stray else []
+    outcome = results[0][1]
+    if not outcome.startswith("raised"):
+        problems.append(
+            f"a producer's extend with key {key_str(key)} missing was {outcome or 'never sent'}"
+        )
+    elif key[-1] not in outcome:
+        problems.append(
+            f"a producer's extend with key {key_str(key)} missing {outcome[:200]} without naming it"
+        )
+    idx = learner_idx + [i for written, _ in results for ix in written for i in ix]
+    if len(set(idx)) != len(idx) or any(not 0 <= i < r.capacity for i in idx):
+        dup = sorted(i for i in set(idx) if idx.count(i) > 1)
+        problems.append(
+            f"{total} items written below capacity {r.capacity} got indices {sorted(idx)} "
+            f"(repeated: {dup}): writes landed on each other"
+        )
+    if len(r.rb) != total:
+        problems.append(
+            f"len is {len(r.rb)}, expected {total} (2 by the learner, {n_items} by producers)"
+        )
+    if problems:
+        raise _fail(
+            f"{PRODUCERS} producers extending while the learner sampled ({draws} draws): "
+            + "; ".join(problems)
+        )
+    r.fifo = list(r.table.items)
+    r.expect_stored(f"after {PRODUCERS} producers extended concurrently")

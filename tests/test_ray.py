@@ -1,0 +1,117 @@
+"""Buffers across processes on a local Ray cluster: posttrain's RemoteBuffer and TorchRL's
+Ray-served ReplayBuffer (raw and adapted) through the buffer suite, BUF-023 included.
+
+One cluster for the module (``ray.init(num_cpus=2)``, loopback only), shut down at its end.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import posttrain.adapters.torchrl.implementations as trl_impls
+from posttrain.adapters._ray import ensure_cluster
+from posttrain.adapters.ray import serve_buffer
+from posttrain.adapters.ray.implementations import SERVED_RING_BUFFER
+from posttrain.adapters.torchrl import ValidatedReplayBuffer
+from posttrain.conformance import Implementation, Status, run
+from posttrain.conformance.data import item_uids, llm_batch
+from posttrain.contracts import ContractViolation
+from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.reference_impls import RingBuffer
+from tests.mutants import buffers
+
+ATOMICITY = {"BUF-009", "BUF-010", "BUF-011", "BUF-012"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> Iterator[Any]:
+    ray = ensure_cluster()
+    yield ray
+    ray.shutdown()
+
+
+def _failing(impl: Implementation) -> tuple[set[str], dict[str, str]]:
+    rep = run(impl)
+    rows = [r for r in rep.results if r.status in (Status.FAIL, Status.ERROR)]
+    return {r.id for r in rows if "blocked by" not in r.message}, {r.id: r.message for r in rows}
+
+
+def test_served_reference_buffer_conforms_with_many_producers() -> None:
+    rep = run(SERVED_RING_BUFFER)
+    rows = {r.id: r for r in rep.results}
+    assert rep.ok, [r.message for r in rep.results if r.status is not Status.PASS]
+    assert rows["BUF-023"].status is Status.PASS
+    assert rows["BUF-019"].status is Status.PASS
+
+
+def test_raw_torchrl_ray_buffer_accepts_a_bad_remote_extend() -> None:
+    # TorchRL 0.14.1's Ray service stores what its local buffer stores: the same four
+    # atomicity deviations, and a producer's batch with a key missing lands in the buffer.
+    failing, messages = _failing(trl_impls.RAW_RAY_LAZY_TENSOR)
+    assert failing == ATOMICITY | {"BUF-023"}, messages
+    assert "missing was accepted; len is 41, expected 38" in messages["BUF-023"]
+
+
+def test_adapted_torchrl_ray_buffer_conforms() -> None:
+    failing, messages = _failing(trl_impls.ADAPTED_RAY_LAZY_TENSOR)
+    assert not failing, messages
+
+
+def test_replica_per_client_mutant_fails_buf023() -> None:
+    rep = run(buffers.MUTANTS["BUF-023"])
+    row = {r.id: r for r in rep.results}["BUF-023"]
+    assert row.status is Status.FAIL, row
+    assert row.message.startswith("BUF-023: ")
+    assert "len is 2, expected 38" in row.message
+
+
+def test_remote_rejection_is_the_local_contract_violation_and_changes_nothing() -> None:
+    rb = serve_buffer(RingBuffer, 8)
+    try:
+        first = llm_batch(3, 8)
+        rb.extend(first)
+        key = LLM_LAYOUT_V1.key("attention_mask")
+        with pytest.raises(ContractViolation) as err:
+            rb.extend(llm_batch(2, 8, uid_start=10).exclude(key))
+        assert err.value.requirement_ids == ["BUF-009"]
+        assert str(key) in str(err.value)
+        assert len(rb) == 3
+        assert rb.extend(llm_batch(1, 8, uid_start=20)).tolist() == [3]
+        assert item_uids(rb.read(torch.arange(4))) == [0, 1, 2, 20]
+    finally:
+        rb.close()
+
+
+def test_clients_never_free_the_buffer_and_a_closed_one_says_so(cluster: Any) -> None:
+    rb = serve_buffer(RingBuffer, 8)
+    pid = rb.pid
+    client = pickle.loads(pickle.dumps(rb))  # a pickled owner is a client
+    client.extend(llm_batch(2, 8))
+    client.close()
+    del client
+    assert len(rb) == 2
+    produce = cluster.remote(num_cpus=0)(lambda h: h.extend(llm_batch(1, 8, uid_start=5)).tolist())
+    assert cluster.get(produce.remote(rb.client()), timeout=60) == [2]
+    rb.close()
+    rb.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        len(rb)
+    assert pid != __import__("os").getpid()
+
+
+def test_validated_client_needs_the_schema_fixed_first() -> None:
+    rb = trl_impls.ADAPTED_RAY_LAZY_TENSOR.factory(8)
+    assert isinstance(rb, ValidatedReplayBuffer)
+    with pytest.raises(RuntimeError, match="extend this buffer once"):
+        rb.client()
+    rb.extend(llm_batch(2, 8))
+    client = pickle.loads(pickle.dumps(rb.client()))
+    with pytest.raises(ContractViolation, match="BUF-009"):
+        client.extend(llm_batch(2, 8, uid_start=9).exclude(LLM_LAYOUT_V1.key("attention_mask")))
+    assert client.extend(llm_batch(1, 8, uid_start=30)).tolist() == [2]
+    assert len(rb) == 3
