@@ -22,6 +22,7 @@ from posttrain.adapters.torchrl.loggers import (
     tensorboard_logger,
 )
 from posttrain.adapters.torchrl.loss import make_loss
+from posttrain.adapters.torchrl.ray_weight_sync import ray_weight_sync_pair
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.torchrl.weight_sync import TRANSPORTS, weight_sync_pair
 from posttrain.contracts.implementation import Implementation
@@ -43,6 +44,7 @@ __all__ = [
     "ADAPTED_LLM_COLLECTOR",
     "ADAPTED_MULTIPROCESS",
     "ADAPTED_RAY_LAZY_TENSOR",
+    "ADAPTED_RAY_WEIGHT_SYNC",
     "ADAPTED_SHARED_MEM",
     "ADAPTED_VANILLA",
     "CSV_LOGGER",
@@ -62,8 +64,10 @@ __all__ = [
     "RAW_LLM_COLLECTOR",
     "RAW_MULTIPROCESS",
     "RAW_RAY_LAZY_TENSOR",
+    "RAW_RAY_WEIGHT_SYNC",
     "RAW_SHARED_MEM",
     "RAW_VANILLA",
+    "RAY_WEIGHT_SYNCS",
     "TENSORBOARD_LOGGER",
     "WEIGHT_SYNCS",
     "prioritized_unavailable",
@@ -318,6 +322,32 @@ WEIGHT_SYNCS: dict[str, Implementation] = {
     "torchrl-adapted-vanilla": ADAPTED_VANILLA,
 }
 """TorchRL's weight transports, raw and adapted, by entry-point name."""
+
+
+def _ray_weight_sync(*, adapted: bool) -> Implementation:
+    return Implementation(
+        "weight_sync",
+        partial(ray_weight_sync_pair, adapted=adapted),
+        name=("CheckedSender(" if adapted else "")
+        + "RayWeightSyncScheme"
+        + (")" if adapted else ""),
+        capabilities={"cross_process"},
+        description="The receiving model in a Ray actor, weights over gloo (local Ray cluster); "
+        + (
+            "the adapter checks names, shapes and dtypes before TorchRL sends."
+            if adapted
+            else "raw: the state dict plus the receiver's non-persistent buffers as the TensorDict the scheme takes, the version through its model_version."
+        ),
+    )
+
+
+RAW_RAY_WEIGHT_SYNC = _ray_weight_sync(adapted=False)
+ADAPTED_RAY_WEIGHT_SYNC = _ray_weight_sync(adapted=True)
+RAY_WEIGHT_SYNCS: dict[str, Implementation] = {
+    "torchrl-raw-ray-weight-sync": RAW_RAY_WEIGHT_SYNC,
+    "torchrl-adapted-ray-weight-sync": ADAPTED_RAY_WEIGHT_SYNC,
+}
+"""TorchRL's cross-process weight transport on Ray, raw and adapted, by entry-point name."""
 
 
 def _inference_server(*, adapted: bool) -> Implementation:

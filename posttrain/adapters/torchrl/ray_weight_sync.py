@@ -1,0 +1,210 @@
+"""TorchRL's ``RayWeightSyncScheme``: the sender here, the receiving model in a Ray actor.
+
+The weights travel over a gloo process group between this process and the actor; Ray only
+signals and hands over the address. TorchRL writes each received tensor straight into the
+live parameters and checks nothing but byte sizes, so a bad set of weights aborts the actor
+(wrong size), silently reinterprets bits (same size, other dtype) or leaves it half-updated
+(a missing last tensor): tests/test_ray_weight_sync.py shows each. The adapted pair puts
+:class:`~posttrain.adapters.torchrl.weight_sync.CheckedSender` in front, so nothing bad is sent.
+
+The version travels with the weights through the scheme's own ``model_version`` argument
+(``_set_model_version``, what TorchRL's Ray trainer calls), not beside the transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import time
+import weakref
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from posttrain.adapters._ray import ensure_cluster, ray_get
+from posttrain.adapters.torchrl.weight_sync import (
+    SEND_TIMEOUT_S,
+    CheckedSender,
+    _call_with_timeout,
+    _nested,
+)
+
+__all__ = ["RayReceiver", "RaySchemeSender", "ReceiverActor", "ray_weight_sync_pair"]
+
+DIST_TIMEOUT_S = 15.0
+"""TorchRL's gloo timeout for this scheme (its module default is 60 s), in both processes."""
+
+CONNECT_TIMEOUT_S = 120.0
+"""How long starting the actor and joining the process group may take."""
+
+
+def _set_dist_timeout() -> None:
+    import torchrl.weight_update._ray as scheme_module
+
+    # A module constant, not an argument, in TorchRL 0.14; lowered so a hung sync fails fast.
+    scheme_module._DIST_TIMEOUT = timedelta(seconds=DIST_TIMEOUT_S)
+
+
+class ReceiverActor:
+    """The actor body: holds the receiving model and TorchRL's receiving end of the scheme.
+
+    Example (the actor side of :func:`ray_weight_sync_pair`; run here without Ray):
+        >>> ReceiverActor.__name__
+        'ReceiverActor'
+    """
+
+    def __init__(self, model: torch.nn.Module, scheme: Any) -> None:
+        _set_dist_timeout()
+        self.model = model  # the scheme holds only a weak reference
+        self.scheme = scheme
+        self.version = 0
+        scheme.init_on_receiver(model_id="policy", worker_idx=0, model=model)
+
+    def connect(self) -> None:
+        """Join the scheme's process group (collective with the sender's ``connect``)."""
+        self.scheme.connect(worker_idx=0)
+
+    def _receive_weights_scheme(self, model_version: int | None = None) -> None:
+        # The name is TorchRL's: RayTransport calls it on the actor for every send.
+        self.scheme.receive()
+        if model_version is not None:
+            self.version = int(model_version)
+
+    def state(self) -> tuple[dict[str, torch.Tensor], int]:
+        """A copy of the model's weights and the version they came with."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}, self.version
+
+    def pid(self) -> int:
+        """The actor's process id."""
+        return os.getpid()
+
+
+class RaySchemeSender:
+    """The raw sending end: ``send(weights, version=v)`` mapped onto the scheme's ``send``.
+
+    The receiving end expects every tensor of ``TensorDict.from_module(model)``, non-persistent
+    buffers included (a tiny Llama's rotary ``inv_freq``), which no ``state_dict`` carries: sent
+    a state dict alone, it waits for tensors that never come until the gloo timeout. The call
+    shape is mapped by adding those buffers, as the receiving model holds them (``extras``).
+    """
+
+    def __init__(self, scheme: Any, extras: Mapping[str, torch.Tensor]) -> None:
+        self.scheme = scheme
+        self.extras = dict(extras)
+        self.last_sync_s: float | None = None
+
+    def send(self, weights: Mapping[str, torch.Tensor], /, *, version: int) -> None:
+        """Push ``weights`` with ``version``; returns once the actor applied them."""
+        td = _nested({**self.extras, **weights})
+        self.scheme._set_model_version(version)
+        t0 = time.perf_counter()
+        _call_with_timeout(
+            lambda: self.scheme.send(weights=td),
+            DIST_TIMEOUT_S + SEND_TIMEOUT_S,
+            "RayWeightSyncScheme.send",
+        )
+        self.last_sync_s = time.perf_counter() - t0
+
+
+class RayReceiver:
+    """This process's view of the receiving actor: its version, weights and process."""
+
+    def __init__(self, actor: Any, sender: RaySchemeSender, scheme: Any) -> None:
+        self.actor = actor
+        self._sender = sender
+        self._version = 0
+        self.pid: int = ray_get(actor.pid.remote(), CONNECT_TIMEOUT_S)
+        # The suite never closes what it makes: dropping the receiver frees actor and group.
+        self._close = weakref.finalize(self, _shutdown, ensure_cluster(), scheme, actor)
+
+    def receive(self, timeout: float | None = None) -> None:
+        """Read the version the actor holds (TorchRL applied the weights during ``send``)."""
+        self._version = ray_get(self.actor.state.remote(), timeout)[1]
+
+    @property
+    def version(self) -> int:
+        """The version of the weights the actor's model holds, as of the last :meth:`receive`."""
+        return self._version
+
+    @property
+    def last_sync_s(self) -> float | None:
+        """Wall time of the last send, applied on the actor included."""
+        return self._sender.last_sync_s
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the actor's model weights."""
+        out: dict[str, torch.Tensor] = ray_get(self.actor.state.remote(), CONNECT_TIMEOUT_S)[0]
+        return out
+
+    def close(self) -> None:
+        """Shut the scheme down and kill the actor (idempotent)."""
+        self._close()
+
+
+def non_persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``TensorDict.from_module`` holds and ``state_dict`` leaves out (copies).
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> sorted(non_persistent_buffers(tiny_causal_lm()))
+        ['model.rotary_emb.inv_freq', 'model.rotary_emb.original_inv_freq']
+    """
+    from tensordict import TensorDict
+
+    saved = model.state_dict()
+    every = TensorDict.from_module(model).flatten_keys(".")
+    return {str(k): v.detach().clone() for k, v in every.items() if k not in saved}
+
+
+def _shutdown(ray: Any, scheme: Any, actor: Any) -> None:
+    with contextlib.suppress(Exception):
+        scheme.shutdown()
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)
+
+
+def ray_weight_sync_pair(
+    receiver_model: torch.nn.Module, *, adapted: bool = False
+) -> tuple[Any, RayReceiver]:
+    """A (sender, receiver) pair over ``RayWeightSyncScheme``; the receiver is a Ray actor.
+
+    The actor gets a copy of ``receiver_model``; read its weights with
+    ``receiver.state_dict()``. Joins the running Ray cluster or starts a local one.
+
+    Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> sender, receiver = ray_weight_sync_pair(tiny_causal_lm(), adapted=True)  # doctest: +SKIP
+        >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=3)  # doctest: +SKIP
+        >>> receiver.receive(); receiver.version  # doctest: +SKIP
+        3
+    """
+    from torchrl.weight_update import RayWeightSyncScheme
+
+    ray = ensure_cluster()
+    _set_dist_timeout()
+    scheme: Any = RayWeightSyncScheme(
+        backend="gloo"
+    )  # its init_on_sender overloads omit Ray's kwargs
+    actor = ray.remote(ReceiverActor).options(num_cpus=0).remote(receiver_model, scheme)
+    try:
+        # The sender's initial send at connect must not change the receiver: a copy of it.
+        scheme.init_on_sender(
+            model_id="policy",
+            remote_collectors=[actor],
+            num_workers=1,
+            model=copy.deepcopy(receiver_model),
+        )
+        ray_get(actor.pid.remote(), CONNECT_TIMEOUT_S)  # started: connect's timeout is short
+        joined = actor.connect.remote()
+        scheme.connect()
+        ray_get(joined, CONNECT_TIMEOUT_S)
+        raw = RaySchemeSender(scheme, non_persistent_buffers(receiver_model))
+        receiver = RayReceiver(actor, raw, scheme)
+    except BaseException:
+        _shutdown(ray, scheme, actor)
+        raise
+    # CheckedSender only calls send() on what it wraps.
+    return (CheckedSender(raw, receiver_model) if adapted else raw), receiver  # type: ignore[arg-type]

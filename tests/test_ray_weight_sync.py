@@ -1,0 +1,107 @@
+"""TorchRL's RayWeightSyncScheme across processes: through the weight-sync suite (raw and
+adapted), what it does with bad weights, and NeMo-RL's WeightSynchronizer facade driving it.
+
+One local Ray cluster for the module (``ray.init(num_cpus=2)``), shut down at its end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from posttrain.adapters._ray import ensure_cluster
+from posttrain.adapters.nemo_rl.weight_sync import NemoWeightSynchronizer
+from posttrain.adapters.torchrl.implementations import (
+    ADAPTED_RAY_WEIGHT_SYNC,
+    RAW_RAY_WEIGHT_SYNC,
+)
+from posttrain.adapters.torchrl.ray_weight_sync import (
+    RaySchemeSender,
+    non_persistent_buffers,
+    ray_weight_sync_pair,
+)
+from posttrain.conformance import Status, run
+from posttrain.conformance.policy import tiny_causal_lm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> Iterator[Any]:
+    ray = ensure_cluster()
+    yield ray
+    ray.shutdown()
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tiny_causal_lm(seed=seed).state_dict().items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k in b if not torch.equal(a[k], b[k])]
+
+
+def test_adapted_ray_scheme_conforms_across_processes() -> None:
+    rep = run(ADAPTED_RAY_WEIGHT_SYNC)
+    rows = {r.id: r for r in rep.results}
+    assert rep.ok, [r.message for r in rep.results if r.status is not Status.PASS]
+    assert rows["WS-008"].status is Status.PASS
+
+
+def test_raw_ray_scheme_bad_weights_kill_the_receiving_actor() -> None:
+    # TorchRL 0.14.1 receives straight into the live parameters and checks only byte sizes:
+    # a wrong shape, a wider dtype or a shifted tensor order aborts the actor's process.
+    rep = run(RAW_RAY_WEIGHT_SYNC)
+    bad = {r.id: r.message for r in rep.results if r.status in (Status.FAIL, Status.ERROR)}
+    assert set(bad) == {"WS-004", "WS-005", "WS-006"}, bad
+    assert all("ActorDiedError" in m for m in bad.values()), bad
+
+
+def test_raw_ray_scheme_reinterprets_a_same_size_dtype_silently() -> None:
+    sender, receiver = ray_weight_sync_pair(tiny_causal_lm(seed=0))
+    good = _weights(1)
+    sender.send(good, version=1)
+    as_int = {k: v.to(torch.int32) if v.is_floating_point() else v for k, v in good.items()}
+    sender.send(as_int, version=2)  # accepted: 4 bytes per element either way
+    receiver.receive(timeout=30)
+    got = receiver.state_dict()
+    assert receiver.version == 2
+    assert _equal(got, good)  # the float parameters now hold integer bit patterns
+    assert all(v.dtype == torch.float32 for k, v in got.items() if good[k].is_floating_point())
+    receiver.close()
+
+
+def test_a_state_dict_alone_leaves_the_raw_receiver_waiting() -> None:
+    # Why the raw shim adds the non-persistent buffers: the receiver waits for every tensor of
+    # TensorDict.from_module, and the send fails only at the gloo timeout.
+    model = tiny_causal_lm(seed=0)
+    assert non_persistent_buffers(model)
+    sender, receiver = ray_weight_sync_pair(model)
+    bare = RaySchemeSender(sender.scheme, extras={})
+    with pytest.raises((RuntimeError, TimeoutError)):
+        bare.send(_weights(1), version=1)
+    receiver.close()
+
+
+def test_nemo_weight_synchronizer_drives_the_ray_scheme() -> None:
+    trainer = tiny_causal_lm(seed=1)
+    sender, receiver = ray_weight_sync_pair(tiny_causal_lm(seed=0), adapted=True)
+    sync = NemoWeightSynchronizer(trainer.state_dict, sender, receiver)
+    sync.init_communicator()
+    assert sync.is_stale
+    for step in (1, 2):
+        with torch.no_grad():
+            trainer.lm_head.weight.add_(0.25)
+        metrics = sync.sync_weights()
+        assert metrics["weight_version"] == step
+        assert receiver.version == step
+        assert not sync.is_stale
+        assert not _equal(receiver.state_dict(), trainer.state_dict())
+    before = receiver.state_dict()
+    trainer.lm_head.weight.data = trainer.lm_head.weight.data.double()
+    with pytest.raises(ValueError, match=r"lm_head\.weight"):
+        sync.sync_weights()
+    assert not _equal(receiver.state_dict(), before)
+    assert receiver.version == 2
+    sync.shutdown()
