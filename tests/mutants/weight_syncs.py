@@ -99,6 +99,13 @@ class NoLatency(InProcessReceiver):
         return v
 
 
+class ClaimsAnotherProcess(InProcessReceiver):
+    """Declares cross_process and reads back right, but the receiver is in this process."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict())
+
+
 def _factory(cls: type[InProcessReceiver]) -> Any:
     def make(model: torch.nn.Module) -> tuple[InProcessSender, InProcessReceiver]:
         r = cls(model)
@@ -120,7 +127,7 @@ MUTANTS: dict[str, Implementation] = {
     "WS-005": _impl("WS-005", CastsDtypes),
     "WS-006": _impl("WS-006", NonStrictNames),
     "WS-007": _impl("WS-007", NoLatency),
-    "WS-008": _impl("WS-008", InProcessReceiver, capabilities={"cross_process"}),
+    "WS-008": _impl("WS-008", ClaimsAnotherProcess, capabilities={"cross_process"}),
     "WS-009": _impl("WS-009", InProcessReceiver, capabilities={"cuda"}),
 }
 """Requirement id -> a weight sync that breaks exactly that requirement."""
