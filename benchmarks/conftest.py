@@ -27,6 +27,7 @@ class Row:
 ROWS: list[Row] = []
 SUITE_TIMES: dict[str, float] = {}
 PAIRED: dict[str, float] = {}
+REMOTE: dict[str, float] = {}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -76,6 +77,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         )
         for name, v in PAIRED.items():
             tr.write_line(f"{name:<60}{v:8.3f}")
+    if REMOTE:
+        tr.write_sep("-", "across processes on a local Ray cluster (benchmarks/test_remote.py)")
+        for name, v in REMOTE.items():
+            tr.write_line(f"{name:<72}{v:10.3f}")
     if SUITE_TIMES:
         tr.write_sep("-", "conformance suite wall time per implementation (one run each)")
         for name, s in sorted(SUITE_TIMES.items(), key=lambda kv: -kv[1]):
