@@ -15,6 +15,7 @@ from posttrain.adapters.torchrl.deviations import (
     DEVIATIONS,
     GENERATION_DEVIATIONS,
     LOSS_DEVIATIONS,
+    RAY_DEVIATIONS,
     ROLLOUT_DEVIATIONS,
     WEIGHT_SYNC_DEVIATIONS,
 )
@@ -43,7 +44,8 @@ def main(out_dir: Path) -> Path:
         "TransformersWrapper; SharedMemWeightSyncScheme, MultiProcessWeightSyncScheme and "
         "VanillaWeightUpdater (update_policy_weights_'s local path); CSVLogger and "
         "TensorboardLogger; InferenceServer (thread backend) serving greedy generation through the "
-        "generation contract. SFTLoss is outside the loss contract (no advantage, no behaviour "
+        'generation contract; the Ray-served ReplayBuffer (service_backend="ray") and '
+        "RayWeightSyncScheme across processes on a local Ray cluster. SFTLoss is outside the loss contract (no advantage, no behaviour "
         "log-probs: a supervised loss), so it has no row; see docs/torchrl.md.",
         "",
     ]
@@ -67,6 +69,7 @@ def main(out_dir: Path) -> Path:
         *ROLLOUT_DEVIATIONS,
         *WEIGHT_SYNC_DEVIATIONS,
         *GENERATION_DEVIATIONS,
+        *RAY_DEVIATIONS,
     ):
         lines += [
             f"### {', '.join(d.requirements)}: {d.title}",

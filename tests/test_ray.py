@@ -18,6 +18,7 @@ from posttrain.adapters._ray import ensure_cluster
 from posttrain.adapters.ray import serve_buffer
 from posttrain.adapters.ray.implementations import SERVED_RING_BUFFER
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
+from posttrain.adapters.torchrl.deviations import RAY_DEVIATIONS, Deviation
 from posttrain.conformance import Implementation, Status, run
 from posttrain.conformance.data import item_uids, llm_batch
 from posttrain.contracts import ContractViolation
@@ -115,3 +116,8 @@ def test_validated_client_needs_the_schema_fixed_first() -> None:
         client.extend(llm_batch(2, 8, uid_start=9).exclude(LLM_LAYOUT_V1.key("attention_mask")))
     assert client.extend(llm_batch(1, 8, uid_start=30)).tolist() == [2]
     assert len(rb) == 3
+
+
+@pytest.mark.parametrize("deviation", RAY_DEVIATIONS, ids=lambda d: d.requirements[0])
+def test_each_published_ray_repro_still_reproduces(deviation: Deviation) -> None:
+    exec(compile(deviation.repro, f"<repro {deviation.title}>", "exec"), {})

@@ -55,7 +55,10 @@ class BufferHost:
             rb = self._buffers[key]
         except KeyError:
             raise RuntimeError(f"no buffer {key!r} on this host: it was closed") from None
-        return getattr(rb, method)(*args)
+        out = getattr(rb, method)(*args)
+        if isinstance(out, TensorDictBase):
+            out = out.apply(_compact)
+        return out
 
     def drop(self, key: str) -> None:
         """Forget the buffer under ``key`` (idempotent)."""
@@ -64,6 +67,12 @@ class BufferHost:
     def pid(self) -> int:
         """The process the host runs in."""
         return os.getpid()
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    # Pickling a view pickles its whole storage: a sample whose keys are views into one
+    # gathered block (the reference RingBuffer's) would travel once per key.
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 # Finalizers: they may run at interpreter exit with Ray already down.

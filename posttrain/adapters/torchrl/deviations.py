@@ -12,6 +12,7 @@ __all__ = [
     "DEVIATIONS",
     "GENERATION_DEVIATIONS",
     "LOSS_DEVIATIONS",
+    "RAY_DEVIATIONS",
     "ROLLOUT_DEVIATIONS",
     "WEIGHT_SYNC_DEVIATIONS",
     "Deviation",
@@ -431,3 +432,79 @@ server.shutdown()
     ),
 )
 """TorchRL's InferenceServer against the generation contract, with executable repros."""
+
+
+RAY_DEVIATIONS: tuple[Deviation, ...] = (
+    Deviation(
+        ("BUF-009", "BUF-023"),
+        'TensorDictReplayBuffer(service_backend="ray") (RayReplayBuffer)',
+        "a producer's batch with a key missing is stored through a client, like the local buffer's",
+        """import ray
+import torch
+from functools import partial
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, RandomSampler, TensorDictReplayBuffer
+
+ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+rb = TensorDictReplayBuffer(storage=partial(LazyTensorStorage, 8), sampler=RandomSampler,
+                            service_backend="ray",
+                            service_backend_options={"remote_config": {"num_cpus": 0}})
+rb.extend(TensorDict({"a": torch.ones(2), "b": torch.ones(2)}, batch_size=[2]))
+
+@ray.remote(num_cpus=0)
+def producer(client):
+    return client.extend(TensorDict({"a": torch.ones(2)}, batch_size=[2])).tolist()
+
+print(ray.get(producer.remote(rb.client())))  # [2, 3]: accepted, "b" missing
+assert len(rb) == 4
+rb.close()
+""",
+    ),
+    Deviation(
+        ("WS-004", "WS-005", "WS-006"),
+        "RayWeightSyncScheme",
+        "weights of the wrong size abort the receiving actor's process; same-size weights of "
+        "another dtype are reinterpreted bit for bit and acknowledged",
+        """import ray
+import torch
+from tensordict import TensorDict
+from torchrl.weight_update import RayWeightSyncScheme
+
+ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+
+@ray.remote(num_cpus=0)
+class Receiver:
+    def __init__(self, scheme):
+        self.model = torch.nn.Linear(4, 4)
+        self.scheme = scheme
+        scheme.init_on_receiver(model_id="policy", worker_idx=0, model=self.model)
+    def connect(self):
+        self.scheme.connect(worker_idx=0)
+    def _receive_weights_scheme(self, model_version=None):  # called by RayTransport
+        self.scheme.receive()
+    def weight(self):
+        return self.model.weight.detach().clone()
+
+def pair():
+    scheme = RayWeightSyncScheme(backend="gloo")
+    actor = Receiver.remote(scheme)
+    scheme.init_on_sender(model_id="policy", remote_collectors=[actor], num_workers=1,
+                          model=torch.nn.Linear(4, 4))
+    ray.get(actor.weight.remote())
+    joined = actor.connect.remote(); scheme.connect(); ray.get(joined)
+    return scheme, actor
+
+scheme, actor = pair()
+new = TensorDict.from_module(torch.nn.Linear(4, 4)).data
+scheme.send(weights=new.to(torch.int32))  # same size, other dtype: accepted
+assert not torch.equal(ray.get(actor.weight.remote()), new["weight"])  # integer bit patterns
+try:
+    scheme.send(weights=new.double())  # twice the bytes per tensor
+    raise SystemExit("accepted")
+except Exception as e:
+    assert "ActorDiedError" in type(e).__name__ or "died" in str(e)  # the receiver aborted
+scheme.shutdown()
+""",
+    ),
+)
+"""Known deviations of TorchRL 0.14.1's Ray-served buffer and Ray weight-sync scheme."""

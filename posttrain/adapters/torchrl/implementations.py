@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from posttrain.adapters.torchrl.buffer import ValidatedReplayBuffer
+from posttrain.adapters.torchrl.dist_weight_sync import dist_weight_sync_pair
 from posttrain.adapters.torchrl.generation import inference_server
 from posttrain.adapters.torchrl.loggers import (
     csv_logger,
@@ -32,6 +33,7 @@ __all__ = [
     "ADAPTED_CISPOLOSS_TOKEN_MEAN",
     "ADAPTED_DAPO_SEQ_MEAN_TOKEN_MEAN",
     "ADAPTED_DAPO_TOKEN_MEAN",
+    "ADAPTED_DIST_WEIGHT_SYNC",
     "ADAPTED_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN",
     "ADAPTED_GRPOLOSS_TOKEN_MEAN",
     "ADAPTED_GRPOLOSS_TOKEN_MEAN_KL",
@@ -53,6 +55,7 @@ __all__ = [
     "RAW_CISPOLOSS_TOKEN_MEAN",
     "RAW_DAPO_SEQ_MEAN_TOKEN_MEAN",
     "RAW_DAPO_TOKEN_MEAN",
+    "RAW_DIST_WEIGHT_SYNC",
     "RAW_GRPOLOSS_SEQ_MEAN_TOKEN_MEAN",
     "RAW_GRPOLOSS_TOKEN_MEAN",
     "RAW_GRPOLOSS_TOKEN_MEAN_KL",
@@ -341,6 +344,27 @@ def _ray_weight_sync(*, adapted: bool) -> Implementation:
     )
 
 
+def _dist_weight_sync(*, adapted: bool) -> Implementation:
+    return Implementation(
+        "weight_sync",
+        partial(dist_weight_sync_pair, adapted=adapted),
+        name=("CheckedSender(" if adapted else "")
+        + 'DistributedWeightSyncScheme(backend="gloo")'
+        + (")" if adapted else ""),
+        capabilities={"cross_process"},
+        description="The receiving model in a spawned process on torch.distributed's default "
+        "group (gloo, loopback); the version kept beside the transport, reported once the "
+        "receiver acknowledged; "
+        + (
+            "the adapter checks names, shapes and dtypes before TorchRL sends."
+            if adapted
+            else "raw: the state dict plus the receiver's non-persistent buffers as the TensorDict the scheme takes."
+        ),
+    )
+
+
+RAW_DIST_WEIGHT_SYNC = _dist_weight_sync(adapted=False)
+ADAPTED_DIST_WEIGHT_SYNC = _dist_weight_sync(adapted=True)
 RAW_RAY_WEIGHT_SYNC = _ray_weight_sync(adapted=False)
 ADAPTED_RAY_WEIGHT_SYNC = _ray_weight_sync(adapted=True)
 RAY_WEIGHT_SYNCS: dict[str, Implementation] = {

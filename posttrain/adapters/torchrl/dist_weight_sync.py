@@ -1,0 +1,202 @@
+"""TorchRL's ``DistributedWeightSyncScheme`` (torch.distributed, gloo): receiver in a process.
+
+The receiving model lives in a spawned process that joins torch.distributed's *default*
+process group as rank 1; a background thread of TorchRL's applies each send there and
+acknowledges it through the TCPStore. The scheme carries no version: as with TorchRL's
+in-process transports, the version is kept beside the transport and the receiver reports the
+version of the last acknowledged send (the ack comes after the weights are applied).
+
+Because the scheme uses the default process group, one pair at a time per process: building
+a pair closes the previous one. Like the Ray scheme, the receiving end expects every tensor
+of ``TensorDict.from_module(model)``; the shim adds the non-persistent buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from posttrain.adapters.torchrl.ray_weight_sync import non_persistent_buffers
+from posttrain.adapters.torchrl.weight_sync import CheckedSender, _call_with_timeout, _nested
+
+__all__ = ["DistReceiver", "DistSchemeSender", "dist_weight_sync_pair"]
+
+TIMEOUT_S = 20.0
+"""TorchRL's store and process-group timeout for the scheme (its default is 3600 s)."""
+
+START_TIMEOUT_S = 120.0
+"""How long the receiving process may take to start and join."""
+
+_LIVE: weakref.WeakSet[DistReceiver] = weakref.WeakSet()
+
+
+class _Context:
+    # What TorchRL's receiving end resolves the model from (getattr(context, model_id)); it
+    # must be weak-referenceable and outlive the scheme, which keeps only a weak reference.
+    def __init__(self, policy: torch.nn.Module) -> None:
+        self.policy = policy
+        self.updates = 0
+
+    def update_policy_weights_(self, model_id: str, policy_or_weights: Any) -> None:
+        self.updates += 1
+
+
+def _receiver_main(scheme: Any, addr: str, port: int, model: Any, conn: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    ctx = _Context(model)
+    scheme.init_on_receiver(model_id="policy", context=ctx, worker_idx=1)  # rank 1
+    scheme.connect()
+    conn.send(("ready", os.getpid()))
+    while True:
+        cmd = conn.recv()
+        if cmd == "state":
+            conn.send({k: v.detach().clone() for k, v in ctx.policy.state_dict().items()})
+        else:
+            break
+    scheme.shutdown()
+    dist.destroy_process_group()
+    conn.send("bye")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+class DistSchemeSender:
+    """The raw sending end: ``send(weights, version=v)`` onto the scheme's synchronous send."""
+
+    def __init__(self, scheme: Any, extras: Mapping[str, torch.Tensor]) -> None:
+        self.scheme = scheme
+        self.extras = dict(extras)
+        self._done = (0, 0.0)
+
+    def send(self, weights: Mapping[str, torch.Tensor], /, *, version: int) -> None:
+        """Push ``weights``; returns once the receiver acknowledged applying them."""
+        td = _nested({**self.extras, **weights})
+        t0 = time.perf_counter()
+        _call_with_timeout(
+            lambda: self.scheme.send(weights=td), 2 * TIMEOUT_S, "DistributedWeightSyncScheme.send"
+        )
+        self._done = (version, time.perf_counter() - t0)
+
+    def completed(self) -> tuple[int, float]:
+        """The version and duration of the last acknowledged send."""
+        return self._done
+
+
+class DistReceiver:
+    """This process's view of the receiving process: version, weights, pid."""
+
+    def __init__(self, sender: DistSchemeSender, proc: Any, conn: Any, pid: int) -> None:
+        self._sender = sender
+        self._proc = proc
+        self._conn = conn
+        self.pid = pid
+        self._version = 0
+        self.last_sync_s: float | None = None
+        self._close = weakref.finalize(self, _stop, sender.scheme, proc, conn)
+
+    def receive(self, timeout: float | None = None) -> None:
+        """Adopt the version of the last acknowledged send (applied there by then)."""
+        self._version, self.last_sync_s = self._sender.completed()
+
+    @property
+    def version(self) -> int:
+        """The version of the weights the receiving process holds."""
+        return self._version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the receiving model's weights, fetched from its process."""
+        if not self._close.alive:
+            raise RuntimeError("state_dict: this pair was closed (a newer pair replaces it)")
+        if not self._proc.is_alive():
+            raise RuntimeError(f"the receiving process died (exit code {self._proc.exitcode})")
+        self._conn.send("state")
+        if not self._conn.poll(START_TIMEOUT_S):
+            raise TimeoutError("the receiving process did not answer within its timeout")
+        out: dict[str, torch.Tensor] = self._conn.recv()
+        return out
+
+    def close(self) -> None:
+        """Stop the receiving process and leave the process group (idempotent)."""
+        self._close()
+
+
+def _stop(scheme: Any, proc: Any, conn: Any) -> None:
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        if proc.is_alive():
+            scheme._send_instruction("stop")  # TorchRL's receiving thread leaves its loop
+            conn.send("stop")
+            conn.poll(TIMEOUT_S)
+    proc.join(TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with contextlib.suppress(Exception):
+        scheme.shutdown()
+
+
+def dist_weight_sync_pair(
+    receiver_model: torch.nn.Module, *, adapted: bool = False
+) -> tuple[Any, DistReceiver]:
+    """A (sender, receiver) pair over ``DistributedWeightSyncScheme`` with gloo on loopback.
+
+    The receiving process gets a copy of ``receiver_model``; read it with
+    ``receiver.state_dict()``. Closes any pair this process built before (one default
+    process group per process).
+
+    Example (not run by the doctests: it spawns a process; see tests/test_dist_weight_sync.py):
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> sender, receiver = dist_weight_sync_pair(tiny_causal_lm(), adapted=True)  # doctest: +SKIP
+        >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=2)  # doctest: +SKIP
+        >>> receiver.receive(); receiver.version  # doctest: +SKIP
+        2
+        >>> receiver.close()  # doctest: +SKIP
+    """
+    from torchrl.weight_update import DistributedWeightSyncScheme
+
+    for old in list(_LIVE):
+        old.close()
+    scheme: Any = DistributedWeightSyncScheme(backend="gloo", sync=True, timeout=TIMEOUT_S)
+    scheme.init_on_sender(model_id="policy", num_workers=1, model=receiver_model)
+    port = _free_port()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=_receiver_main,
+        args=(scheme, "127.0.0.1", port, receiver_model, child),
+        daemon=True,
+        name="posttrain-weight-receiver",
+    )
+    proc.start()
+    raw = DistSchemeSender(scheme, non_persistent_buffers(receiver_model))
+    try:
+        scheme.connect()  # joins as rank 0 with the child; sends the receiver's own weights
+        if not parent.poll(START_TIMEOUT_S):
+            raise TimeoutError("the receiving process did not join within its timeout")
+        _, pid = parent.recv()
+    except BaseException:
+        _stop(scheme, proc, parent)
+        raise
+    receiver = DistReceiver(raw, proc, parent, pid)
+    _LIVE.add(receiver)
+    # CheckedSender only calls send() on what it wraps.
+    return (CheckedSender(raw, receiver_model) if adapted else raw), receiver  # type: ignore[arg-type]
