@@ -49,8 +49,13 @@ def test_raw_messages_are_precise() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    # The Ray-served rows run in tests/test_ray.py, which owns the Ray cluster's lifetime.
-    [n for n in trl_impls.__all__ if n.startswith("ADAPTED_") and "_RAY_" not in n],
+    # The cross-process rows run in tests/test_ray*.py (which own the Ray cluster's lifetime)
+    # and tests/test_dist_weight_sync.py.
+    [
+        n
+        for n in trl_impls.__all__
+        if n.startswith("ADAPTED_") and "_RAY_" not in n and "_DIST_" not in n
+    ],
 )
 def test_adapted_torchrl_conforms(name: str) -> None:
     failing, messages = _failing(getattr(trl_impls, name))

@@ -20,7 +20,7 @@ class DeclarationError(ValueError):
         ...     BUFFER.check_declaration(capabilities=["teleport"])
         ... except DeclarationError as e:
         ...     print(str(e).splitlines()[0])
-        buffer v1.1: unknown capability 'teleport'; the closed set is: checkpoint, cuda, priority, ragged, read, thread_safe
+        buffer v1.2: unknown capability 'teleport'; the closed set is: checkpoint, cuda, priority, ragged, read, remote_writers, thread_safe
     """
 
 
