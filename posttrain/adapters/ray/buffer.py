@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +18,6 @@ __all__ = ["BufferHost", "RemoteBuffer", "serve_buffer"]
 
 CALL_TIMEOUT_S = 120.0
 """How long a remote call may take before the client raises ``GetTimeoutError``."""
-
-_KEYS = itertools.count()
 
 
 class BufferHost:
@@ -72,6 +70,8 @@ class BufferHost:
 def _compact(t: torch.Tensor) -> torch.Tensor:
     # Pickling a view pickles its whole storage: a sample whose keys are views into one
     # gathered block (the reference RingBuffer's) would travel once per key.
+    if t.is_nested:
+        return t
     return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
@@ -225,8 +225,13 @@ def serve_buffer(
     owns_host = host is None
     if owns_host:
         host = ray.remote(BufferHost).options(**{"num_cpus": 0, **(actor_options or {})}).remote()
-    key = f"{os.getpid()}-{next(_KEYS)}"
-    methods = ray_get(host.create.remote(key, factory, args), timeout)
+    key = uuid.uuid4().hex
+    try:
+        methods = ray_get(host.create.remote(key, factory, args), timeout)
+    except BaseException:
+        if owns_host:
+            _kill(host)
+        raise
     return RemoteBuffer(
         host, key, frozenset(methods), timeout=timeout, owner=True, owns_host=owns_host
     )

@@ -27,11 +27,12 @@ def shared_host() -> Any:
         True
     """
     ray = ensure_cluster()
-    job = ray.get_runtime_context().get_job_id()  # a new ray.init is a new job: new host
-    if job not in _HOSTS:
+    # A new cluster (ray.shutdown, then ray.init) has a new node id: a host of an old one is dead.
+    session = ray.get_runtime_context().get_node_id()
+    if session not in _HOSTS:
         _HOSTS.clear()
-        _HOSTS[job] = ray.remote(BufferHost).options(num_cpus=0).remote()
-    return _HOSTS[job]
+        _HOSTS[session] = ray.remote(BufferHost).options(num_cpus=0).remote()
+    return _HOSTS[session]
 
 
 def served_ring_buffer(capacity: int) -> RemoteBuffer:

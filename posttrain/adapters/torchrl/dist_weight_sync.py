@@ -52,9 +52,11 @@ class _Context:
 def _receiver_main(scheme: Any, addr: str, port: int, model: Any, conn: Any) -> None:
     import torch.distributed as dist
 
+    _no_core_dumps()  # a bad send aborts this process (SIGABRT in gloo), by TorchRL's design
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
     ctx = _Context(model)
     scheme.init_on_receiver(model_id="policy", context=ctx, worker_idx=1)  # rank 1
+    conn.send(("imported", os.getpid()))  # the parent joins only now: its timeout is short
     scheme.connect()
     conn.send(("ready", os.getpid()))
     while True:
@@ -66,6 +68,12 @@ def _receiver_main(scheme: Any, addr: str, port: int, model: Any, conn: Any) -> 
     scheme.shutdown()
     dist.destroy_process_group()
     conn.send("bye")
+
+
+def _no_core_dumps() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def _free_port() -> int:
@@ -177,6 +185,8 @@ def dist_weight_sync_pair(
     scheme: Any = DistributedWeightSyncScheme(backend="gloo", sync=True, timeout=TIMEOUT_S)
     scheme.init_on_sender(model_id="policy", num_workers=1, model=receiver_model)
     port = _free_port()
+    # TorchRL joins the default group through env:// and leaves these set; a trainer that
+    # also uses torch.distributed should know this pair holds the default group while alive.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -189,7 +199,12 @@ def dist_weight_sync_pair(
     proc.start()
     raw = DistSchemeSender(scheme, non_persistent_buffers(receiver_model))
     try:
-        scheme.connect()  # joins as rank 0 with the child; sends the receiver's own weights
+        # The child imports torch, torchrl and transformers before it can join: wait for that
+        # under a long timeout, then join under TorchRL's short one.
+        if not parent.poll(START_TIMEOUT_S):
+            raise TimeoutError("the receiving process did not start within its timeout")
+        parent.recv()
+        scheme.connect()  # joins as rank 0 with the child
         if not parent.poll(START_TIMEOUT_S):
             raise TimeoutError("the receiving process did not join within its timeout")
         _, pid = parent.recv()

@@ -34,8 +34,11 @@ from posttrain.adapters.torchrl.weight_sync import (
 
 __all__ = ["RayReceiver", "RaySchemeSender", "ReceiverActor", "ray_weight_sync_pair"]
 
-DIST_TIMEOUT_S = 15.0
-"""TorchRL's gloo timeout for this scheme (its module default is 60 s), in both processes."""
+DIST_TIMEOUT_S = 30.0
+"""TorchRL's gloo timeout for this scheme (its module default is 60 s), in both processes.
+
+It also bounds connecting, which includes the cold start of TorchRL's ``ConnectionInfo``
+actor on a loaded 2-core machine."""
 
 CONNECT_TIMEOUT_S = 120.0
 """How long starting the actor and joining the process group may take."""
@@ -57,6 +60,10 @@ class ReceiverActor:
     """
 
     def __init__(self, model: torch.nn.Module, scheme: Any) -> None:
+        import resource
+
+        # A bad send aborts this process (SIGABRT in gloo), by TorchRL's design: no core file.
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         _set_dist_timeout()
         self.model = model  # the scheme holds only a weak reference
         self.scheme = scheme
@@ -76,6 +83,10 @@ class ReceiverActor:
     def state(self) -> tuple[dict[str, torch.Tensor], int]:
         """A copy of the model's weights and the version they came with."""
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}, self.version
+
+    def current_version(self) -> int:
+        """The version of the weights the model holds."""
+        return self.version
 
     def pid(self) -> int:
         """The actor's process id."""
@@ -122,7 +133,7 @@ class RayReceiver:
 
     def receive(self, timeout: float | None = None) -> None:
         """Read the version the actor holds (TorchRL applied the weights during ``send``)."""
-        self._version = ray_get(self.actor.state.remote(), timeout)[1]
+        self._version = ray_get(self.actor.current_version.remote(), timeout)
 
     @property
     def version(self) -> int:
@@ -190,7 +201,8 @@ def ray_weight_sync_pair(
     )  # its init_on_sender overloads omit Ray's kwargs
     actor = ray.remote(ReceiverActor).options(num_cpus=0).remote(receiver_model, scheme)
     try:
-        # The sender's initial send at connect must not change the receiver: a copy of it.
+        # TorchRL holds the sender's model by weak reference: this one is gone once the call
+        # returns, so connect sends no initial weights and the receiver keeps its own.
         scheme.init_on_sender(
             model_id="policy",
             remote_collectors=[actor],

@@ -580,6 +580,8 @@ def many_producers(ctx: Context) -> None:
             stray = stray or f"a sample drawn while they wrote: {e}"
         draws += 1
     if pending:
+        for ref in pending:  # never leave a producer writing into a buffer the check dropped
+            ray.cancel(ref, force=True)
         raise _fail(
             f"{len(pending)} of {PRODUCERS} producers did not finish within {PRODUCERS_WAIT_S:.0f} s"
         )
