@@ -45,7 +45,8 @@ def main(out_dir: Path) -> Path:
         "VanillaWeightUpdater (update_policy_weights_'s local path); CSVLogger and "
         "TensorboardLogger; InferenceServer (thread backend) serving greedy generation through the "
         'generation contract; the Ray-served ReplayBuffer (service_backend="ray") and '
-        "RayWeightSyncScheme across processes on a local Ray cluster. SFTLoss is outside the loss contract (no advantage, no behaviour "
+        "RayWeightSyncScheme across processes on a local Ray cluster, and "
+        "DistributedWeightSyncScheme (gloo) with the receiver in a spawned process. SFTLoss is outside the loss contract (no advantage, no behaviour "
         "log-probs: a supervised loss), so it has no row; see docs/torchrl.md.",
         "",
     ]

@@ -14,7 +14,6 @@ LOCAL_CLUSTER = {
     "configure_logging": False,  # no handler of its own on a stream pytest may close
     "object_store_memory": 512 * 2**20,
     "namespace": "posttrain",
-    "_node_ip_address": "127.0.0.1",  # Ray would pick a routable interface
 }
 """``ray.init`` arguments of the loopback-only cluster :func:`ensure_cluster` starts."""
 
@@ -36,7 +35,7 @@ def ray_module() -> Any:
 def ensure_cluster(**overrides: Any) -> Any:
     """Join the Ray cluster this process already uses, or start a local one; return ``ray``.
 
-    A cluster started here binds to 127.0.0.1, uses 2 CPUs and no dashboard; anything
+    A cluster started here is one node on this machine, with 2 CPUs and no dashboard; anything
     already initialised (``ray.init(address=...)`` by the caller) is left as it is.
 
     Example (not run by the doctests: tests/test_ray.py owns the cluster's lifetime):
