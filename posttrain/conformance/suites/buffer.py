@@ -526,14 +526,37 @@ PRODUCERS, EXTENDS_PER_PRODUCER, PER_EXTEND = 3, 4, 3
 PRODUCERS_WAIT_S = 120.0
 
 
+class _Gate:
+    """BUF-023's start line, run as a Ray actor: no producer extends before all have started.
+
+    Ray starts the producers' worker processes seconds apart on a small machine; without a
+    start line the first could finish before the last begins, and writes would never race.
+    """
+
+    def __init__(self) -> None:
+        self.arrived = 0
+
+    def arrive(self) -> None:
+        self.arrived += 1
+
+    def count(self) -> int:
+        return self.arrived
+
+
 def _produce(
-    handle: Any, batches: list[TensorDictBase], bad: TensorDictBase | None
+    handle: Any, batches: list[TensorDictBase], bad: TensorDictBase | None, gate: Any
 ) -> tuple[list[list[int]], str]:
     """One producer, run as a Ray task: extend each batch (the bad one half-way); report.
 
     Returns the indices each good extend returned, and what the bad extend did:
     ``"raised <type>: <message>"``, ``"accepted"``, or ``""`` when there was none.
     """
+    import ray
+
+    ray.get(gate.arrive.remote())
+    deadline = time.monotonic() + PRODUCERS_WAIT_S / 2
+    while ray.get(gate.count.remote()) < PRODUCERS and time.monotonic() < deadline:
+        time.sleep(0.005)
     written: list[list[int]] = []
     outcome = ""
     for i, b in enumerate(batches):
@@ -568,8 +591,11 @@ def many_producers(ctx: Context) -> None:
             r.table.add(b)
     key = LLM_LAYOUT_V1.key("attention_mask")
     bad = r.batch(PER_EXTEND).exclude(key)  # its uids never enter the table: must never show
+    gate: Any = ray.remote(num_cpus=0)(_Gate).remote()
     task = ray.remote(num_cpus=0)(_produce)
-    refs = [task.remote(client(), bs, bad if i == 0 else None) for i, bs in enumerate(batches)]
+    refs = [
+        task.remote(client(), bs, bad if i == 0 else None, gate) for i, bs in enumerate(batches)
+    ]
     allowed, pending, draws, stray = set(r.table.items), list(refs), 0, ""
     deadline = time.monotonic() + PRODUCERS_WAIT_S
     while pending and time.monotonic() < deadline:
@@ -589,6 +615,8 @@ def many_producers(ctx: Context) -> None:
         results = ray.get(refs)
     except Exception as e:
         raise _fail(f"a producer's good extend raised {type(e).__name__}: {str(e)[:300]}") from None
+    finally:
+        ray.kill(gate, no_restart=True)
     problems = [stray] if stray else []
     outcome = results[0][1]
     if not outcome.startswith("raised"):
