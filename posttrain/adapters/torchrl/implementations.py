@@ -70,7 +70,6 @@ __all__ = [
     "RAW_RAY_WEIGHT_SYNC",
     "RAW_SHARED_MEM",
     "RAW_VANILLA",
-    "RAY_WEIGHT_SYNCS",
     "TENSORBOARD_LOGGER",
     "WEIGHT_SYNCS",
     "prioritized_unavailable",
@@ -327,51 +326,42 @@ WEIGHT_SYNCS: dict[str, Implementation] = {
 """TorchRL's weight transports, raw and adapted, by entry-point name."""
 
 
-def _ray_weight_sync(*, adapted: bool) -> Implementation:
+def _cross_process_weight_sync(
+    make_pair: Callable[..., Any], scheme: str, where: str, raw: str, *, adapted: bool
+) -> Implementation:
     return Implementation(
         "weight_sync",
-        partial(ray_weight_sync_pair, adapted=adapted),
-        name=("CheckedSender(" if adapted else "")
-        + "RayWeightSyncScheme"
-        + (")" if adapted else ""),
+        partial(make_pair, adapted=adapted),
+        name=f"CheckedSender({scheme})" if adapted else scheme,
         capabilities={"cross_process"},
-        description="The receiving model in a Ray actor, weights over gloo (local Ray cluster); "
+        description=where
         + (
             "the adapter checks names, shapes and dtypes before TorchRL sends."
             if adapted
-            else "raw: the state dict plus the receiver's non-persistent buffers as the TensorDict the scheme takes, the version through its model_version."
+            else "raw: the state dict plus the receiver's non-persistent buffers as the "
+            "TensorDict the scheme takes" + raw
         ),
     )
 
 
-def _dist_weight_sync(*, adapted: bool) -> Implementation:
-    return Implementation(
-        "weight_sync",
-        partial(dist_weight_sync_pair, adapted=adapted),
-        name=("CheckedSender(" if adapted else "")
-        + 'DistributedWeightSyncScheme(backend="gloo")'
-        + (")" if adapted else ""),
-        capabilities={"cross_process"},
-        description="The receiving model in a spawned process on torch.distributed's default "
-        "group (gloo, loopback); the version kept beside the transport, reported once the "
-        "receiver acknowledged; "
-        + (
-            "the adapter checks names, shapes and dtypes before TorchRL sends."
-            if adapted
-            else "raw: the state dict plus the receiver's non-persistent buffers as the TensorDict the scheme takes."
-        ),
-    )
-
-
-RAW_DIST_WEIGHT_SYNC = _dist_weight_sync(adapted=False)
-ADAPTED_DIST_WEIGHT_SYNC = _dist_weight_sync(adapted=True)
-RAW_RAY_WEIGHT_SYNC = _ray_weight_sync(adapted=False)
-ADAPTED_RAY_WEIGHT_SYNC = _ray_weight_sync(adapted=True)
-RAY_WEIGHT_SYNCS: dict[str, Implementation] = {
-    "torchrl-raw-ray-weight-sync": RAW_RAY_WEIGHT_SYNC,
-    "torchrl-adapted-ray-weight-sync": ADAPTED_RAY_WEIGHT_SYNC,
-}
-"""TorchRL's cross-process weight transport on Ray, raw and adapted, by entry-point name."""
+_DIST = (
+    dist_weight_sync_pair,
+    'DistributedWeightSyncScheme(backend="gloo")',
+    "The receiving model in a spawned process on torch.distributed's default group (gloo, "
+    "loopback); the version kept beside the transport, reported once the receiver "
+    "acknowledged; ",
+    ".",
+)
+_RAY = (
+    ray_weight_sync_pair,
+    "RayWeightSyncScheme",
+    "The receiving model in a Ray actor, weights over gloo (local Ray cluster); ",
+    ", the version through its model_version.",
+)
+RAW_DIST_WEIGHT_SYNC = _cross_process_weight_sync(*_DIST, adapted=False)
+ADAPTED_DIST_WEIGHT_SYNC = _cross_process_weight_sync(*_DIST, adapted=True)
+RAW_RAY_WEIGHT_SYNC = _cross_process_weight_sync(*_RAY, adapted=False)
+ADAPTED_RAY_WEIGHT_SYNC = _cross_process_weight_sync(*_RAY, adapted=True)
 
 
 def _inference_server(*, adapted: bool) -> Implementation:
