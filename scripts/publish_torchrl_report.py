@@ -14,6 +14,7 @@ from pathlib import Path
 from posttrain.adapters.torchrl.deviations import (
     DEVIATIONS,
     GENERATION_DEVIATIONS,
+    LOGGER_DEVIATIONS,
     LOSS_DEVIATIONS,
     RAY_DEVIATIONS,
     ROLLOUT_DEVIATIONS,
@@ -43,7 +44,7 @@ def main(out_dir: Path) -> Path:
         "prompt_mean, GRPOLoss with kl_to_ref_coeff); LLMCollector with a generating "
         "TransformersWrapper; SharedMemWeightSyncScheme, MultiProcessWeightSyncScheme and "
         "VanillaWeightUpdater (update_policy_weights_'s local path); CSVLogger and "
-        "TensorboardLogger; InferenceServer (thread backend) serving greedy generation through the "
+        "TensorboardLogger and WandbLogger (offline); InferenceServer (thread backend) serving greedy generation through the "
         'generation contract; the Ray-served ReplayBuffer (service_backend="ray") and '
         "RayWeightSyncScheme across processes on a local Ray cluster, and "
         "DistributedWeightSyncScheme (gloo) with the receiver in a spawned process. SFTLoss is outside the loss contract (no advantage, no behaviour "
@@ -71,6 +72,7 @@ def main(out_dir: Path) -> Path:
         *WEIGHT_SYNC_DEVIATIONS,
         *GENERATION_DEVIATIONS,
         *RAY_DEVIATIONS,
+        *LOGGER_DEVIATIONS,
     ):
         lines += [
             f"### {', '.join(d.requirements)}: {d.title}",

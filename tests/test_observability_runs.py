@@ -1,6 +1,7 @@
 """Issue 7's done-when: a TRL GRPOTrainer run and a TorchRL GRPO run on the same tiny setup emit
 the catalogue's core metrics under the same names, read back from TensorBoard event files (with
-TensorBoard's reader) and from an MLflow tracking store (with MLflow's client)."""
+TensorBoard's reader), from an MLflow tracking store (with MLflow's client) and from an offline W&B
+run (with W&B's reader of its .wandb log)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from posttrain.observability import (
     policy_metrics,
     rollout_metrics,
 )
-from posttrain.observability.sinks import MlflowSink, Tee
+from posttrain.observability.sinks import MlflowSink, Tee, WandbSink, read_wandb
 
 K = LLM_LAYOUT_V1.key
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -47,7 +48,7 @@ CORE = {
 Scalars = dict[str, list[tuple[int, float]]]
 
 
-def _trl_run(tmp: Path) -> tuple[Scalars, Scalars]:
+def _trl_run(tmp: Path) -> tuple[Scalars, Scalars, Scalars]:
     from datasets import Dataset
     from trl.trainer.grpo_config import GRPOConfig
     from trl.trainer.grpo_trainer import GRPOTrainer
@@ -57,7 +58,11 @@ def _trl_run(tmp: Path) -> tuple[Scalars, Scalars]:
 
     tok = word_level_tokenizer(tiny_causal_lm().config)
     tok.padding_side = "left"
-    sink = Tee(tensorboard_logger(tmp / "trl"), MlflowSink(tmp / "mlflow", run_name="trl"))
+    sink = Tee(
+        tensorboard_logger(tmp / "trl"),
+        MlflowSink(tmp / "mlflow", run_name="trl"),
+        WandbSink(tmp / "wandb-trl", run_name="trl"),
+    )
     # With beta > 0 TRL loads a reference copy by the model's path: save the tiny model locally.
     tiny_causal_lm().save_pretrained(tmp / "policy")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -86,10 +91,10 @@ def _trl_run(tmp: Path) -> tuple[Scalars, Scalars]:
         install(trainer, CatalogueCallback(capture, sink=sink))
         trainer.train()
     sink.close()
-    return read_tensorboard(tmp / "trl"), _run(tmp / "mlflow", "trl")
+    return read_tensorboard(tmp / "trl"), _run(tmp / "mlflow", "trl"), read_wandb(tmp / "wandb-trl")
 
 
-def _torchrl_run(tmp: Path) -> tuple[Scalars, Scalars]:
+def _torchrl_run(tmp: Path) -> tuple[Scalars, Scalars, Scalars]:
     torch.manual_seed(0)
     policy = tiny_causal_lm()
     reference = tiny_causal_lm()
@@ -97,7 +102,11 @@ def _torchrl_run(tmp: Path) -> tuple[Scalars, Scalars]:
     reward = hf_reward_model(tiny_reward_model())
     loss_fn = make_loss("GRPOLoss", adapted=True)(policy, kl_to_ref_coeff=0.04)
     opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    sink = Tee(tensorboard_logger(tmp / "torchrl"), MlflowSink(tmp / "mlflow", run_name="torchrl"))
+    sink = Tee(
+        tensorboard_logger(tmp / "torchrl"),
+        MlflowSink(tmp / "mlflow", run_name="torchrl"),
+        WandbSink(tmp / "wandb-torchrl", run_name="torchrl"),
+    )
     timers = Timers()
     it = iter(src)
     for step in range(2):
@@ -130,7 +139,11 @@ def _torchrl_run(tmp: Path) -> tuple[Scalars, Scalars]:
         timers.acc = Accumulator()
     src.shutdown()
     sink.close()
-    return read_tensorboard(tmp / "torchrl"), _run(tmp / "mlflow", "torchrl")
+    return (
+        read_tensorboard(tmp / "torchrl"),
+        _run(tmp / "mlflow", "torchrl"),
+        read_wandb(tmp / "wandb-torchrl"),
+    )
 
 
 def _run(directory: Path, name: str) -> Scalars:
@@ -152,13 +165,15 @@ def _run(directory: Path, name: str) -> Scalars:
 
 
 def test_trl_and_torchrl_emit_the_core_metrics_under_the_same_names(tmp_path: Path) -> None:
-    trl, trl_mlflow = _trl_run(tmp_path)
-    torchrl, torchrl_mlflow = _torchrl_run(tmp_path)
+    trl, trl_mlflow, trl_wandb = _trl_run(tmp_path)
+    torchrl, torchrl_mlflow, torchrl_wandb = _torchrl_run(tmp_path)
     runs = [
         ("TRL tb", trl),
         ("TorchRL tb", torchrl),
         ("TRL mlflow", trl_mlflow),
         ("TorchRL mlflow", torchrl_mlflow),
+        ("TRL wandb", trl_wandb),
+        ("TorchRL wandb", torchrl_wandb),
     ]
     for name, run in runs:
         missing = sorted(CORE - set(run))
@@ -169,6 +184,14 @@ def test_trl_and_torchrl_emit_the_core_metrics_under_the_same_names(tmp_path: Pa
             assert steps == [1, 2], (name, metric, steps)
             assert all(math.isfinite(v) for v in values), (name, metric, values)
     assert all(v >= 0 for _, v in trl["policy/kl_ref/k3"])
+    # One Tee wrote all three backends: the same values (TensorBoard keeps float32).
+    for tb, wb in ((trl, trl_wandb), (torchrl, torchrl_wandb)):
+        for metric in CORE:
+            assert [s for s, _ in wb[metric]] == [s for s, _ in tb[metric]]
+            assert all(
+                math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-30)
+                for (_, a), (_, b) in zip(tb[metric], wb[metric], strict=True)
+            ), (metric, tb[metric], wb[metric])
     # The dashboard draws from what the backends hold (TensorBoard here, MLflow for the other).
     from posttrain.observability.plot import dashboard, main, read_run
 
@@ -179,3 +202,4 @@ def test_trl_and_torchrl_emit_the_core_metrics_under_the_same_names(tmp_path: Pa
         == 0
     )
     assert (tmp_path / "trl.png").stat().st_size > 10_000
+    assert set(read_run(tmp_path / "wandb-trl")) == set(trl_wandb)

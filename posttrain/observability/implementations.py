@@ -6,7 +6,7 @@ from typing import Any
 
 from posttrain.contracts.implementation import Implementation
 
-__all__ = ["MLFLOW_SINK"]
+__all__ = ["MLFLOW_SINK", "WANDB_SINK"]
 
 
 def _mlflow(directory: Any) -> Any:
@@ -29,3 +29,29 @@ MLFLOW_SINK = Implementation(
     description="MLflow through its client API into a local SQLite store, read back with MlflowClient.",
 )
 """Entry point ``mlflow-sink``."""
+
+
+def _wandb(directory: Any) -> Any:
+    from posttrain.observability.sinks import WandbSink
+
+    return WandbSink(directory)
+
+
+def _read_wandb(directory: Any) -> Any:
+    from posttrain.observability.sinks import read_wandb
+
+    return read_wandb(directory)
+
+
+WANDB_SINK = Implementation(
+    "metrics",
+    _wandb,
+    name="posttrain.WandbSink (offline run)",
+    capabilities={"cross_process"},
+    extras={"reader": _read_wandb},
+    description=(
+        "W&B in offline mode, one run per sink, read back from each run's .wandb log with "
+        "W&B's own reader (wandb leet inspect --json)."
+    ),
+)
+"""Entry point ``wandb-sink``."""

@@ -33,8 +33,8 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def read_run(directory: str | os.PathLike[str], *, mlflow_run: str | None = None) -> Scalars:
-    """Every scalar under ``directory``: JSONL, TensorBoard and an MLflow store (one run of it
-    with ``mlflow_run``), merged."""
+    """Every scalar under ``directory``: JSONL, TensorBoard, an MLflow store (one run of it
+    with ``mlflow_run``) and offline W&B runs written by ``WandbSink``, merged."""
     d = Path(directory)
     out: Scalars = {}
     if any(d.rglob("*.jsonl")):
@@ -57,6 +57,11 @@ def read_run(directory: str | os.PathLike[str], *, mlflow_run: str | None = None
         from posttrain.observability.sinks import read_mlflow
 
         for k, v in read_mlflow(d, mlflow_run).items():
+            out.setdefault(k, []).extend(v)
+    if any(d.rglob("run-*.wandb")):
+        from posttrain.observability.sinks import read_wandb
+
+        for k, v in read_wandb(d).items():
             out.setdefault(k, []).extend(v)
     return {k: sorted(v) for k, v in out.items()}
 

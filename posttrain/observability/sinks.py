@@ -4,17 +4,31 @@ TorchRL's ``CSVLogger`` and ``TensorboardLogger`` conform as they are
 (``posttrain.adapters.torchrl.loggers``); posttrain's ``JsonlSink`` is the reference. MLflow is
 added here through its client API (a local SQLite tracking store, one run per sink): TorchRL's
 ``MLFlowLogger`` drives MLflow's process-global active run, so two of them in one process
-collide.
+collide. W&B is added through its offline mode (one run per sink, read back with W&B's own reader
+of the run's ``.wandb`` log, ``wandb leet inspect --json``).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MlflowSink", "Tee", "mlflow_uri", "read_mlflow"]
+__all__ = [
+    "MlflowSink",
+    "Tee",
+    "WandbSink",
+    "mlflow_uri",
+    "quiet_wandb_settings",
+    "read_mlflow",
+    "read_wandb",
+]
 
 EXPERIMENT = "posttrain"
 
@@ -102,6 +116,159 @@ def read_mlflow(
             out.setdefault(key, []).extend((int(m.step), float(m.value)) for m in history)
     for vals in out.values():
         vals.sort()
+    return out
+
+
+WANDB_STEP = "posttrain:step"
+"""The history column holding each row's step (a ':' keeps it apart from catalogue names)."""
+
+_WANDB_QUIET = {
+    # No system-monitor threads, console capture, git or code snapshots: a sink only logs scalars.
+    "x_disable_stats": True,
+    "x_disable_meta": True,
+    "x_disable_machine_info": True,
+    "console": "off",
+    "disable_git": True,
+    "save_code": False,
+    "silent": True,
+}
+
+
+def quiet_wandb_settings(**overrides: Any) -> Any:
+    """``wandb.Settings`` for a scalar-only run: no system metrics, console capture or git.
+
+    Example:
+        >>> quiet_wandb_settings().console  # doctest: +SKIP
+        'off'
+    """
+    return _wandb().Settings(**{**_WANDB_QUIET, **overrides})
+
+
+def _wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("WandbSink needs wandb: pip install 'posttrain[observability]'") from e
+    return wandb
+
+
+class WandbSink:
+    """``MetricSinkV1`` writing a W&B run in offline mode under ``directory`` (no server, no login).
+
+    Steps are kept per value, in any order: each history row carries its step in the column
+    ``posttrain:step`` (declared as the run's x-axis), because W&B's own ``step=`` argument drops
+    a row whose step is lower than one already logged. Values logged for one step are gathered
+    into one row, written when the step changes, a name repeats or the sink closes. ``close``
+    finishes the run; ``wandb sync DIR/wandb/offline-run-*`` uploads it later. Needs
+    ``pip install 'posttrain[observability]'``.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> sink = WandbSink(d)  # doctest: +SKIP
+        >>> sink.log_scalar("policy/kl_ref/k3", 0.25, step=3); sink.close()  # doctest: +SKIP
+        >>> read_wandb(d)  # doctest: +SKIP
+        {'policy/kl_ref/k3': [(3, 0.25)]}
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        project: str = "posttrain",
+        run_name: str = "run",
+        **init_kwargs: Any,
+    ) -> None:
+        wandb = _wandb()
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        settings = quiet_wandb_settings(**dict(init_kwargs.pop("settings", {})))
+        self.run: Any = wandb.init(
+            mode="offline",
+            dir=str(directory),
+            project=project,
+            name=run_name,
+            reinit="create_new",  # several sinks (runs) may live in one process
+            settings=settings,
+            **init_kwargs,
+        )
+        self.run.define_metric("*", step_metric=WANDB_STEP)
+        self._row: dict[str, float] = {}
+        self._closed = False
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        """One value at ``step`` (0 when none is given)."""
+        if name == WANDB_STEP or name.startswith("_"):
+            raise ValueError(
+                f"metric name {name!r}: W&B reserves names starting with '_' and "
+                f"{WANDB_STEP!r} holds the step; expected a catalogue name such as 'loss/total'"
+            )
+        s = int(step or 0)
+        if self._row and (self._row[WANDB_STEP] != s or name in self._row):
+            self._commit()
+        self._row[name] = float(value)
+        self._row[WANDB_STEP] = s
+
+    def _commit(self) -> None:
+        if self._row:
+            row, self._row = self._row, {}
+            self.run.log(row)
+
+    def close(self) -> None:
+        """Write the pending row and finish the run; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._commit()
+            self.run.finish()
+
+
+def _history(path: Path) -> list[dict[str, Any]]:
+    # W&B's own reader of the transaction log; it prints one JSON record per line.
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"wandb leet inspect {path} failed ({out.returncode}): {out.stderr}")
+    rows = []
+    for line in out.stdout.splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "history":
+            rows.append(rec["history"]["item"])
+    return rows
+
+
+def read_wandb(
+    directory: str | os.PathLike[str], *, step_key: Callable[[str], str] | None = None
+) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of every offline W&B run under ``directory``, through W&B's own reader.
+
+    ``step_key(name)`` names the history column holding ``name``'s step (``posttrain:step`` for
+    ``WandbSink``); step columns themselves are not metrics.
+
+    Example:
+        >>> import tempfile
+        >>> read_wandb(tempfile.mkdtemp())
+        {}
+    """
+    key_of = step_key or (lambda _name: WANDB_STEP)
+    out: dict[str, list[tuple[int, float]]] = {}
+    files = {p.resolve() for p in Path(directory).glob("**/run-*.wandb")}
+    for path in sorted(files):
+        for item in _history(path):
+            names = [k for k in item if not k.startswith("_")]
+            steps = {key_of(k) for k in names}
+            for k in names:
+                if k in steps or k == key_of(k):
+                    continue
+                s = item.get(key_of(k))
+                if not isinstance(s, int | float) or not math.isfinite(s):
+                    continue  # a row without this name's step: nothing to place it at
+                # float() also reads the reader's "NaN", "Infinity" and "-Infinity".
+                out.setdefault(k, []).append((int(s), float(item[k])))
+    for vals in out.values():
+        vals.sort(key=lambda sv: sv[0])
     return out
 
 

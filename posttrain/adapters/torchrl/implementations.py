@@ -20,7 +20,9 @@ from posttrain.adapters.torchrl.loggers import (
     csv_logger,
     read_tensorboard,
     read_torchrl_csv,
+    read_torchrl_wandb,
     tensorboard_logger,
+    wandb_logger,
 )
 from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.adapters.torchrl.ray_weight_sync import ray_weight_sync_pair
@@ -71,6 +73,7 @@ __all__ = [
     "RAW_SHARED_MEM",
     "RAW_VANILLA",
     "TENSORBOARD_LOGGER",
+    "WANDB_LOGGER",
     "WEIGHT_SYNCS",
     "prioritized_unavailable",
 ]
@@ -217,6 +220,17 @@ TENSORBOARD_LOGGER = Implementation(
     capabilities={"flush", "cross_process"},
     extras={"reader": read_tensorboard},
     description="TorchRL's TensorboardLogger, read back with TensorBoard's EventAccumulator.",
+)
+WANDB_LOGGER = Implementation(
+    "metrics",
+    wandb_logger,
+    name="torchrl.WandbLogger (offline)",
+    capabilities={"cross_process"},
+    extras={"reader": read_torchrl_wandb},
+    description=(
+        "TorchRL's WandbLogger in offline mode, read back from the run's .wandb log with W&B's "
+        "own reader, each name at its TorchRL step column."
+    ),
 )
 
 

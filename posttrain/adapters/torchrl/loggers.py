@@ -6,7 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["csv_logger", "read_tensorboard", "read_torchrl_csv", "tensorboard_logger"]
+__all__ = [
+    "csv_logger",
+    "read_tensorboard",
+    "read_torchrl_csv",
+    "read_torchrl_wandb",
+    "tensorboard_logger",
+    "wandb_logger",
+]
 
 EXP_NAME = "run"
 
@@ -68,3 +75,53 @@ def read_tensorboard(directory: str | os.PathLike[str]) -> dict[str, list[tuple[
         for tag in acc.Tags()["scalars"]:
             out.setdefault(tag, []).extend((int(e.step), float(e.value)) for e in acc.Scalars(tag))
     return out
+
+
+def wandb_logger(directory: str | os.PathLike[str]) -> Any:
+    """TorchRL's ``WandbLogger`` in offline mode, writing a W&B run under ``directory``.
+
+    TorchRL's logger sets ``WANDB_MODE=dryrun`` in the process environment; the previous value is
+    put back so later W&B runs of the process are not silently offline.
+
+    Example:
+        >>> import tempfile
+        >>> sink = wandb_logger(tempfile.mkdtemp())  # doctest: +SKIP
+        >>> sink.log_scalar("policy/kl_ref/k3", 0.25, step=3); sink.close()  # doctest: +SKIP
+    """
+    from torchrl.record.loggers.wandb import WandbLogger
+
+    from posttrain.observability.sinks import quiet_wandb_settings
+
+    before = os.environ.get("WANDB_MODE")
+    try:
+        return WandbLogger(
+            exp_name=EXP_NAME,
+            offline=True,
+            # offline=True alone only sets WANDB_MODE, which W&B reads once per process: after any
+            # earlier W&B run in the process the logger would try to go online (see
+            # docs/torchrl.md); W&B's own mode argument is what makes every run offline.
+            mode="offline",
+            save_dir=str(directory),
+            project="posttrain",
+            log_env_packages=False,
+            reinit="create_new",
+            settings=quiet_wandb_settings(),
+        )
+    finally:
+        if before is None:
+            os.environ.pop("WANDB_MODE", None)
+        else:
+            os.environ["WANDB_MODE"] = before
+
+
+def read_torchrl_wandb(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar a ``WandbLogger`` wrote under ``directory``, through W&B's own reader.
+
+    TorchRL keeps one step column per name group: ``a/b/c`` is plotted against ``a/b/step``, a
+    top-level name against ``step``; names that are themselves step columns are not metrics.
+    """
+    from torchrl.record.loggers.wandb import WandbLogger
+
+    from posttrain.observability.sinks import read_wandb
+
+    return read_wandb(directory, step_key=WandbLogger._step_key)

@@ -1,0 +1,52 @@
+"""posttrain's own sinks on MLflow and W&B, through the metrics-sink suite and their edge cases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.conformance import Status, run
+from posttrain.observability.implementations import MLFLOW_SINK, WANDB_SINK
+from posttrain.observability.sinks import WANDB_STEP, WandbSink, read_wandb
+
+
+def test_wandb_sink_conforms() -> None:
+    status = {r.id: r.status for r in run(WANDB_SINK).results}
+    assert status == {
+        **{f"MET-00{i}": Status.PASS for i in (1, 2, 3, 4, 6)},
+        "MET-005": Status.NOT_APPLICABLE,  # W&B writes its .wandb log on its own schedule
+    }
+
+
+def test_mlflow_sink_conforms_but_clips_infinities() -> None:
+    rep = run(MLFLOW_SINK)
+    status = {r.id: r.status for r in rep.results}
+    assert status["MET-001"] is status["MET-002"] is status["MET-003"] is Status.PASS
+    assert status["MET-004"] is Status.FAIL  # SHOULD: MLflow stores +-inf as +-1.797e308
+    assert rep.ok  # a SHOULD failure does not fail the run
+
+
+def test_wandb_sink_keeps_steps_in_any_order(tmp_path: Path) -> None:
+    # W&B's own step= argument would drop the rows at steps 2 and 1 (lower than 5).
+    sink = WandbSink(tmp_path)
+    sink.log_scalar("loss/total", 1.0, step=5)
+    sink.log_scalar("loss/total", 2.0, step=2)
+    sink.log_scalar("rollout/reward/mean", 0.5, step=1)
+    sink.log_scalar("rollout/reward/mean", 0.75, step=1)  # the same name twice at one step
+    sink.close()
+    assert read_wandb(tmp_path) == {
+        "loss/total": [(2, 2.0), (5, 1.0)],
+        "rollout/reward/mean": [(1, 0.5), (1, 0.75)],
+    }
+
+
+@pytest.mark.parametrize("name", [WANDB_STEP, "_runtime"])
+def test_wandb_sink_refuses_reserved_names_and_keeps_what_it_had(tmp_path: Path, name: str) -> None:
+    sink = WandbSink(tmp_path)
+    sink.log_scalar("loss/total", 1.0, step=3)
+    with pytest.raises(ValueError, match="expected a catalogue name") as e:
+        sink.log_scalar(name, 2.0, step=3)
+    assert repr(name) in str(e.value)
+    sink.close()
+    assert read_wandb(tmp_path) == {"loss/total": [(3, 1.0)]}
