@@ -243,7 +243,9 @@ def render_catalogue_markdown(cat: Catalogue) -> str:
         "",
         "The frameworks' nearest metric, and how it differs (from their source: TRL 1.16 "
         "`grpo_trainer.py`/`reward_trainer.py`, NeMo-RL 7ea279a `grpo.py` and "
-        "`loss/loss_functions.py`, TorchRL 0.14 `objectives/llm/grpo.py`; blank: none known).",
+        "`loss/loss_functions.py`, TorchRL 0.14 `objectives/llm/grpo.py`, verl b178a3c "
+        "`trainer/ppo/metric_utils.py`, `trainer/ppo/ray_trainer.py`, `workers/actor/dp_actor.py`, "
+        "`trainer/ppo/core_algos.py` and `trainer/ppo/rollout_corr_helper.py`; blank: none known).",
         "",
         "| name | " + " | ".join(CATALOGUE_FRAMEWORKS) + " |",
         "|---|" + "---|" * len(CATALOGUE_FRAMEWORKS),
