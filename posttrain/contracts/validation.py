@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.layout import (
     LLM_LAYOUT_V1,
@@ -186,7 +186,8 @@ def validate(
         >>> [str(v) for v in validate(td)]
         ["LAY-002 key ('masks', 'all_assistant_mask'): expected dtype bool, found dtype float32"]
     """
-    if not isinstance(td, TensorDictBase):
+    plain = type(td) is TensorDict  # skips two abstract-class isinstance checks per call
+    if not plain and not isinstance(td, TensorDictBase):
         raise TypeError(f"expected a TensorDict, found {type(td).__name__}")
     if td.batch_dims < 1:
         return [
@@ -194,16 +195,16 @@ def validate(
                 (), "at least one batch dim [B]", f"batch_size {list(td.batch_size)}", "LAY-003"
             )
         ]
-    required = set(require) | {f.name for f in layout.fields if f.required}
     for name in require:
         layout.field(name)
-    lazy = isinstance(td, LazyStackedTensorDict)
+    lazy = not plain and isinstance(td, LazyStackedTensorDict)
     leaves = None if lazy else leaf_items(td)
     memo = (
         None if leaves is None or deep else _signature(leaves, layout, require, strict, ragged, td)
     )
     if memo is not None and memo in _VALID:
         return []
+    required = set(require) | {f.name for f in layout.fields if f.required}
     present = (
         {norm_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
         if leaves is None
@@ -281,10 +282,11 @@ def _signature(
     td: TensorDictBase,
 ) -> tuple[Any, ...] | None:
     sig: list[Any] = [id(layout), tuple(require), strict, ragged, type(td), td.batch_size]
+    append = sig.append  # this runs on every extend: one append per leaf, no temporary lists
     for k, v in leaves.items():
         if type(v) is not torch.Tensor or v.is_nested:
             return None
-        sig += (k, v.dtype, v.shape, v.requires_grad)
+        append((k, v.dtype, v.shape, v.requires_grad))
     return tuple(sig)
 
 

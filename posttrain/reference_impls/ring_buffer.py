@@ -27,6 +27,15 @@ class _Column:
     offset: int  # byte offset inside a row
     nbytes: int
 
+    def strides(self, row_bytes: int) -> tuple[int, ...]:
+        """Element strides of ``[n, *shape]`` inside rows of ``row_bytes`` bytes."""
+        inner: list[int] = []
+        step = 1
+        for size in reversed(self.shape):
+            inner.insert(0, step)
+            step *= size
+        return (row_bytes // self.dtype.itemsize, *inner)
+
 
 class RingBuffer:
     """A FIFO replay buffer that conforms to ``ReplayBufferV1`` (and its checkpoint capability).
@@ -102,12 +111,22 @@ class RingBuffer:
         self._nested = _nesting(list(self._columns))
 
     def _views(self, rows: torch.Tensor) -> dict[tuple[str, ...], torch.Tensor]:
+        # One reinterpreting view per dtype, then one as_strided per key: a third of the time
+        # of slicing and viewing each column (~11 us against ~34 us for the LLM layout), which
+        # is a fifth of a B=64, T=512 sample.
         assert self._columns is not None
-        n = rows.shape[0]
+        n, row_bytes = rows.shape[0], rows.shape[1]
+        bases: dict[torch.dtype, torch.Tensor] = {}
         out = {}
         for k, c in self._columns.items():
-            v = rows[:, c.offset : c.offset + c.nbytes].view(c.dtype)
-            out[k] = v if len(c.shape) == 1 else v.view(n, *c.shape)  # [n, T] needs no reshape
+            base = bases.get(c.dtype)
+            if base is None:
+                base = bases[c.dtype] = rows.view(c.dtype)
+            out[k] = base.as_strided(
+                (n, *c.shape),
+                c.strides(row_bytes),
+                base.storage_offset() + c.offset // c.dtype.itemsize,
+            )
         return out
 
     # -- ReplayBufferV1 ------------------------------------------------------------------
