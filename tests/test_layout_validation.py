@@ -173,3 +173,23 @@ def test_jagged_nested_tensor_needs_ragged() -> None:
 def test_non_tensordict_input() -> None:
     with pytest.raises(TypeError, match="expected a TensorDict, found dict"):
         validate({"a": 1})
+
+
+def test_a_batch_shaped_like_a_valid_one_is_still_checked_for_what_differs() -> None:
+    # validate() remembers signatures of valid batches; anything a signature does not cover
+    # (a changed dtype, requires_grad, a nested key moved, a non-tensor leaf) must still fail.
+    td = llm_batch(4, 8)
+    assert validate(td) == validate(td) == []
+    grad = td.clone()
+    grad.set(K("sample_log_probs"), grad.get(K("sample_log_probs")).requires_grad_())
+    assert [v.requirement for v in validate(grad)] == ["LAY-005"]
+    wide = td.clone()
+    wide.set(K("sample_log_probs"), wide.get(K("sample_log_probs")).double())
+    assert [v.requirement for v in validate(wide)] == ["LAY-002"]
+    moved = td.clone()
+    moved.set("tokens_full", moved.pop(K("tokens")))
+    assert [v.requirement for v in validate(moved)] == ["LAY-001"]
+    assert validate(td, strict=True) == []
+    assert [v.requirement for v in validate(moved.exclude("tokens_full"), strict=True)] == [
+        "LAY-001"
+    ]

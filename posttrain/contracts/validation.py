@@ -197,10 +197,20 @@ def validate(
         ]
     for name in require:
         layout.field(name)
+    if plain and not deep:
+        quick = _plain_signature(td, layout, require, strict, ragged)
+        if quick is not None and quick in _VALID:
+            return []
     lazy = not plain and isinstance(td, LazyStackedTensorDict)
     leaves = None if lazy else leaf_items(td)
     memo = (
-        None if leaves is None or deep else _signature(leaves, layout, require, strict, ragged, td)
+        None
+        if leaves is None or deep
+        else (
+            _plain_signature(td, layout, require, strict, ragged)
+            if plain
+            else _signature(leaves, layout, require, strict, ragged, td)
+        )
     )
     if memo is not None and memo in _VALID:
         return []
@@ -288,6 +298,33 @@ def _signature(
             return None
         append((k, v.dtype, v.shape, v.requires_grad))
     return tuple(sig)
+
+
+def _plain_signature(
+    td: TensorDict, layout: Layout, require: tuple[str, ...], strict: bool, ragged: bool
+) -> tuple[Any, ...] | None:
+    """``_signature`` of a plain TensorDict in one walk, without collecting its leaves first
+    (the every-step path: ~4 us instead of ~5 for the LLM layout)."""
+    sig: list[Any] = [id(layout), tuple(require), strict, ragged, TensorDict, td.batch_size]
+    try:
+        _sig_walk(td, (), sig.append)
+    except _NoSignature:
+        return None
+    return tuple(sig)
+
+
+class _NoSignature(Exception):
+    pass
+
+
+def _sig_walk(td: Any, prefix: tuple[str, ...], append: Any) -> None:
+    for k, v in td._tensordict.items():
+        if type(v) is TensorDict:
+            _sig_walk(v, (*prefix, k), append)
+        elif type(v) is torch.Tensor and not v.is_nested:
+            append(((*prefix, k), v.dtype, v.shape, v.requires_grad))
+        else:
+            raise _NoSignature
 
 
 def _match_shape(
