@@ -165,3 +165,25 @@ def test_losses_timers_and_rates() -> None:
     assert out["time/weight_sync_s"] >= 0
     with pytest.raises(KeyError, match="not in catalogue"):
         Accumulator().add("made/up", 1.0)
+
+
+def test_zero_std_groups_counted_per_group_id() -> None:
+    td = llm_batch(8, 4)
+    td.set(K("group_id"), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+    nan = float("nan")
+    # group 0 flat, 1 not, 2 holds a NaN (equals nothing: not flat), 3 flat at +inf
+    td.set(K("reward"), torch.tensor([1.0, 1.0, 0.0, 1.0, nan, nan, math.inf, math.inf]))
+    assert rollout_metrics(td).values()["rollout/group/zero_std_frac"] == 0.5
+
+
+def test_entropy_counts_a_masked_vocabulary_entry_as_zero() -> None:
+    td = llm_batch(2, 6, vocab_size=8)
+    logits = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(0))
+    logits[:, :, 3] = -math.inf  # a token the sampler may never pick
+    logits[td.get(K("tokens")).roll(-1, 1) == 3] = 0.0  # keep the sampled tokens possible
+    got = policy_metrics(td, logits).values()["policy/entropy"]
+    mask = (td.get(K("assistant_mask")) & td.get(K("attention_mask")))[:, 1:]
+    lp = torch.log_softmax(logits[:, :-1], -1)
+    want = torch.special.entr(lp.exp()).sum(-1)[mask].mean()
+    assert math.isfinite(got)
+    assert abs(got - float(want)) < 1e-5

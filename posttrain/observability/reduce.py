@@ -17,6 +17,8 @@ from posttrain.contracts.catalogue import CATALOGUE_V1, Catalogue
 
 __all__ = ["Accumulator"]
 
+_KINDS: dict[int, tuple[Catalogue, dict[str, str]]] = {}
+
 
 class Accumulator:
     """Per metric: (sum, count) for ``tok``/``seq``/``rate``, a total for ``sum``, the
@@ -32,7 +34,12 @@ class Accumulator:
 
     def __init__(self, catalogue: Catalogue = CATALOGUE_V1) -> None:
         self.catalogue = catalogue
-        self._kind: dict[str, str] = {}
+        # Shared by every accumulator of this catalogue: a loop makes a new one each step, and
+        # matching a name against the catalogue is most of what a step's hooks cost otherwise.
+        held = _KINDS.get(id(catalogue))
+        if held is None or held[0] is not catalogue:
+            held = _KINDS[id(catalogue)] = (catalogue, {})
+        self._kind: dict[str, str] = held[1]
         self._num: dict[str, float] = {}
         self._den: dict[str, float] = {}
         self._ext: dict[str, float] = {}
