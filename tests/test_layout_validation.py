@@ -193,3 +193,10 @@ def test_a_batch_shaped_like_a_valid_one_is_still_checked_for_what_differs() -> 
     assert [v.requirement for v in validate(moved.exclude("tokens_full"), strict=True)] == [
         "LAY-001"
     ]
+    extra = td.clone()
+    extra.set("extra", torch.zeros(4))
+    assert validate(extra) == []
+    assert [v.requirement for v in validate(extra, strict=True)] == ["LAY-006"]
+    tagged = td.clone()
+    tagged.set_non_tensor("note", "a string leaf")
+    assert [v.requirement for v in validate(tagged, strict=True)] == ["LAY-006"]

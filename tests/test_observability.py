@@ -168,12 +168,13 @@ def test_losses_timers_and_rates() -> None:
 
 
 def test_zero_std_groups_counted_per_group_id() -> None:
-    td = llm_batch(8, 4)
-    td.set(K("group_id"), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+    td = llm_batch(10, 4)
+    td.set(K("group_id"), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4]))
     nan = float("nan")
-    # group 0 flat, 1 not, 2 holds a NaN (equals nothing: not flat), 3 flat at +inf
-    td.set(K("reward"), torch.tensor([1.0, 1.0, 0.0, 1.0, nan, nan, math.inf, math.inf]))
-    assert rollout_metrics(td).values()["rollout/group/zero_std_frac"] == 0.5
+    # 0 flat, 1 not, 2 and 4 hold a NaN (it equals nothing: not flat), 3 flat at +inf
+    r = [1.0, 1.0, 0.0, 1.0, nan, nan, math.inf, math.inf, nan, 1.0]
+    td.set(K("reward"), torch.tensor(r))
+    assert rollout_metrics(td).values()["rollout/group/zero_std_frac"] == 2 / 5
 
 
 def test_entropy_counts_a_masked_vocabulary_entry_as_zero() -> None:

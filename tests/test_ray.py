@@ -71,6 +71,14 @@ def test_replica_per_client_mutant_fails_buf023() -> None:
     assert "len is 2, expected 38" in row.message
 
 
+def test_read_then_write_client_mutant_fails_buf023() -> None:
+    # Killed only when the producers' extends overlap: this pins that BUF-023 makes them.
+    rep = run(buffers.READ_THEN_WRITE)
+    row = {r.id: r for r in rep.results}["BUF-023"]
+    assert row.status is Status.FAIL, row
+    assert "writes landed on each other" in row.message, row.message
+
+
 def test_remote_rejection_is_the_local_contract_violation_and_changes_nothing() -> None:
     rb = serve_buffer(RingBuffer, 8)
     try:

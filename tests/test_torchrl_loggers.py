@@ -38,11 +38,38 @@ def test_torchrl_wandb_logger_loses_metrics_named_step() -> None:
         "MET-003": Status.PASS,
         "MET-004": Status.PASS,
         "MET-005": Status.NOT_APPLICABLE,  # no flush to the .wandb file on demand
-        "MET-006": Status.PASS,
+        "MET-006": Status.NOT_APPLICABLE,  # one run per process
     }
     (met2,) = (r for r in rep.results if r.id == "MET-002")
     assert "'step' logged but not read back" in met2.message
-    assert os.environ.get("WANDB_MODE") != "dryrun"  # the factory put the environment back
+
+
+def test_step_columns_follow_torchrls_rule() -> None:
+    from torchrl.record.loggers.wandb import WandbLogger
+
+    from posttrain.adapters.torchrl.loggers import torchrl_wandb_step_key
+
+    for name in ("loss", "step", "policy/kl_ref/k3", "time/weight_sync_s", "a/step", "a/b/step"):
+        assert torchrl_wandb_step_key(name) == WandbLogger._step_key(name), name
+
+
+def test_the_row_leaves_later_wandb_runs_of_the_process_as_they_were() -> None:
+    # TorchRL's offline=True would leave WANDB_MODE=dryrun in W&B's per-process settings.
+    code = """
+import tempfile, wandb
+from posttrain.adapters.torchrl.loggers import wandb_logger
+wandb_logger(tempfile.mkdtemp()).close()
+try:
+    wandb.init(dir=tempfile.mkdtemp())
+except wandb.errors.UsageError as e:
+    assert "API key" in str(e), e  # it tried to go online, as a plain init should here
+else:
+    raise SystemExit("a later plain wandb.init() ran offline")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_fresh_env()
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("deviation", LOGGER_DEVIATIONS, ids=lambda d: "-".join(d.requirements))

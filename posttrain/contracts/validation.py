@@ -197,20 +197,17 @@ def validate(
         ]
     for name in require:
         layout.field(name)
-    if plain and not deep:
-        quick = _plain_signature(td, layout, require, strict, ragged)
-        if quick is not None and quick in _VALID:
-            return []
+    quick = _plain_signature(td, layout, require, strict, ragged) if plain and not deep else None
+    if quick is not None and quick in _VALID:
+        return []
     lazy = not plain and isinstance(td, LazyStackedTensorDict)
     leaves = None if lazy else leaf_items(td)
     memo = (
-        None
+        quick
+        if plain
+        else None
         if leaves is None or deep
-        else (
-            _plain_signature(td, layout, require, strict, ragged)
-            if plain
-            else _signature(leaves, layout, require, strict, ragged, td)
-        )
+        else _signature(leaves, layout, require, strict, ragged, td)
     )
     if memo is not None and memo in _VALID:
         return []
@@ -308,7 +305,7 @@ def _plain_signature(
     sig: list[Any] = [id(layout), tuple(require), strict, ragged, TensorDict, td.batch_size]
     try:
         _sig_walk(td, (), sig.append)
-    except _NoSignature:
+    except (_NoSignature, AttributeError):  # AttributeError: tensordict's internals moved
         return None
     return tuple(sig)
 

@@ -47,7 +47,6 @@ WANDB_SINK = Implementation(
     "metrics",
     _wandb,
     name="posttrain.WandbSink (offline run)",
-    capabilities={"cross_process"},
     extras={"reader": _read_wandb},
     description=(
         "W&B in offline mode, one run per sink, read back from each run's .wandb log with "

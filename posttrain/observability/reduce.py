@@ -38,6 +38,8 @@ class Accumulator:
         # matching a name against the catalogue is most of what a step's hooks cost otherwise.
         held = _KINDS.get(id(catalogue))
         if held is None or held[0] is not catalogue:
+            if len(_KINDS) >= 8:  # catalogues are few; a process making many keeps 8 at most
+                _KINDS.clear()
             held = _KINDS[id(catalogue)] = (catalogue, {})
         self._kind: dict[str, str] = held[1]
         self._num: dict[str, float] = {}

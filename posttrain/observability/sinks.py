@@ -179,9 +179,18 @@ class WandbSink:
         run_name: str = "run",
         **init_kwargs: Any,
     ) -> None:
+        fixed = sorted({"mode", "dir", "reinit", "project", "name"} & set(init_kwargs))
+        if fixed:
+            raise TypeError(
+                f"WandbSink: {', '.join(fixed)} cannot be passed to wandb.init here: the sink "
+                "writes offline under `directory` (name the run with run_name=, project=)"
+            )
         wandb = _wandb()
+        given = init_kwargs.pop("settings", None) or {}
+        if not isinstance(given, dict):  # a wandb.Settings: keep only what its caller set
+            given = {k: getattr(given, k) for k in given.model_fields_set}
         Path(directory).mkdir(parents=True, exist_ok=True)
-        settings = quiet_wandb_settings(**dict(init_kwargs.pop("settings", {})))
+        settings = quiet_wandb_settings(**given)
         self.run: Any = wandb.init(
             mode="offline",
             dir=str(directory),
@@ -197,6 +206,10 @@ class WandbSink:
 
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
         """One value at ``step`` (0 when none is given)."""
+        if self._closed:
+            raise RuntimeError(
+                f"WandbSink: log_scalar({name!r}) after close(): the run is finished"
+            )
         if name == WANDB_STEP or name.startswith("_"):
             raise ValueError(
                 f"metric name {name!r}: W&B reserves names starting with '_' and "
@@ -222,18 +235,25 @@ class WandbSink:
 
 
 def _history(path: Path) -> list[dict[str, Any]]:
-    # W&B's own reader of the transaction log; it prints one JSON record per line.
-    out = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # W&B's own reader of the transaction log (wandb >= 0.31): one JSON record per line.
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"reading {path}: `wandb leet inspect` ran over 120 s") from None
     if out.returncode != 0:
-        raise RuntimeError(f"wandb leet inspect {path} failed ({out.returncode}): {out.stderr}")
+        raise RuntimeError(
+            f"reading {path}: `wandb leet inspect --json` failed ({out.returncode}; it needs "
+            f"wandb >= 0.31): {out.stderr.strip()[-500:]}"
+        )
     rows = []
-    for line in out.stdout.splitlines():
-        rec = json.loads(line)
+    for n, line in enumerate(out.stdout.splitlines(), 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise RuntimeError(
+                f"reading {path}: line {n} of the reader is not JSON: {line[:200]!r}"
+            ) from None
         if rec.get("type") == "history":
             rows.append(rec["history"]["item"])
     return rows
@@ -245,7 +265,8 @@ def read_wandb(
     """Every scalar of every offline W&B run under ``directory``, through W&B's own reader.
 
     ``step_key(name)`` names the history column holding ``name``'s step (``posttrain:step`` for
-    ``WandbSink``); step columns themselves are not metrics.
+    ``WandbSink``); step columns themselves are not metrics. A run with metrics but none at a
+    step column of this convention (another logger's run) raises rather than reading as empty.
 
     Example:
         >>> import tempfile
@@ -256,17 +277,25 @@ def read_wandb(
     out: dict[str, list[tuple[int, float]]] = {}
     files = {p.resolve() for p in Path(directory).glob("**/run-*.wandb")}
     for path in sorted(files):
+        seen, placed = 0, 0
         for item in _history(path):
             names = [k for k in item if not k.startswith("_")]
             steps = {key_of(k) for k in names}
             for k in names:
                 if k in steps or k == key_of(k):
                     continue
+                seen += 1
                 s = item.get(key_of(k))
                 if not isinstance(s, int | float) or not math.isfinite(s):
                     continue  # a row without this name's step: nothing to place it at
+                placed += 1
                 # float() also reads the reader's "NaN", "Infinity" and "-Infinity".
                 out.setdefault(k, []).append((int(s), float(item[k])))
+        if seen and not placed:
+            raise ValueError(
+                f"{path}: {seen} metric values but none at its step column (expected e.g. "
+                f"{key_of('x')!r}): a run written with another step convention"
+            )
     for vals in out.values():
         vals.sort(key=lambda sv: sv[0])
     return out

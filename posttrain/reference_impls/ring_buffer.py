@@ -115,7 +115,8 @@ class RingBuffer:
         # of slicing and viewing each column (~11 us against ~34 us for the LLM layout), which
         # is a fifth of a B=64, T=512 sample.
         assert self._columns is not None
-        n, row_bytes = rows.shape[0], rows.shape[1]
+        assert rows.stride(1) == 1  # byte rows, each contiguous (the ring, or a gather of it)
+        n, row_bytes = rows.shape[0], rows.stride(0)
         bases: dict[torch.dtype, torch.Tensor] = {}
         out = {}
         for k, c in self._columns.items():

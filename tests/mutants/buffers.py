@@ -208,6 +208,43 @@ def _replica_per_client(capacity: int) -> Any:
     return rb
 
 
+def _read_then_write(capacity: int) -> Any:
+    """A served buffer whose client extends in two calls: it asks for the write position,
+    then writes there. Each call is atomic in the actor, the pair is not: producers whose
+    extends overlap write at the same place. Killed only if BUF-023's producers really do
+    overlap (the window between the calls is widened to 50 ms so that they would)."""
+    import time
+
+    from posttrain.adapters.ray import RemoteBuffer, serve_buffer
+    from posttrain.adapters.ray.implementations import shared_host
+
+    # Defined here so that Ray pickles them by value into its workers and the actor.
+    class PositionedRing(RingBuffer):
+        def cursor(self) -> int:
+            return self._cursor
+
+        def write_at(self, pos: int, data: TensorDictBase) -> torch.Tensor:
+            self._cursor = pos
+            return self.extend(data)
+
+    class ReadThenWrite(RemoteBuffer):
+        def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+            pos = self._call("cursor")
+            time.sleep(0.05)
+            out: torch.Tensor = self._call("write_at", pos, data)
+            return out
+
+        def client(self) -> RemoteBuffer:
+            return ReadThenWrite(self._host, self._key, self._methods, timeout=self.timeout)
+
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (ReadThenWrite, (self._host, self._key, self._methods))
+
+    rb = serve_buffer(PositionedRing, capacity, host=shared_host())
+    rb.__class__ = ReadThenWrite
+    return rb
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"checkpoint", "thread_safe"})
     return Implementation("buffer", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -275,3 +312,6 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("BUF-022", _impl("BUF-022", ReadsUnwrittenSlots, capabilities={"read"})),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
+
+READ_THEN_WRITE = _impl("BUF-023", _read_then_write, capabilities={"remote_writers"})
+"""BUF-023's second mutant (run by tests/test_ray.py, which owns the Ray cluster)."""

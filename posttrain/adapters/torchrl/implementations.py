@@ -225,7 +225,6 @@ WANDB_LOGGER = Implementation(
     "metrics",
     wandb_logger,
     name="torchrl.WandbLogger (offline)",
-    capabilities={"cross_process"},
     extras={"reader": read_torchrl_wandb},
     description=(
         "TorchRL's WandbLogger in offline mode, read back from the run's .wandb log with W&B's "

@@ -12,6 +12,7 @@ __all__ = [
     "read_torchrl_csv",
     "read_torchrl_wandb",
     "tensorboard_logger",
+    "torchrl_wandb_step_key",
     "wandb_logger",
 ]
 
@@ -78,10 +79,12 @@ def read_tensorboard(directory: str | os.PathLike[str]) -> dict[str, list[tuple[
 
 
 def wandb_logger(directory: str | os.PathLike[str]) -> Any:
-    """TorchRL's ``WandbLogger`` in offline mode, writing a W&B run under ``directory``.
+    """TorchRL's ``WandbLogger`` writing an offline W&B run under ``directory``.
 
-    TorchRL's logger sets ``WANDB_MODE=dryrun`` in the process environment; the previous value is
-    put back so later W&B runs of the process are not silently offline.
+    Offline through W&B's own ``mode="offline"``, not TorchRL's ``offline=True``: that flag
+    only sets ``WANDB_MODE``, which W&B reads once per process, so it is ignored after any
+    earlier W&B run in the process, and when it comes first it leaves every later W&B run of
+    the process offline (``tests/test_torchrl_loggers.py`` pins both).
 
     Example:
         >>> import tempfile
@@ -92,36 +95,43 @@ def wandb_logger(directory: str | os.PathLike[str]) -> Any:
 
     from posttrain.observability.sinks import quiet_wandb_settings
 
-    before = os.environ.get("WANDB_MODE")
-    try:
-        return WandbLogger(
-            exp_name=EXP_NAME,
-            offline=True,
-            # offline=True alone only sets WANDB_MODE, which W&B reads once per process: after any
-            # earlier W&B run in the process the logger would try to go online (see
-            # docs/torchrl.md); W&B's own mode argument is what makes every run offline.
-            mode="offline",
-            save_dir=str(directory),
-            project="posttrain",
-            log_env_packages=False,
-            reinit="create_new",
-            settings=quiet_wandb_settings(),
-        )
-    finally:
-        if before is None:
-            os.environ.pop("WANDB_MODE", None)
-        else:
-            os.environ["WANDB_MODE"] = before
+    return WandbLogger(
+        exp_name=EXP_NAME,
+        offline=False,
+        mode="offline",
+        save_dir=str(directory),
+        project="posttrain",
+        log_env_packages=False,
+        reinit="create_new",
+        settings=quiet_wandb_settings(),
+    )
+
+
+def torchrl_wandb_step_key(name: str) -> str:
+    """The history column holding ``name``'s step in a TorchRL ``WandbLogger`` run (TorchRL
+    0.14's rule: one step column per name group, a top-level name against ``step``).
+
+    Example:
+        >>> torchrl_wandb_step_key("policy/kl_ref/k3"), torchrl_wandb_step_key("loss")
+        ('policy/kl_ref/step', 'step')
+    """
+    if name == "step" or name.endswith("/step"):
+        return name
+    prefix, sep, _ = name.rpartition("/")
+    return f"{prefix}{sep}step" if sep else "step"
 
 
 def read_torchrl_wandb(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
     """Every scalar a ``WandbLogger`` wrote under ``directory``, through W&B's own reader.
 
-    TorchRL keeps one step column per name group: ``a/b/c`` is plotted against ``a/b/step``, a
-    top-level name against ``step``; names that are themselves step columns are not metrics.
-    """
-    from torchrl.record.loggers.wandb import WandbLogger
+    TorchRL keeps one step column per name group (:func:`torchrl_wandb_step_key`); names that
+    are themselves step columns are not metrics.
 
+    Example:
+        >>> import tempfile
+        >>> read_torchrl_wandb(tempfile.mkdtemp())
+        {}
+    """
     from posttrain.observability.sinks import read_wandb
 
-    return read_wandb(directory, step_key=WandbLogger._step_key)
+    return read_wandb(directory, step_key=torchrl_wandb_step_key)
