@@ -237,8 +237,10 @@ class WandbSink:
 def _history(path: Path) -> list[dict[str, Any]]:
     # W&B's own reader of the transaction log (wandb >= 0.31): one JSON record per line.
     cmd = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)]
+    # Offline, so the reader sends no telemetry to a W&B server (it would otherwise try).
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"reading {path}: `wandb leet inspect` ran over 120 s") from None
     if out.returncode != 0:
