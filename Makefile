@@ -30,7 +30,7 @@ specs-check: $(STAMP)
 	$(BIN)/python -m posttrain.specgen specs --check
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 test: lint typecheck specs-check pytest
 
