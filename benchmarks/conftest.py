@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,21 @@ def device(request: pytest.FixtureRequest) -> str:
         if not torch.cuda.is_available():
             pytest.skip("--device cuda but no CUDA device")
     return d
+
+
+def block_medians(
+    groups: dict[str, Callable[[], Any]], rounds: int, blocks: int = 5
+) -> dict[str, float]:
+    """Median seconds per call of each operation, run ``rounds`` times in each of ``blocks``
+    blocks that alternate between the operations (so drift on a shared machine hits all)."""
+    times: dict[str, list[float]] = {k: [] for k in groups}
+    for _ in range(blocks):
+        for name, fn in groups.items():
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
 def record(op: str, impl: str, shape: str, seconds: float, nbytes: int, items: int) -> None:

@@ -10,13 +10,11 @@ log-probs every policy-gradient loss computes from the same logits, and against 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks.conftest import PAIRED
+from benchmarks.conftest import PAIRED, block_medians
 from posttrain.conformance.data import llm_batch
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
@@ -33,19 +31,6 @@ from posttrain.reference_impls import RingBuffer
 B, T = 64, 512
 PB, V, H = 4, 8192, 512
 K = LLM_LAYOUT_V1.key
-
-
-def _medians(
-    groups: dict[str, Callable[[], Any]], rounds: int, blocks: int = 5
-) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in groups}
-    for _ in range(blocks):
-        for name, fn in groups.items():
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
 def _hooks() -> None:
@@ -73,7 +58,7 @@ def _hooks() -> None:
     logits = hidden @ head.T
     tokens = small.get(K("tokens"))
 
-    med = _medians(
+    med = block_medians(
         {
             "batch hooks": step_hooks,
             "RingBuffer extend + sample": lambda: (rb.extend(batch), rb.sample(B)),
@@ -86,7 +71,7 @@ def _hooks() -> None:
     PAIRED["hooks: batch hooks / RingBuffer extend + sample of the batch"] = (
         med["batch hooks"] / med["RingBuffer extend + sample"]
     )
-    pol = _medians(
+    pol = block_medians(
         {
             "policy_metrics": lambda: policy_metrics(small, logits, Accumulator()),
             "token_log_probs": lambda: token_log_probs(logits, tokens),

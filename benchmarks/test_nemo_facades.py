@@ -8,31 +8,16 @@ codec back) against a raw TorchRL ``sample(64)``; blocks alternate within one ru
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks.conftest import PAIRED
+from benchmarks.conftest import PAIRED, block_medians
 from posttrain.adapters.nemo_rl import NemoReplayBuffer, from_layout, to_layout
 from posttrain.conformance.data import llm_batch
 from posttrain.contracts.layout import leaf_items
 
 B, T, G, ROUNDS = 64, 512, 8, 60
-
-
-def _medians(
-    groups: dict[str, Callable[[], Any]], rounds: int, blocks: int = 5
-) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in groups}
-    for _ in range(blocks):
-        for name, fn in groups.items():
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
 def _facades() -> None:
@@ -69,7 +54,7 @@ def _facades() -> None:
     nbytes = sum(v.numel() * v.element_size() for v in leaf_items(raw_batch).values())
     src = torch.empty(64 * 2**20, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
-    med = _medians(
+    med = block_medians(
         {
             "raw extend": lambda: raw.extend(raw_batch),
             "nemo add": add_step,
@@ -78,8 +63,8 @@ def _facades() -> None:
         ROUNDS,
     )
     # sample_step also adds; time the add alone to subtract it.
-    both = _medians({"sample+add": sample_step, "add": add_step}, ROUNDS // 2)
-    copy = _medians({"memcpy": lambda: dst.copy_(src)}, 10)["memcpy"] / src.numel()
+    both = block_medians({"sample+add": sample_step, "add": add_step}, ROUNDS // 2)
+    copy = block_medians({"memcpy": lambda: dst.copy_(src)}, 10)["memcpy"] / src.numel()
     nemo_sample = max(both["sample+add"] - both["add"], 1e-9)
     PAIRED["nemo add / raw TorchRL extend time (B=64, T=512, 8 groups)"] = (
         med["nemo add"] / med["raw extend"]
