@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from benchmarks.conftest import PAIRED
-from benchmarks.test_buffer_throughput import PADDED, _capacity, _nbytes
+from benchmarks.test_buffer_throughput import PADDED, RAGGED, _batch, _capacity, _nbytes
 from posttrain.conformance.data import llm_batch
 from posttrain.contracts import validate
 from posttrain.contracts.schema import ItemSchema
@@ -78,7 +78,22 @@ def _paired(device: str) -> None:
                 )
         if group:
             groups.append(group)
+    if device == "cpu":
+        # Ragged items (TorchRL's LazyStackStorage): ~50x slower per call, so fewer calls.
+        ragged = _batch(B, T, True, device)
+        stacks = {name: make(device, cap) for name, make in RAGGED.items()}
+        ragged_group: dict[str, Callable[[], Any]] = {
+            f"extend {name}": partial(rb.extend, ragged) for name, rb in stacks.items()
+        }
+        for call in ragged_group.values():
+            call()
     med = _medians(groups, ROUNDS // 5)
+    if device == "cpu":
+        rag = _medians([ragged_group], ROUNDS // 10)
+        PAIRED["ragged adapter / raw TorchRL extend time"] = (
+            rag["extend torchrl LazyStackStorage + adapter"]
+            / rag["extend torchrl LazyStackStorage"]
+        )
     per_byte = {k: v / nbytes for k, v in med.items() if k != "memcpy"}
     memcpy_per_byte = med["memcpy"] / n
     for k, v in per_byte.items():

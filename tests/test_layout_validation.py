@@ -200,3 +200,19 @@ def test_a_batch_shaped_like_a_valid_one_is_still_checked_for_what_differs() -> 
     tagged = td.clone()
     tagged.set_non_tensor("note", "a string leaf")
     assert [v.requirement for v in validate(tagged, strict=True)] == ["LAY-006"]
+
+
+def test_the_remembered_signature_covers_layout_flags_and_nested_tensors() -> None:
+    # The batch validated last is compared first; a different layout, flag or a nested
+    # tensor (whose shape cannot be read) must still get the full check.
+    td = llm_batch(4, 8)
+    assert validate(td) == []
+    renamed = LLM_LAYOUT_V1.remap({"tokens": ("tokens", "ids")})
+    assert [v.requirement for v in validate(td, renamed)] == ["LAY-001"]
+    assert [v.requirement for v in validate(td, renamed, strict=True)] == ["LAY-001", "LAY-006"]
+    assert validate(td, require=["advantage"]) == []  # type: ignore[arg-type]  # a list too
+    nested = td.clone()
+    parts = [torch.zeros(n) for n in (2, 3, 4, 5)]
+    nested.set("strided", torch.nested.nested_tensor(parts))
+    assert [v.requirement for v in validate(nested, strict=True)] == ["LAY-006"]
+    assert validate(td) == []
