@@ -28,7 +28,8 @@ def test_raw_distributed_scheme_bad_weights_abort_the_receiving_process() -> Non
     # shape, a wider dtype or a missing name kills the receiving process (SIGABRT, gloo).
     rep = run(RAW_DIST_WEIGHT_SYNC)
     bad = {r.id: r.message for r in rep.results if r.status in (Status.FAIL, Status.ERROR)}
-    assert set(bad) == {"WS-004", "WS-005", "WS-006"}, bad
+    assert set(bad) == rep.failed_ids() == {"WS-004", "WS-005", "WS-006"}, bad
+    assert rep.surprises() == []  # what fails is what the row declares
     assert all("receiving process died (exit code -6)" in m for m in bad.values()), bad
 
 

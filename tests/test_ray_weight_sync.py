@@ -54,7 +54,8 @@ def test_raw_ray_scheme_bad_weights_kill_the_receiving_actor() -> None:
     # a wrong shape, a wider dtype or a shifted tensor order aborts the actor's process.
     rep = run(RAW_RAY_WEIGHT_SYNC)
     bad = {r.id: r.message for r in rep.results if r.status in (Status.FAIL, Status.ERROR)}
-    assert set(bad) == {"WS-004", "WS-005", "WS-006"}, bad
+    assert set(bad) == rep.failed_ids() == {"WS-004", "WS-005", "WS-006"}, bad
+    assert rep.surprises() == []  # what fails is what the row declares
     assert all("ActorDiedError" in m for m in bad.values()), bad
 
 

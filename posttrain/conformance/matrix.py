@@ -48,10 +48,25 @@ def run_all(seed: int = 0) -> dict[str, Report]:
     return out
 
 
+def _verdict(rep: Report) -> str:
+    base = "conforms" if rep.ok else "DOES NOT CONFORM"
+    if rep.surprises():
+        return f"{base}, UNEXPECTED"
+    return base if rep.ok else f"{base} (as declared)"
+
+
 def _rows(reports: dict[str, Report]) -> list[tuple[str, Report, str]]:
-    return [
-        (name, rep, "conforms" if rep.ok else "DOES NOT CONFORM") for name, rep in reports.items()
-    ]
+    return [(name, rep, _verdict(rep)) for name, rep in reports.items()]
+
+
+def exit_status(reports: dict[str, Report]) -> int:
+    """1 when any implementation's failures differ from its declared ``known_failures``.
+
+    Example:
+        >>> exit_status({"x": Report(run={"known_failures": ["BUF-009"]}, results=[])})
+        1
+    """
+    return int(any(rep.surprises() for rep in reports.values()))
 
 
 def _by_contract(reports: dict[str, Report]) -> dict[str, list[str]]:
@@ -101,6 +116,10 @@ def render_markdown(reports: dict[str, Report]) -> str:
         for r in rep.results
         if r.status in (Status.FAIL, Status.ERROR)
     ]
+    surprises = [(n, line) for n, rep in reports.items() for line in rep.surprises()]
+    if surprises:
+        lines += ["", "## Unexpected (failures that differ from the declared known failures)", ""]
+        lines += [f"- **{n}** {line}" for n, line in surprises]
     if failures:
         lines += ["", "## Failures", ""]
         lines += [f"- **{n}** {r.message.splitlines()[0]}" for n, r in failures]
@@ -141,7 +160,11 @@ def render_html(reports: dict[str, Report]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the matrix, print it, write the files; exit 0 unless something crashed."""
+    """Run the matrix, print it, write the files; exit 1 if any row is UNEXPECTED.
+
+    A raw upstream component that fails exactly its declared ``known_failures`` is expected;
+    anything else (a new failure, or a declared one that now passes) is not.
+    """
     p = argparse.ArgumentParser(prog="python -m posttrain.conformance.matrix", description=__doc__)
     p.add_argument("--out", type=Path, default=Path("reports"))
     p.add_argument("--seed", type=int, default=0)
@@ -157,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nwrote {args.out / 'conformance.md'}, {args.out / 'conformance.html'}, {args.out / 'conformance.json'}"
     )
-    return 0
+    status = exit_status(reports)
+    if status:
+        print("UNEXPECTED rows: see '## Unexpected' above", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -73,6 +73,30 @@ class Report:
         """No MUST requirement failed or errored."""
         return not any(r.blocking for r in self.results)
 
+    def failed_ids(self) -> set[str]:
+        """Requirements whose own check failed or errored (not those only blocked by another)."""
+        return {
+            r.id
+            for r in self.results
+            if r.status in (Status.FAIL, Status.ERROR) and ": blocked by " not in r.message
+        }
+
+    def surprises(self) -> list[str]:
+        """How the failures differ from the implementation's declared ``known_failures``.
+
+        Example:
+            >>> rep = Report(run={"known_failures": ["BUF-009"]}, results=[])
+            >>> rep.surprises()
+            ['BUF-009 declared a known failure but did not fail']
+        """
+        known = set(self.run.get("known_failures", []))
+        failed = self.failed_ids()
+        out = [f"{rid} failed (not a declared known failure)" for rid in sorted(failed - known)]
+        out += [
+            f"{rid} declared a known failure but did not fail" for rid in sorted(known - failed)
+        ]
+        return out
+
     def counts(self) -> dict[str, int]:
         """How many rows have each status."""
         out = {s.value: 0 for s in Status}

@@ -44,6 +44,7 @@ def run_info(impl: Implementation, target: str, seed: int) -> dict[str, Any]:
         "contract_version": c.version,
         "capabilities": sorted(impl.capabilities),
         "unavailable": dict(impl.unavailable),
+        "known_failures": sorted(impl.known_failures),
         "options": impl.resolved_options(),
         "seed": seed,
         "versions": {k: v for k, v in versions.items() if v is not None},
