@@ -91,4 +91,7 @@ def main(out_dir: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(main(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/reports")))
+    path = main(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/reports"))
+    print(path)
+    if "## Unexpected" in path.read_text():  # a row failed other than it declares
+        sys.exit(f"{path}: UNEXPECTED rows (see its '## Unexpected' section)")

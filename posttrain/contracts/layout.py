@@ -15,6 +15,7 @@ __all__ = [
     "Layout",
     "LayoutField",
     "key_str",
+    "leaf_column",
     "leaf_items",
     "norm_key",
 ]
@@ -67,6 +68,34 @@ def leaf_items(data: TensorDictBase) -> dict[tuple[str, ...], Any]:
         (k,) if isinstance(k, str) else k: v
         for k, v in data.items(include_nested=True, leaves_only=True)
     }
+
+
+def leaf_column(items: list[Any], key: tuple[str, ...]) -> list[Any]:
+    """The entry at ``key`` of every item of a lazy stack, read as :func:`leaf_items` reads.
+
+    One comprehension per key over plain TensorDicts (their ``_tensordict``): a column of 64
+    items in ~3 us. Raises ``KeyError`` or ``AttributeError`` where an item lacks the key or
+    is not a plain TensorDict; callers fall back to ``get``.
+
+    Example:
+        >>> import torch
+        >>> items = [TensorDict({("a", "b"): torch.tensor(i)}, []) for i in range(3)]
+        >>> [int(v) for v in leaf_column(items, ("a", "b"))]
+        [0, 1, 2]
+    """
+    if len(key) == 1:
+        (a,) = key
+        return [x._tensordict[a] for x in items]
+    if len(key) == 2:
+        a, b = key
+        return [x._tensordict[a]._tensordict[b] for x in items]
+    if len(key) == 3:
+        a, b, c = key
+        return [x._tensordict[a]._tensordict[b]._tensordict[c] for x in items]
+    out = items
+    for part in key:
+        out = [x._tensordict[part] for x in out]
+    return out
 
 
 def _walk(td: Any, prefix: tuple[str, ...], out: dict[tuple[str, ...], Any]) -> None:

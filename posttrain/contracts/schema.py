@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_items
+from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_column, leaf_items
 from posttrain.contracts.validation import ContractViolation, Violation
 
 __all__ = ["RAGGED", "Column", "ItemSchema", "batch_violations", "leaf_items"]
@@ -406,22 +406,7 @@ _TENSOR = {torch.Tensor}
 
 
 def _gather(tds: list[Any], path: tuple[str, ...]) -> list[Any]:
-    """The entry at ``path`` of every item (plain TensorDicts, read as ``leaf_items`` does)."""
-    if not path:
-        return tds
-    if len(path) == 1:
-        (a,) = path
-        return [x._tensordict[a] for x in tds]
-    if len(path) == 2:
-        a, b = path
-        return [x._tensordict[a]._tensordict[b] for x in tds]
-    if len(path) == 3:
-        a, b, c = path
-        return [x._tensordict[a]._tensordict[b]._tensordict[c] for x in tds]
-    out = tds
-    for part in path:
-        out = [x._tensordict[part] for x in out]
-    return out
+    return leaf_column(tds, path) if path else tds
 
 
 def _shape_fits(got: tuple[int, ...], want: tuple[int, ...]) -> bool:

@@ -19,7 +19,15 @@ from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from posttrain.adapters._layout import fill_mask, pad_values, to_padded
 from posttrain.contracts.buffer import ReplayBufferV1
-from posttrain.contracts.layout import LLM_LAYOUT_V1, Key, Layout, key_str, leaf_items, norm_key
+from posttrain.contracts.layout import (
+    LLM_LAYOUT_V1,
+    Key,
+    Layout,
+    key_str,
+    leaf_column,
+    leaf_items,
+    norm_key,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -303,17 +311,9 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
 def _column(tds: list[TensorDictBase], key: tuple[str, ...]) -> list[torch.Tensor]:
     """One key of every item of a lazy stack (plain TensorDicts read directly, as in leaf_items)."""
     try:
-        if len(key) == 1:
-            return [x._tensordict[key[0]] for x in tds]
-        if len(key) == 2:
-            a, b = key
-            return [x._tensordict[a]._tensordict[b] for x in tds]
-        if len(key) == 3:
-            a, b, c = key
-            return [x._tensordict[a]._tensordict[b]._tensordict[c] for x in tds]
+        return leaf_column(tds, key)
     except (AttributeError, KeyError):
-        pass
-    return [x.get(key) for x in tds]
+        return [x.get(key) for x in tds]
 
 
 def _name_of(wanted: Mapping[str, tuple[str, ...]], key: tuple[str, ...]) -> str:
