@@ -307,7 +307,7 @@ def _flat_signature(
     """What metadata validation of a plain TensorDict depends on, as one flat list.
 
     Keys, then for a tensor its dtype, shape and requires_grad, for a sub-TensorDict its
-    entries and a closing ``None``: ~3 us for the LLM layout, most of it the 27 attribute
+    entries and a closing ``None``: ~4.5 us for the LLM layout, ~2 us of it the 27 attribute
     reads. ``None`` for anything else (a subclass, a non-tensor leaf, a nested tensor, whose
     ``shape`` raises), which takes the full path.
     """
