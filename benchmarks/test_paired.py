@@ -78,13 +78,12 @@ def _paired(device: str) -> None:
                 )
         if group:
             groups.append(group)
+    ragged_group: dict[str, Callable[[], Any]] = {}
     if device == "cpu":
         # Ragged items (TorchRL's LazyStackStorage): ~50x slower per call, so fewer calls.
         ragged = _batch(B, T, True, device)
         stacks = {name: make(device, cap) for name, make in RAGGED.items()}
-        ragged_group: dict[str, Callable[[], Any]] = {
-            f"extend {name}": partial(rb.extend, ragged) for name, rb in stacks.items()
-        }
+        ragged_group = {f"extend {name}": partial(rb.extend, ragged) for name, rb in stacks.items()}
         for call in ragged_group.values():
             call()
     med = _medians(groups, ROUNDS // 5)

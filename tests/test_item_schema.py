@@ -86,6 +86,7 @@ def test_a_key_in_some_items_only_is_named_with_the_items() -> None:
         _schema().check(bad)
     (v,) = info.value.violations
     assert (v.key, v.requirement) == (("extra",), "BUF-010")
+    assert v.found == "an extra key (missing in item(s) 0, 2, 3: held by the others)"
     missing = _with(lambda x: x.del_("group_id"), item=3)
     (v,) = _schema().violations(missing)
     assert (v.key, v.found) == (("group_id",), "missing in item(s) 3")
@@ -122,3 +123,19 @@ def test_a_fixed_schema_reads_a_lazy_stack_dense() -> None:
     assert leaves[("tokens", "full")].shape == (3, 6)
     with pytest.raises(ContractViolation, match="BUF-012"):
         s.check(ragged_llm_batch([6, 7, 6]))
+
+
+def test_mixed_numbers_of_dims_are_a_shape_error_on_the_first_write_too() -> None:
+    items = [x.clone() for x in ragged_llm_batch([5, 6]).tensordicts]
+    items[1].set("advantage", torch.zeros(2))
+    with pytest.raises(ContractViolation) as info:
+        ItemSchema.of(LazyStackedTensorDict.lazy_stack(items, 0), ragged=True)
+    assert info.value.requirement_ids == ["BUF-012"], str(info.value)
+
+
+@pytest.mark.parametrize("lengths", [[6, 6, 6], [4, 5], [4], [9, 4, 9, 4]])
+def test_what_the_fast_path_accepts_the_full_check_accepts(lengths: list[int]) -> None:
+    s = _schema()
+    stack = ragged_llm_batch(lengths, seed=2)
+    assert _plan(s).matches(stack)
+    assert s.violations(stack) == []

@@ -63,7 +63,17 @@ class _EntryPoint:
         return self.obj
 
 
+def test_a_declared_failure_that_did_not_run_says_why() -> None:
+    blocked = _report(["BUF-016"], {"BUF-009": "x", "BUF-016": "blocked by BUF-009"})
+    assert blocked.surprises() == [
+        "BUF-009 failed (not a declared known failure)",
+        "BUF-016 declared a known failure but did not run (blocked)",
+    ]
+
+
 def test_known_failures_name_requirements_of_the_contract() -> None:
+    with pytest.raises(TypeError, match="found the string 'BUF-009'"):
+        Implementation("buffer", make_ring_buffer, known_failures="BUF-009")  # type: ignore[arg-type]
     with pytest.raises(KeyError, match=r"buffer v.* has no requirement 'LOSS-001'"):
         Implementation("buffer", make_ring_buffer, known_failures={"LOSS-001"})
 
@@ -76,3 +86,31 @@ def test_only_raw_upstream_rows_and_should_failures_declare_known_failures() -> 
         "mlflow-sink",
     }
     assert "BUF-018" in trl_impls.RAW_LAZY_STACK.known_failures
+
+
+def test_every_declared_torchrl_failure_has_a_published_repro() -> None:
+    # The declarations are the tests' expectations; this ties them to an independent source:
+    # the deviations published with repros in docs/reports (posttrain.adapters.torchrl.deviations).
+    from posttrain.adapters.torchrl import deviations as dev
+
+    repros = [
+        d
+        for group in (
+            dev.DEVIATIONS,
+            dev.LOSS_DEVIATIONS,
+            dev.ROLLOUT_DEVIATIONS,
+            dev.WEIGHT_SYNC_DEVIATIONS,
+            dev.GENERATION_DEVIATIONS,
+            dev.RAY_DEVIATIONS,
+            dev.LOGGER_DEVIATIONS,
+        )
+        for d in group
+    ]
+    declared = {
+        r
+        for n, ep in discover().items()
+        if n.startswith("torchrl-")
+        for r in ep.load().known_failures
+    }
+    assert declared <= {r for d in repros for r in d.requirements}
+    assert [d.title for d in repros if not set(d.requirements) & declared] == []

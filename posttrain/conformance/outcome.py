@@ -55,6 +55,11 @@ class Result:
         return self.level == Level.MUST.value and self.status in (Status.FAIL, Status.ERROR)
 
 
+def _blocked(r: Result) -> bool:
+    # The runner's wording for a dependant of a failed foundation (runner.Session.run_one).
+    return r.message.startswith(f"{r.id}: blocked by ")
+
+
 @dataclass
 class Report:
     """A whole run: ``run`` info (implementation, versions, capabilities, seed...) and rows.
@@ -78,7 +83,7 @@ class Report:
         return {
             r.id
             for r in self.results
-            if r.status in (Status.FAIL, Status.ERROR) and ": blocked by " not in r.message
+            if r.status in (Status.FAIL, Status.ERROR) and not _blocked(r)
         }
 
     def surprises(self) -> list[str]:
@@ -91,9 +96,17 @@ class Report:
         """
         known = set(self.run.get("known_failures", []))
         failed = self.failed_ids()
+        unrun = {
+            r.id: "blocked" if _blocked(r) else "not applicable"
+            for r in self.results
+            if r.id in known and (_blocked(r) or r.status is Status.NOT_APPLICABLE)
+        }
         out = [f"{rid} failed (not a declared known failure)" for rid in sorted(failed - known)]
         out += [
-            f"{rid} declared a known failure but did not fail" for rid in sorted(known - failed)
+            f"{rid} declared a known failure but did not run ({unrun[rid]})"
+            if rid in unrun
+            else f"{rid} declared a known failure but did not fail"
+            for rid in sorted(known - failed)
         ]
         return out
 

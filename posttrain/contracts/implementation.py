@@ -42,6 +42,11 @@ class Implementation:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        if isinstance(self.known_failures, str):
+            raise TypeError(
+                f"known_failures: expected a set of requirement ids, found the string "
+                f"{self.known_failures!r}"
+            )
         object.__setattr__(self, "known_failures", frozenset(self.known_failures))
         c = get_contract(self.contract)
         c.check_declaration(self.capabilities, self.options)

@@ -83,6 +83,8 @@ def leaf_column(items: list[Any], key: tuple[str, ...]) -> list[Any]:
         >>> [int(v) for v in leaf_column(items, ("a", "b"))]
         [0, 1, 2]
     """
+    if not key:
+        raise ValueError("leaf_column: expected a non-empty key, found ()")
     if len(key) == 1:
         (a,) = key
         return [x._tensordict[a] for x in items]

@@ -75,7 +75,7 @@ _MIXED_DIMS = "items with different numbers of dims"
 class _Partial:
     """A key of a lazy stack held by some items only: ``missing`` lists the others."""
 
-    missing: list[int]
+    missing: tuple[int, ...]
 
     def __str__(self) -> str:
         shown = ", ".join(map(str, self.missing[:8])) + (", ..." if len(self.missing) > 8 else "")
@@ -116,7 +116,7 @@ def _columns(
     for key in every:
         if key not in common:
             missing = [i for i, it in enumerate(items) if key not in it]
-            out[key] = _Partial(missing)
+            out[key] = _Partial(tuple(missing))
     for key in common:
         parts = [it[key] for it in items]
         if not all(isinstance(p, torch.Tensor) for p in parts):
@@ -177,7 +177,11 @@ class ItemSchema:
             if isinstance(c, _Partial)
         ]
         bad += [
-            Violation(k, "a tensor", c, "BUF-011") for k, c in cols.items() if isinstance(c, str)
+            Violation(k, "one number of dims in every item", c, "BUF-012")
+            if c == _MIXED_DIMS
+            else Violation(k, "a tensor", c, "BUF-011")
+            for k, c in cols.items()
+            if isinstance(c, str)
         ]
         if not ragged:
             bad += [
@@ -230,8 +234,15 @@ class ItemSchema:
                         )
                     )
         out += [
-            Violation(k, "only keys of the stored schema", "an extra key", "BUF-010")
-            for k in got
+            Violation(
+                k,
+                "only keys of the stored schema",
+                f"an extra key ({c}: held by the others)"
+                if isinstance(c, _Partial)
+                else "an extra key",
+                "BUF-010",
+            )
+            for k, c in got.items()
             if k not in self.columns
         ]
         if not out and self._tok is not None:

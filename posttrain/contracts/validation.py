@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,7 +272,8 @@ def validate(
         out += _deep(td, layout, {f.name for f in ok_fields})
     if memo is not None and not out:
         if len(_VALID) >= _VALID_MAX:
-            _VALID.pop(next(iter(_VALID)))
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):  # another thread
+                _VALID.pop(next(iter(_VALID)))
         _VALID[memo] = layout  # holding the layout keeps its id from being reused
         if quick is not None:
             _LAST_VALID[0] = (quick, layout)
