@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest report specs specs-check bench torchrl-report clean
+.PHONY: install test lint typecheck pytest report specs specs-check bench gpu-wheels torchrl-report clean
 
 install: $(STAMP)
 
@@ -45,6 +45,10 @@ torchrl-report: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q -p no:randomly --benchmark-only
+
+# The wheels the GPU variant needs on a lent device machine (benchmarks/gpu/README.md).
+gpu-wheels: $(STAMP)
+	PY=$(BIN)/python bash benchmarks/gpu/wheels.sh
 
 clean:
 	rm -rf $(VENV) reports .mypy_cache .ruff_cache

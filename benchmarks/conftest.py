@@ -29,6 +29,7 @@ class Row:
 ROWS: list[Row] = []
 SUITE_TIMES: dict[str, float] = {}
 PAIRED: dict[str, float] = {}
+SPREAD: dict[str, tuple[float, float]] = {}  # lowest and highest of a PAIRED figure's repeats
 REMOTE: dict[str, float] = {}
 
 
@@ -45,6 +46,33 @@ def device(request: pytest.FixtureRequest) -> str:
         if not torch.cuda.is_available():
             pytest.skip("--device cuda but no CUDA device")
     return d
+
+
+def synced(fn: Callable[..., Any], device: str) -> Callable[..., Any]:
+    """``fn``, then a wait for ``device`` to finish, so a timer sees the work and not its launch.
+
+    CUDA runs kernels asynchronously: timed without the wait, a 64 MiB copy "takes" the few
+    microseconds of its launch. On the CPU ``fn`` is returned as it is.
+    """
+    if not device.startswith("cuda"):
+        return fn
+    import torch
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        return out
+
+    return call
+
+
+def torchrl_missing() -> str:
+    """Why TorchRL cannot be imported here ("" when it can): a device image may lack it."""
+    try:
+        import torchrl.data  # noqa: F401
+    except Exception as e:  # a wheel built for another torch fails in several ways
+        return f"torchrl not importable here: {type(e).__name__}: {e}"
+    return ""
 
 
 def block_medians(
@@ -93,7 +121,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             "-", "headline ratios, B=64, T=512, measured interleaved (benchmarks/test_paired.py)"
         )
         for name, v in PAIRED.items():
-            tr.write_line(f"{name:<60}{v:8.3f}")
+            lo_hi = SPREAD.get(name)
+            spread = f"   ({lo_hi[0]:.3f} to {lo_hi[1]:.3f})" if lo_hi else ""
+            tr.write_line(f"{name:<60}{v:8.3f}{spread}")
     if REMOTE:
         tr.write_sep("-", "across processes on a local Ray cluster (benchmarks/test_remote.py)")
         for name, v in REMOTE.items():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from benchmarks.conftest import record
+from benchmarks.conftest import record, synced, torchrl_missing
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 from posttrain.conformance.data import llm_batch, ragged_llm_batch
 from posttrain.contracts import validate
@@ -48,11 +48,11 @@ def test_memcpy(benchmark: Any, device: str) -> None:
     n = 64 * 2**20  # larger than the caches
     src = torch.empty(n, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    benchmark(dst.copy_, src)
+    benchmark(synced(dst.copy_, device), src)
     record("memcpy", "torch.Tensor.copy_", "64 MiB", _median(benchmark), n, 0)
 
 
-def _torchrl(kind: str, capacity: int, adapted: bool) -> Any:
+def _torchrl(kind: str, capacity: int, adapted: bool, device: str = "cpu") -> Any:
     from torchrl.data import (
         LazyMemmapStorage,
         LazyStackStorage,
@@ -61,14 +61,16 @@ def _torchrl(kind: str, capacity: int, adapted: bool) -> Any:
     )
 
     storage = {"tensor": LazyTensorStorage, "memmap": LazyMemmapStorage, "stack": LazyStackStorage}
-    rb = TensorDictReplayBuffer(storage=storage[kind](capacity))
+    # Only the in-memory storage is placed on an accelerator; memmap and stack stay on the CPU.
+    where = {"device": device} if kind == "tensor" else {}
+    rb = TensorDictReplayBuffer(storage=storage[kind](capacity, **where))
     return ValidatedReplayBuffer(rb, ragged=kind == "stack") if adapted else rb
 
 
 PADDED: dict[str, Callable[[str, int], Any]] = {
     "posttrain.RingBuffer": lambda d, c: RingBuffer(c, device=d, seed=0),
-    "torchrl LazyTensorStorage": lambda d, c: _torchrl("tensor", c, False),
-    "torchrl LazyTensorStorage + adapter": lambda d, c: _torchrl("tensor", c, True),
+    "torchrl LazyTensorStorage": lambda d, c: _torchrl("tensor", c, False, d),
+    "torchrl LazyTensorStorage + adapter": lambda d, c: _torchrl("tensor", c, True, d),
     "torchrl LazyMemmapStorage": lambda d, c: _torchrl("memmap", c, False),
 }
 RAGGED: dict[str, Callable[[str, int], Any]] = {
@@ -95,27 +97,42 @@ def _batch(b: int, t: int, ragged: bool, device: str) -> TensorDictBase:
     return ragged_llm_batch(lengths)
 
 
+ON_DEVICE = (
+    "posttrain.RingBuffer",
+    "torchrl LazyTensorStorage",
+    "torchrl LazyTensorStorage + adapter",
+)
+"""The rows measured on an accelerator too; the others hold their data on the CPU."""
+
+
+def _skip_off_cpu(device: str, name: str) -> None:
+    if device == "cpu":
+        return
+    if name not in ON_DEVICE:
+        pytest.skip(f"{name} keeps its data on the CPU")
+    if name.startswith("torchrl") and (why := torchrl_missing()):
+        pytest.skip(why)
+
+
 @pytest.mark.parametrize(("name", "b", "t", "ragged"), _cases())
 def test_extend(benchmark: Any, device: str, name: str, b: int, t: int, ragged: bool) -> None:
-    if device != "cpu" and name != "posttrain.RingBuffer":
-        pytest.skip("TorchRL rows are measured on CPU")
+    _skip_off_cpu(device, name)
     batch = _batch(b, t, ragged, device)
     rb = (RAGGED if ragged else PADDED)[name](device, _capacity(b, t))
     rb.extend(batch)  # first write allocates
-    benchmark(rb.extend, batch)
+    benchmark(synced(rb.extend, device), batch)
     record("extend", name, _label(b, t, ragged), _median(benchmark), _nbytes(batch), b)
 
 
 @pytest.mark.parametrize(("name", "b", "t", "ragged"), _cases())
 def test_sample(benchmark: Any, device: str, name: str, b: int, t: int, ragged: bool) -> None:
-    if device != "cpu" and name != "posttrain.RingBuffer":
-        pytest.skip("TorchRL rows are measured on CPU")
+    _skip_off_cpu(device, name)
     batch = _batch(b, t, ragged, device)
     capacity = _capacity(b, t)
     rb = (RAGGED if ragged else PADDED)[name](device, capacity)
     for _ in range(-(-capacity // b)):
         rb.extend(batch)
-    benchmark(rb.sample, b)
+    benchmark(synced(rb.sample, device), b)
     record("sample", name, _label(b, t, ragged), _median(benchmark), _nbytes(batch), b)
 
 

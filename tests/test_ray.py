@@ -19,12 +19,13 @@ from posttrain.adapters.ray import serve_buffer
 from posttrain.adapters.ray.implementations import SERVED_RING_BUFFER
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 from posttrain.adapters.torchrl.deviations import RAY_DEVIATIONS, Deviation
-from posttrain.conformance import Implementation, Status, run
+from posttrain.conformance import Status, run
 from posttrain.conformance.data import item_uids, llm_batch
 from posttrain.contracts import ContractViolation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
 from tests.mutants import buffers
+from tests.outcomes import own_failures
 
 ATOMICITY = {"BUF-009", "BUF-010", "BUF-011", "BUF-012"}
 
@@ -34,12 +35,6 @@ def cluster() -> Iterator[Any]:
     ray = ensure_cluster()
     yield ray
     ray.shutdown()
-
-
-def _failing(impl: Implementation) -> tuple[set[str], dict[str, str]]:
-    rep = run(impl)
-    rows = [r for r in rep.results if r.status in (Status.FAIL, Status.ERROR)]
-    return {r.id for r in rows if "blocked by" not in r.message}, {r.id: r.message for r in rows}
 
 
 def test_served_reference_buffer_conforms_with_many_producers() -> None:
@@ -53,16 +48,15 @@ def test_served_reference_buffer_conforms_with_many_producers() -> None:
 def test_raw_torchrl_ray_buffer_accepts_a_bad_remote_extend() -> None:
     # TorchRL 0.14.1's Ray service stores what its local buffer stores: the same four
     # atomicity deviations, and a producer's batch with a key missing lands in the buffer.
-    failing, messages = _failing(trl_impls.RAW_RAY_LAZY_TENSOR)
-    assert failing == trl_impls.RAW_RAY_LAZY_TENSOR.known_failures == ATOMICITY | {"BUF-023"}, (
-        messages
-    )
-    assert "missing was accepted; len is 41, expected 38" in messages["BUF-023"]
+    failing = own_failures(trl_impls.RAW_RAY_LAZY_TENSOR)
+    assert (
+        set(failing) == trl_impls.RAW_RAY_LAZY_TENSOR.known_failures == ATOMICITY | {"BUF-023"}
+    ), failing
+    assert "missing was accepted; len is 41, expected 38" in failing["BUF-023"]
 
 
 def test_adapted_torchrl_ray_buffer_conforms() -> None:
-    failing, messages = _failing(trl_impls.ADAPTED_RAY_LAZY_TENSOR)
-    assert not failing, messages
+    assert own_failures(trl_impls.ADAPTED_RAY_LAZY_TENSOR) == {}
 
 
 def test_replica_per_client_mutant_fails_buf023() -> None:

@@ -9,30 +9,25 @@ from tensordict import TensorDict
 import posttrain.adapters.torchrl.implementations as trl_impls
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 from posttrain.adapters.torchrl.deviations import DEVIATIONS, Deviation
-from posttrain.conformance import Implementation, Status, run
+from posttrain.conformance import Status, run
 from posttrain.contracts import ContractViolation
+from tests.outcomes import own_failures
 
 # What TorchRL 0.14.1 really does is declared on each raw row (known_failures); a change
 # upstream changes what fails and this test says so.
 RAW = ["RAW_LAZY_TENSOR", "RAW_LAZY_TENSOR_NO_REPLACEMENT", "RAW_LAZY_MEMMAP", "RAW_LAZY_STACK"]
 
 
-def _failing(impl: Implementation) -> tuple[set[str], dict[str, str]]:
-    rep = run(impl)
-    rows = [r for r in rep.results if r.status in (Status.FAIL, Status.ERROR)]
-    return {r.id for r in rows if "blocked by" not in r.message}, {r.id: r.message for r in rows}
-
-
 @pytest.mark.parametrize("name", RAW)
 def test_raw_torchrl_deviations_are_found(name: str) -> None:
     impl = getattr(trl_impls, name)
-    failing, messages = _failing(impl)
-    assert failing == impl.known_failures, messages
-    assert {"BUF-009", "BUF-010", "BUF-011", "BUF-012"} <= failing
+    failing = own_failures(impl)
+    assert set(failing) == impl.known_failures, failing
+    assert {"BUF-009", "BUF-010", "BUF-011", "BUF-012"} <= set(failing)
 
 
 def test_raw_messages_are_precise() -> None:
-    _, messages = _failing(trl_impls.RAW_LAZY_TENSOR)
+    messages = own_failures(trl_impls.RAW_LAZY_TENSOR)
     assert messages["BUF-009"].startswith(
         "BUF-009: extend with key ('masks', 'all_attention_mask') missing: was accepted; len went from 6 to 8"
     )
@@ -54,8 +49,7 @@ def test_raw_messages_are_precise() -> None:
     ],
 )
 def test_adapted_torchrl_conforms(name: str) -> None:
-    failing, messages = _failing(getattr(trl_impls, name))
-    assert not failing, messages
+    assert own_failures(getattr(trl_impls, name)) == {}
 
 
 def test_priority_is_reported_unavailable_with_its_reason() -> None:

@@ -9,20 +9,12 @@ import pytest
 from posttrain.adapters.torchrl import rollout
 from posttrain.adapters.torchrl.deviations import ROLLOUT_DEVIATIONS, Deviation
 from posttrain.adapters.torchrl.implementations import ADAPTED_LLM_COLLECTOR, RAW_LLM_COLLECTOR
-from posttrain.conformance import Implementation, Status, run
-
-
-def _failing(impl: Implementation) -> dict[str, str]:
-    rep = run(impl)
-    return {
-        r.id: r.message
-        for r in rep.results
-        if r.status in (Status.FAIL, Status.ERROR) and "blocked by" not in r.message
-    }
+from posttrain.conformance import Implementation, run
+from tests.outcomes import own_failures
 
 
 def test_raw_collector_fails_exactly_torchrl_s_deviations() -> None:
-    failing = _failing(RAW_LLM_COLLECTOR)
+    failing = own_failures(RAW_LLM_COLLECTOR)
     assert set(failing) == RAW_LLM_COLLECTOR.known_failures == {"ROLL-004", "ROLL-008"}, failing
     assert "has no attribute 'data'" in failing["ROLL-004"]
     assert "sample_log_probs [0.0," in failing["ROLL-008"]
@@ -31,7 +23,7 @@ def test_raw_collector_fails_exactly_torchrl_s_deviations() -> None:
 def test_adapted_collector_passes_every_applicable_requirement() -> None:
     rep = run(ADAPTED_LLM_COLLECTOR)
     assert rep.ok
-    assert _failing(ADAPTED_LLM_COLLECTOR) == {}
+    assert own_failures(ADAPTED_LLM_COLLECTOR) == {}
 
 
 def test_the_root_version_stamp_lags_an_update() -> None:
@@ -42,7 +34,7 @@ def test_the_root_version_stamp_lags_an_update() -> None:
         return src
 
     impl = Implementation("rollout", root_stamped, name="root-stamped", capabilities={"ragged"})
-    assert _failing(impl) == {
+    assert own_failures(impl) == {
         "ROLL-004": "ROLL-004: stamps before the update [0], after [0]: they must rise"
     }
 

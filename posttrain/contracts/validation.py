@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,9 +309,9 @@ def _flat_signature(
 ) -> list[Any] | None:
     """What metadata validation of a plain TensorDict depends on, as one flat list.
 
-    Keys, then for a tensor its dtype, shape and requires_grad, for a sub-TensorDict its
-    entries and a closing ``None``: ~4.5 us for the LLM layout, ~2 us of it the 27 attribute
-    reads. ``None`` for anything else (a subclass, a non-tensor leaf, a nested tensor, whose
+    Keys, then for a tensor (dtype, shape, requires_grad), for a sub-TensorDict its entries
+    and a closing ``None``: ~4 us for the LLM layout, ~6 us just after an extend evicted the
+    leaves' metadata from the caches. ``None`` for anything else (a subclass, a non-tensor leaf, a nested tensor, whose
     ``shape`` raises), which takes the full path.
     """
     req = require if type(require) is tuple else tuple(require)
@@ -327,11 +328,18 @@ class _NoSignature(Exception):
     pass
 
 
+# One C call reads a tensor's three attributes: ~0.1 us less per leaf than three reads from
+# Python, most of it when the tensor's metadata is out of cache (as just after an extend).
+_LEAF_META = operator.attrgetter("dtype", "shape", "requires_grad")
+_TENSOR = torch.Tensor  # one global lookup, not a module attribute, per leaf
+
+
 def _flat_walk(td: Any, out: list[Any]) -> None:
     for k, v in td._tensordict.items():
         t = type(v)
-        if t is torch.Tensor:
-            out += (k, v.dtype, v.shape, v.requires_grad)
+        if t is _TENSOR:
+            out.append(k)
+            out.append(_LEAF_META(v))
         elif t is TensorDict:
             out.append(k)
             _flat_walk(v, out)
