@@ -44,7 +44,7 @@ torchrl-report: $(STAMP)
 	RL_WARNINGS=0 $(BIN)/python scripts/publish_torchrl_report.py docs/reports
 
 bench: $(STAMP)
-	$(BIN)/python -m pytest benchmarks -q -p no:randomly --benchmark-only
+	$(BIN)/python -m pytest benchmarks -q -p no:randomly --benchmark-only $(BENCH_ARGS)
 
 # The wheels the GPU variant needs on a lent device machine (benchmarks/gpu/README.md).
 gpu-wheels: $(STAMP)

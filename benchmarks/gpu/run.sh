@@ -11,6 +11,7 @@ PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 WHEELS=${WHEELS:-.gpu-wheels}
 SITE=${SITE:-/tmp/site}
+# The checkout first: torchrl's wheel installs top-level `benchmarks` and `scripts` folders of its own.
 export PYTHONPATH=".:$SITE"
 mkdir -p "$OUT"
 {
@@ -21,20 +22,20 @@ mkdir -p "$OUT"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" "$WHEELS"/*.whl || echo "wheel install failed"
   "$PY" - <<'PYEOF'
-import sys, torch, tensordict, pydantic
+import importlib, sys
+import torch
 print("python", sys.version.split()[0])
 print("torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
-print("tensordict", tensordict.__version__, "pydantic", pydantic.VERSION)
-try:
-    import torchrl.data
-    print("torchrl", torchrl.__version__)
-except Exception as e:
-    print("torchrl not importable (its rows are skipped):", type(e).__name__, e)
+for name in ("tensordict", "pydantic", "torchrl"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:  # torchrl's rows are skipped without it; the others are needed
+        print(name, "not importable:", type(e).__name__, e)
 PYEOF
 } 2>&1 | tee "$OUT/env.txt"
-# One thread on the host side, as on the CPU: the GPU rows time launches plus device work.
-timeout "${LIMIT:-420}" "$PY" -m pytest benchmarks/test_buffer_throughput.py \
+# SIGINT at the limit, not SIGTERM: pytest then still prints the tables (its terminal summary).
+timeout -s INT -k 30 "${LIMIT:-420}" "$PY" -m pytest benchmarks/test_buffer_throughput.py \
   benchmarks/test_paired.py -q -p no:randomly --benchmark-only --device "$DEVICE" \
   --benchmark-max-time="${MAX_TIME:-0.5}" 2>&1 | tee "$OUT/bench.txt"
 exit "${PIPESTATUS[0]}"

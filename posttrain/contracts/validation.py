@@ -311,8 +311,8 @@ def _flat_signature(
 
     Keys, then for a tensor (dtype, shape, requires_grad), for a sub-TensorDict its entries
     and a closing ``None``: ~4 us for the LLM layout, ~6 us just after an extend evicted the
-    leaves' metadata from the caches. ``None`` for anything else (a subclass, a non-tensor leaf, a nested tensor, whose
-    ``shape`` raises), which takes the full path.
+    leaves' metadata from the caches. ``None`` for anything else (a subclass, a non-tensor
+    leaf, a nested tensor, whose ``shape`` raises), which takes the full path.
     """
     req = require if type(require) is tuple else tuple(require)
     sig: list[Any] = [id(layout), req, strict, ragged, td.batch_size]
