@@ -69,7 +69,7 @@ def _paired(device: str, out: dict[str, float]) -> None:
     src = torch.empty(n, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     cap = _capacity(B, T)
-    on_device = [n for n in ON_DEVICE if "Ring" in n or not torchrl_missing()]
+    on_device = [name for name in ON_DEVICE if "Ring" in name or not torchrl_missing()]
     bufs = {
         name: make(device, cap)
         for name, make in PADDED.items()
