@@ -278,7 +278,13 @@ def _dump(obj: dict[str, Any]) -> str:
 
 
 def render_all() -> dict[str, str]:
-    """Every file of ``specs/``, by file name."""
+    """Every file of ``specs/``, by file name.
+
+    Example:
+        >>> files = render_all()
+        >>> "buffer-v1.md" in files, files["buffer-v1.schema.json"].startswith("{")
+        (True, True)
+    """
     files: dict[str, str] = {}
     for c in CONTRACTS.values():
         files[f"{c.id}-v{c.major}.md"] = render_markdown(c)
@@ -292,7 +298,17 @@ def render_all() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write (or with ``--check`` compare) the generated specs; return the exit status."""
+    """Write (or with ``--check`` compare) the generated specs; return the exit status.
+
+    Example:
+        >>> import tempfile
+        >>> out = tempfile.mkdtemp()
+        >>> main([out])
+        wrote 16 files to ...
+        0
+        >>> main([out, "--check"])
+        0
+    """
     p = argparse.ArgumentParser(prog="python -m posttrain.specgen", description=__doc__)
     p.add_argument("out", type=Path, nargs="?", default=Path("specs"))
     p.add_argument("--check", action="store_true", help="exit 1 if committed files differ")

@@ -77,7 +77,12 @@ def ragged_llm_batch(
 
 
 def item_uids(td: TensorDictBase) -> list[int]:
-    """The uids of the items of a batch (token 0 of each item)."""
+    """The uids of the items of a batch (token 0 of each item), padded or a ragged lazy stack.
+
+    Example:
+        >>> item_uids(llm_batch(3, uid_start=5)), item_uids(ragged_llm_batch([4, 6], uid_start=7))
+        ([5, 6, 7], [7, 8])
+    """
     if isinstance(td, LazyStackedTensorDict):
         return [int(x.get(_UID)[0]) for x in td.tensordicts]
     return [int(u) for u in td.get(_UID)[..., 0].reshape(-1).tolist()]

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-__all__ = ["pytest_addoption", "pytest_cmdline_main", "pytest_configure"]
+# No public Python names: pytest finds the hooks below by name, and the interface is the
+# command line above.
+__all__: list[str] = []
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

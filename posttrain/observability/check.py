@@ -40,7 +40,15 @@ CASES = ("padding", "prompt_tokens", "clip_signs")
 
 @dataclass(frozen=True)
 class Finding:
-    """One metric on one crafted case: what the catalogue says and what the hook gave."""
+    """One metric on one crafted case: what the catalogue says and what the hook gave.
+
+    Example:
+        >>> f = Finding("padding", "policy/entropy", expected=1.5, found=1.2)
+        >>> f.ok
+        False
+        >>> print(f)
+        padding       policy/entropy          expected 1.5, found 1.2  DIFFERS
+    """
 
     case: str
     metric: str
@@ -62,7 +70,16 @@ class Finding:
 
 
 def crafted_cases() -> dict[str, tuple[TensorDictBase, torch.Tensor]]:
-    """Case name -> (layout batch, logits [B, T, V])."""
+    """Case name -> (layout batch, logits [B, T, V]).
+
+    Example:
+        >>> cases = crafted_cases()
+        >>> list(cases)
+        ['padding', 'prompt_tokens', 'clip_signs']
+        >>> td, logits = cases["padding"]
+        >>> td.batch_size, logits.shape
+        (torch.Size([2]), torch.Size([2, 10, 6]))
+    """
     g = torch.Generator().manual_seed(0)
     v = 6
     out: dict[str, tuple[TensorDictBase, torch.Tensor]] = {}
@@ -112,7 +129,16 @@ def _batch(
 
 
 def expected(td: TensorDictBase, logits: torch.Tensor) -> dict[str, float]:
-    """The catalogue's values, token by token in plain Python."""
+    """The catalogue's values, token by token in plain Python.
+
+    Example:
+        >>> from posttrain.observability import policy_metrics
+        >>> td, logits = crafted_cases()["padding"]
+        >>> round(expected(td, logits)["policy/entropy"], 4)
+        1.1114
+        >>> round(policy_metrics(td, logits).values()["policy/entropy"], 4)  # the hook agrees
+        1.1114
+    """
     tokens = td.get(K("tokens")).tolist()
     attn = td.get(K("attention_mask")).tolist()
     asst = td.get(K("assistant_mask")).tolist()
@@ -143,7 +169,17 @@ def expected(td: TensorDictBase, logits: torch.Tensor) -> dict[str, float]:
 def check_policy_hook(
     hook: Callable[[TensorDictBase, torch.Tensor], Mapping[str, float]],
 ) -> list[Finding]:
-    """Every checked metric on every crafted case: ``hook(td, logits) -> {name: value}``."""
+    """Every checked metric on every crafted case: ``hook(td, logits) -> {name: value}``.
+
+    Example:
+        >>> from posttrain.observability import policy_metrics
+        >>> def hook(td, logits):  # posttrain's hook with its entropy broken
+        ...     return policy_metrics(td, logits).values() | {"policy/entropy": 0.0}
+        >>> print(*[f for f in check_policy_hook(hook) if not f.ok], sep="\\n")
+        padding       policy/entropy          expected 1.11142, found 0.0  DIFFERS
+        prompt_tokens policy/entropy          expected 1.5643, found 0.0  DIFFERS
+        clip_signs    policy/entropy          expected 0.481371, found 0.0  DIFFERS
+    """
     findings = []
     for case, (td, logits) in crafted_cases().items():
         got = hook(td, logits)

@@ -224,7 +224,15 @@ def loss_metrics(out: Mapping[str, Any], acc: Accumulator | None = None) -> Accu
 def optim_metrics(
     grad_norm: float | torch.Tensor, lr: float, acc: Accumulator | None = None
 ) -> Accumulator:
-    """``optim/grad_norm`` and ``optim/lr`` of the step."""
+    """``optim/grad_norm`` and ``optim/lr`` of the step.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        >>> optim_metrics(norm, lr=1e-3).values()  # the norm before clipping: sqrt(3)
+        {'optim/grad_norm': 1.73205..., 'optim/lr': 0.001}
+    """
     acc = acc if acc is not None else Accumulator()
     acc.add("optim/grad_norm", grad_norm)
     acc.add("optim/lr", lr)

@@ -34,7 +34,16 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def read_run(directory: str | os.PathLike[str], *, mlflow_run: str | None = None) -> Scalars:
     """Every scalar under ``directory``: JSONL, TensorBoard, an MLflow store (one run of it
-    with ``mlflow_run``) and offline W&B runs written by ``WandbSink``, merged."""
+    with ``mlflow_run``) and offline W&B runs written by ``WandbSink``, merged.
+
+    Example:
+        >>> import tempfile
+        >>> from posttrain.reference_impls import JsonlSink
+        >>> d = tempfile.mkdtemp()
+        >>> sink = JsonlSink(d); sink.log_scalar("rollout/reward/mean", 0.5, step=1); sink.close()
+        >>> read_run(d)
+        {'rollout/reward/mean': [(1, 0.5)]}
+    """
     d = Path(directory)
     out: Scalars = {}
     if any(d.rglob("*.jsonl")):
@@ -112,7 +121,17 @@ def dashboard(scalars: Scalars, out: str | os.PathLike[str], *, title: str = "")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: read a run directory, write the dashboard PNG."""
+    """The command line: read a run directory, write the dashboard PNG.
+
+    Example:
+        >>> import tempfile
+        >>> from posttrain.reference_impls import JsonlSink
+        >>> d = tempfile.mkdtemp()
+        >>> sink = JsonlSink(d); sink.log_scalar("loss/total", 1.0, step=1); sink.close()
+        >>> main([d, "--out", os.path.join(d, "dashboard.png")])
+        /.../dashboard.png
+        0
+    """
     p = argparse.ArgumentParser(prog="python -m posttrain.observability.plot", description=__doc__)
     p.add_argument("run", type=Path)
     p.add_argument("--out", type=Path, default=Path("dashboard.png"))

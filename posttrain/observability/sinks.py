@@ -100,7 +100,17 @@ def read_mlflow(
     directory: str | os.PathLike[str], run_name: str | None = None
 ) -> dict[str, list[tuple[int, float]]]:
     """Every metric of every run (or of the runs named ``run_name``) under ``directory``,
-    through MLflow's own client."""
+    through MLflow's own client.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> for name, kl in (("trl", 0.25), ("torchrl", 0.5)):  # doctest: +SKIP
+        ...     sink = MlflowSink(d, run_name=name)
+        ...     sink.log_scalar("policy/kl_ref/k3", kl, step=3); sink.close()
+        >>> read_mlflow(d, "trl")  # doctest: +SKIP
+        {'policy/kl_ref/k3': [(3, 0.25)]}
+    """
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=mlflow_uri(directory))

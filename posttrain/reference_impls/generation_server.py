@@ -25,7 +25,16 @@ __all__ = ["ServerClosed", "ThreadGenerationServer", "greedy_answers"]
 
 
 class ServerClosed(RuntimeError):
-    """A request reached a server that was shut down."""
+    """A request reached a server that was shut down.
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> server = ThreadGenerationServer(tiny_causal_lm()); server.shutdown()
+        >>> server.client()(TensorDict({("tokens", "prompt"): torch.tensor([5, 6])}, []))
+        Traceback (most recent call last):
+        ...
+        posttrain...ServerClosed: submit after shutdown(): this server serves no more requests
+    """
 
 
 @dataclass

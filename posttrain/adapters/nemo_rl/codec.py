@@ -70,7 +70,15 @@ _DERIVED = ("input_lengths", "token_mask")  # rebuilt from the attention and ass
 
 
 class NemoFormatError(ValueError):
-    """NeMo-RL data that does not have NeMo-RL's format (the message names key and found)."""
+    """NeMo-RL data that does not have NeMo-RL's format (the message names key and found).
+
+    Example:
+        >>> import torch
+        >>> to_layout({"input_ids": torch.tensor([[5, 6]], dtype=torch.int32)})
+        Traceback (most recent call last):
+        ...
+        posttrain...NemoFormatError: 'input_ids': expected int64 ..., found torch.int32
+    """
 
 
 def batched_data_dict(data: dict[str, Any]) -> Any:

@@ -26,7 +26,16 @@ __all__ = ["KVBatchMeta", "NemoDataPlaneClient"]
 
 @dataclass
 class KVBatchMeta:
-    """What ``put_samples`` returns: NeMo-RL's ``KVBatchMeta`` fields."""
+    """What ``put_samples`` returns: NeMo-RL's ``KVBatchMeta`` fields.
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> dp = NemoDataPlaneClient(RingBuffer, capacity=4)
+        >>> td = TensorDict({"input_lengths": torch.tensor([3, 5])}, [2])
+        >>> meta = dp.put_samples(["a", "b"], "train", td)
+        >>> meta.sample_ids, meta.fields, meta.sequence_lengths  # lengths from input_lengths
+        (['a', 'b'], ['input_lengths'], [3, 5])
+    """
 
     partition_id: str
     task_name: str | None

@@ -84,7 +84,16 @@ def _free_port() -> int:
 
 
 class DistSchemeSender:
-    """The raw sending end: ``send(weights, version=v)`` onto the scheme's synchronous send."""
+    """The raw sending end: ``send(weights, version=v)`` onto the scheme's synchronous send.
+
+    Example (not run by the doctests: it spawns a process; see tests/test_dist_weight_sync.py):
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> sender, receiver = dist_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
+        >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=4)  # doctest: +SKIP
+        >>> sender.completed()[0]  # doctest: +SKIP
+        4
+        >>> receiver.close()  # doctest: +SKIP
+    """
 
     def __init__(self, scheme: Any, extras: Mapping[str, torch.Tensor]) -> None:
         self.scheme = scheme
@@ -106,7 +115,18 @@ class DistSchemeSender:
 
 
 class DistReceiver:
-    """This process's view of the receiving process: version, weights, pid."""
+    """This process's view of the receiving process: version, weights, pid.
+
+    Example (not run by the doctests: it spawns a process; see tests/test_dist_weight_sync.py):
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> trainer = tiny_causal_lm(seed=1)
+        >>> sender, receiver = dist_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
+        >>> sender.send(trainer.state_dict(), version=1); receiver.receive()  # doctest: +SKIP
+        >>> got = receiver.state_dict()["lm_head.weight"]  # doctest: +SKIP
+        >>> receiver.version, got.equal(trainer.lm_head.weight)  # doctest: +SKIP
+        (1, True)
+        >>> receiver.close()  # doctest: +SKIP
+    """
 
     def __init__(self, sender: DistSchemeSender, proc: Any, conn: Any, pid: int) -> None:
         self._sender = sender

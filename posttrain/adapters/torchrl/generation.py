@@ -31,7 +31,17 @@ __all__ = ["ContractInferenceServer", "GenerateBatch", "inference_server"]
 
 class GenerateBatch(torch.nn.Module):
     """The served model: a batch of requests (a lazy stack) -> a lazy stack of responses,
-    computed as the reference server computes them (``greedy_answers``)."""
+    computed as the reference server computes them (``greedy_answers``).
+
+    Example:
+        >>> from tensordict import lazy_stack
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> gen = GenerateBatch(tiny_causal_lm(), max_new_tokens=2)
+        >>> prompts = [torch.tensor([5, 6, 7]), torch.tensor([8])]  # ragged: stacked lazily
+        >>> out = gen(lazy_stack([TensorDict({("tokens", "prompt"): p}, []) for p in prompts]))
+        >>> out.batch_size, out["tokens", "response"].shape, out["log_probs", "response"].dtype
+        (torch.Size([2]), torch.Size([2, 2]), torch.float32)
+    """
 
     def __init__(self, policy: Any, max_new_tokens: int) -> None:
         super().__init__()
@@ -129,6 +139,16 @@ class ContractInferenceServer:
       and is idempotent; a request after it fails at once.
     - ``stats()`` adds ``queue_wait_s``, ``batch_size``, ``forward_s`` (from TorchRL's p50
       milliseconds and average batch size).
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> policy = tiny_causal_lm()
+        >>> server = inference_server(policy, max_new_tokens=2, adapted=True)
+        >>> server.client().submit(TensorDict({}, [])).exception()  # fails alone, not its batch
+        ValueError("request: key ('tokens', 'prompt') is missing")
+        >>> server.update_policy_weights_(policy.state_dict()); server.policy_version
+        1
+        >>> server.shutdown(); server.shutdown()
     """
 
     def __init__(self, server: Any, policy: Any) -> None:

@@ -35,7 +35,17 @@ def csv_logger(directory: str | os.PathLike[str]) -> Any:
 
 
 def read_torchrl_csv(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar a ``CSVLogger`` wrote under ``directory``: ``scalars/<name>.csv`` files."""
+    """Every scalar a ``CSVLogger`` wrote under ``directory``: ``scalars/<name>.csv`` files.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> sink = csv_logger(d)
+        >>> sink.log_scalar("loss", 1.5, step=0); sink.log_scalar("loss", 0.5, step=1)
+        >>> sink.log_scalar("policy/kl", 0.25, step=1)  # written to scalars/policy/kl.csv
+        >>> read_torchrl_csv(d)
+        {'loss': [(0, 1.5), (1, 0.5)], 'policy/kl': [(1, 0.25)]}
+    """
     root = Path(directory, EXP_NAME, "scalars")
     out: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(root.rglob("*.csv")):
@@ -65,7 +75,17 @@ def tensorboard_logger(directory: str | os.PathLike[str]) -> Any:
 
 
 def read_tensorboard(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in the TensorBoard event files under ``directory``, via TensorBoard's reader."""
+    """Every scalar in the TensorBoard event files under ``directory``, via TensorBoard's reader.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> sink = tensorboard_logger(d)
+        >>> sink.log_scalar("loss", 1.5, step=0); sink.log_scalar("loss", 0.5, step=1)
+        >>> sink.close()
+        >>> read_tensorboard(d)
+        {'loss': [(0, 1.5), (1, 0.5)]}
+    """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out: dict[str, list[tuple[int, float]]] = {}

@@ -82,6 +82,15 @@ class ContractLoss(torch.nn.Module):
     ``entropy`` and the KL to the reference over the tokens the loss trains on (TorchRL
     averages them over every position of the padded batch; its values are 0 outside the mask,
     so a rescale is exact). The KL term is then a token mean whatever the aggregation.
+
+    Example:
+        >>> from torchrl.objectives.llm import GRPOLoss
+        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> actor = transformers_actor(tiny_causal_lm())
+        >>> loss = ContractLoss(GRPOLoss(actor, masking_strategy="rlhf", aggregation="prompt_mean"))
+        >>> loss(llm_batch(2, 8, vocab_size=64))["loss_objective"].shape  # TorchRL's is [1]
+        torch.Size([])
     """
 
     def __init__(self, loss: Any) -> None:

@@ -100,6 +100,15 @@ class RaySchemeSender:
     buffers included (a tiny Llama's rotary ``inv_freq``), which no ``state_dict`` carries: sent
     a state dict alone, it waits for tensors that never come until the gloo timeout. The call
     shape is mapped by adding those buffers, as the receiving model holds them (``extras``).
+
+    Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> sender, receiver = ray_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
+        >>> sorted(sender.extras)  # doctest: +SKIP
+        ['model.rotary_emb.inv_freq', 'model.rotary_emb.original_inv_freq']
+        >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=2)  # doctest: +SKIP
+        >>> receiver.receive(timeout=30); receiver.version  # doctest: +SKIP
+        2
     """
 
     def __init__(self, scheme: Any, extras: Mapping[str, torch.Tensor]) -> None:
@@ -121,7 +130,18 @@ class RaySchemeSender:
 
 
 class RayReceiver:
-    """This process's view of the receiving actor: its version, weights and process."""
+    """This process's view of the receiving actor: its version, weights and process.
+
+    Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> trainer = tiny_causal_lm(seed=1)
+        >>> sender, receiver = ray_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
+        >>> sender.send(trainer.state_dict(), version=1)  # doctest: +SKIP
+        >>> receiver.receive(timeout=30)  # doctest: +SKIP
+        >>> got = receiver.state_dict()["lm_head.weight"]  # doctest: +SKIP
+        >>> receiver.version, got.equal(trainer.lm_head.weight)  # doctest: +SKIP
+        (1, True)
+    """
 
     def __init__(self, actor: Any, sender: RaySchemeSender, scheme: Any) -> None:
         self.actor = actor

@@ -122,6 +122,16 @@ class LayoutOnlyCollector:
     Items keep TorchRL's own values: the root ``policy_version`` TorchRL stamps, the response
     log-probs it returns; the assistant mask (``None`` in TorchRL's token mode) is the
     response span. Weights go to ``LLMCollector.update_policy_weights_`` untouched.
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7]], 1, max_new_tokens=1)
+        >>> [batch] = src
+        >>> item = batch.tensordicts[0]
+        >>> item["masks", "all_assistant_mask"].tolist(), item["policy_version"].item()
+        ([False, False, False, True], 0)
+        >>> bool(item["log_probs", "full"][3] == 0)  # TorchRL's generating wrapper writes 0 here
+        True
     """
 
     version_key: Any = "policy_version"

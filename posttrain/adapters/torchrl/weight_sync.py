@@ -66,7 +66,17 @@ def _call_with_timeout(fn: Callable[[], Any], timeout: float, what: str) -> None
 
 
 class TorchRLReceiver:
-    """The receiving end: the model TorchRL writes into, and the version last sent to it."""
+    """The receiving end: the model TorchRL writes into, and the version last sent to it.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> sender, receiver = weight_sync_pair(model, "vanilla")
+        >>> sender.send({k: torch.zeros_like(v) for k, v in model.state_dict().items()}, version=5)
+        >>> receiver.version  # the weights are in; the version is adopted on receive()
+        0
+        >>> receiver.receive(); receiver.version, bool((receiver.model.weight == 0).all())
+        (5, True)
+    """
 
     def __init__(
         self,
@@ -164,7 +174,12 @@ class CheckedSender:
 
 
 def weight_signature(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, torch.Size]]:
-    """Name -> (dtype, shape) of every tensor in ``model.state_dict()``."""
+    """Name -> (dtype, shape) of every tensor in ``model.state_dict()``.
+
+    Example:
+        >>> weight_signature(torch.nn.Linear(3, 2))
+        {'weight': (torch.float32, torch.Size([2, 3])), 'bias': (torch.float32, torch.Size([2]))}
+    """
     return {k: (v.dtype, v.shape) for k, v in model.state_dict().items()}
 
 

@@ -88,6 +88,16 @@ def install(trainer: Any, callback: Any) -> Any:
 
     ``Trainer(callbacks=...)`` appends after the reporters, which would log ``logs`` before
     the callback adds to it.
+
+    Example:
+        >>> import tempfile
+        >>> from transformers import Trainer, TrainingArguments
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> args = TrainingArguments(tempfile.mkdtemp(), report_to=["tensorboard"], use_cpu=True)
+        >>> trainer = Trainer(tiny_causal_lm(), args)
+        >>> cb = install(trainer, CatalogueCallback())
+        >>> [type(c).__name__ for c in trainer.callback_handler.callbacks]
+        ['CatalogueCallback', 'DefaultFlowCallback', 'TensorBoardCallback', ...]
     """
     trainer.callback_handler.callbacks.insert(0, callback)
     return callback

@@ -47,14 +47,34 @@ Values = Literal["tensor", "numpy", "list"]
 
 
 class MissingKey(KeyError):
-    """A column's key is not in the sampled batch (the message names key and what was found)."""
+    """A column's key is not in the sampled batch (the message names key and what was found).
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> from posttrain.conformance.data import llm_batch
+        >>> rb = RingBuffer(4); _ = rb.extend(llm_batch(4))
+        >>> ds = BufferDataset(rb, 2, columns={"ids": "input_ids"})  # layout: ("tokens", "full")
+        >>> next(iter(ds))
+        Traceback (most recent call last):
+        ...
+        posttrain...MissingKey: column 'ids': key 'input_ids' is not in the sampled batch; found ...
+    """
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
 class WorkerRefused(RuntimeError):
-    """A :class:`BufferDataset` was asked to run in a ``DataLoader`` worker process."""
+    """A :class:`BufferDataset` was asked to run in a ``DataLoader`` worker process.
+
+    Example:
+        >>> import pickle
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> pickle.dumps(BufferDataset(RingBuffer(4), 2))  # how a spawned DataLoader worker gets it
+        Traceback (most recent call last):
+        ...
+        posttrain...WorkerRefused: BufferDataset samples a live buffer ...; set num_workers=0 ...
+    """
 
 
 _WORKERS = (

@@ -18,7 +18,17 @@ __all__ = ["SourceClosed", "TRLRolloutSource"]
 
 
 class SourceClosed(RuntimeError):
-    """Iterating or updating a source after ``shutdown()``."""
+    """Iterating or updating a source after ``shutdown()``.
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> src = TRLRolloutSource(tiny_causal_lm(), [[5, 6, 7]], 1)
+        >>> src.shutdown()
+        >>> next(iter(src))
+        Traceback (most recent call last):
+        ...
+        posttrain...SourceClosed: this rollout source was shut down; create a new one
+    """
 
 
 class _Discard:
