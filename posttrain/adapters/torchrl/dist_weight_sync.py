@@ -152,10 +152,19 @@ class DistReceiver:
             raise RuntimeError("state_dict: this pair was closed (a newer pair replaces it)")
         if not self._proc.is_alive():
             raise RuntimeError(f"the receiving process died (exit code {self._proc.exitcode})")
-        self._conn.send("state")
-        if not self._conn.poll(START_TIMEOUT_S):
-            raise TimeoutError("the receiving process did not answer within its timeout")
-        out: dict[str, torch.Tensor] = self._conn.recv()
+        try:
+            self._conn.send("state")
+            if not self._conn.poll(START_TIMEOUT_S):
+                raise TimeoutError("the receiving process did not answer within its timeout")
+            out: dict[str, torch.Tensor] = self._conn.recv()
+        except (ConnectionError, EOFError) as e:
+            # A process that is dying (gloo aborts it on a bad receive) still counts as alive
+            # for a moment while its end of the pipe is already gone: say what happened to it.
+            self._proc.join(TIMEOUT_S)
+            if self._proc.exitcode is not None:
+                msg = f"the receiving process died (exit code {self._proc.exitcode})"
+                raise RuntimeError(msg) from e
+            raise
         return out
 
     def close(self) -> None:
