@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,64 @@ def test_mixed_dtypes_are_stored_bit_exactly(tmp_path: Path) -> None:
                 b.view(torch.uint8) if b.dtype != torch.bool else b,
             )
     assert "keys=[" in repr(rb)
+
+
+def _same_state(a: dict[str, object], b: dict[str, object]) -> bool:
+    return all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]  # type: ignore[arg-type]
+        for k in a
+    )
+
+
+def _corrupt(state: dict[str, object], key: str) -> dict[str, object]:
+    bad = dict(state)
+    if key == "rows":
+        bad["rows"] = state["rows"][:, :-8]  # type: ignore[index]
+    elif key == "rng":
+        bad["rng"] = torch.zeros(3, dtype=torch.uint8)
+    elif key == "cursor":
+        bad["cursor"] = 1  # the ring is not full: the cursor must be at len
+    elif key == "schema":
+        bad["schema"] = [(("x",), "not_a_dtype", ())]
+    elif key == "epoch":
+        bad["epoch"] = [99]
+    else:
+        del bad[key]
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [
+        ("rows", "state_dict['rows']: expected uint8 [3, "),
+        ("rng", "state_dict['rng']: expected a CPU torch.Generator state"),
+        ("cursor", "state_dict['cursor']: expected len (3)"),
+        ("schema", "state_dict['schema']: expected ItemSchema.to_state()'s output"),
+        ("epoch", "state_dict['epoch']: expected a list of ints in [0, 3)"),
+        ("write_count", "missing ['write_count']"),
+    ],
+)
+def test_a_bad_state_is_refused_whole_with_the_buffer_unchanged(key: str, says: str) -> None:
+    other = RingBuffer(8, seed=1)
+    other.extend(llm_batch(3, uid_start=100))
+    rb = RingBuffer(8, seed=0)
+    rb.extend(TensorDict({"z": torch.arange(5)}, batch_size=[5]))
+    before = rb.state_dict()
+    with pytest.raises(ValueError, match=re.escape(says)):
+        rb.load_state_dict(_corrupt(other.state_dict(), key))
+    assert _same_state(rb.state_dict(), before)
+    assert rb.read(torch.arange(5))["z"].tolist() == [0, 1, 2, 3, 4]
+    assert "keys=['z']" in repr(rb)
+
+
+def test_read_refuses_float_and_bool_indices_and_capacity_refuses_bool() -> None:
+    rb = RingBuffer(4, seed=0)
+    rb.extend(llm_batch(2))
+    with pytest.raises(TypeError, match="expected integer indices, found dtype float32"):
+        rb.read(torch.tensor([0.5]))
+    with pytest.raises(TypeError, match="found dtype bool"):
+        rb.read(torch.tensor([True, False]))
+    with pytest.raises(IndexError, match=r"indices \[2\] hold no item \(stored: 0..1\)"):
+        rb.read(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="capacity: expected a positive int, found True"):
+        RingBuffer(True)  # bool is an int subclass, not a size

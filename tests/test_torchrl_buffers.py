@@ -84,3 +84,40 @@ def test_each_published_repro_still_reproduces(deviation: Deviation) -> None:
 def test_every_raw_failure_has_a_published_repro() -> None:
     found = set().union(*(getattr(trl_impls, n).known_failures for n in RAW))
     assert found == {r for d in DEVIATIONS for r in d.requirements}
+
+
+def test_adapter_refuses_a_state_without_its_schema_before_touching_the_storage() -> None:
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    def make() -> ValidatedReplayBuffer:
+        return ValidatedReplayBuffer(TensorDictReplayBuffer(storage=LazyTensorStorage(8)))
+
+    src = make()
+    src.extend(TensorDict({"x": torch.ones(3)}, batch_size=[3]))
+    rb = make()
+    rb.extend(TensorDict({"z": torch.arange(3)}, batch_size=[3]))
+    with pytest.raises(ValueError, match=r"expected keys \['rb', 'schema'\].*found \['rb'\]"):
+        rb.load_state_dict({"rb": src.state_dict()["rb"]})
+    bad_schema = {"rb": src.state_dict()["rb"], "schema": [(("x",), "no_such_dtype", [])]}
+    with pytest.raises(ValueError, match=r"state_dict\['schema'\]: expected ItemSchema"):
+        rb.load_state_dict(bad_schema)
+    back = rb.read(torch.arange(3))
+    assert back["z"].tolist() == [0, 1, 2]
+    assert "x" not in back
+    with pytest.raises(ContractViolation):
+        rb.extend(TensorDict({"x": torch.ones(1)}, batch_size=[1]))  # the schema is still z's
+
+
+def test_adapter_checks_sample_size_and_read_indices() -> None:
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    rb = ValidatedReplayBuffer(TensorDictReplayBuffer(storage=LazyTensorStorage(8)))
+    rb.extend(TensorDict({"z": torch.arange(3)}, batch_size=[3]))
+    for bad in (-1, 2.5, None, True):
+        with pytest.raises(
+            ValueError, match=f"batch_size: expected a non-negative int, found {bad!r}"
+        ):
+            rb.sample(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expected integer indices, found dtype float32"):
+        rb.read(torch.tensor([0.5]))
+    assert len(rb) == 3

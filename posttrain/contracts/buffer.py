@@ -10,7 +10,7 @@ from tensordict import TensorDictBase
 from posttrain.contracts.contract import Capability, Contract, Option
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = ["BUFFER", "ReplayBufferV1", "SupportsCheckpoint", "SupportsPriority"]
+__all__ = ["BUFFER", "ReplayBufferV1", "SupportsCheckpoint", "SupportsPriority", "storage_indices"]
 
 
 class ReplayBufferV1(Protocol):
@@ -104,6 +104,33 @@ class SupportsRead(Protocol):
     def read(self, indices: torch.Tensor, /) -> Any:
         """A TensorDict [len(indices)] of the items stored at ``indices``, in that order."""
         ...
+
+
+def storage_indices(indices: Any, length: int) -> torch.Tensor:
+    """``indices`` for a ``read`` of a buffer holding ``length`` items, as 1-D int64.
+
+    Raises ``TypeError`` for float or bool indices (truncating 0.5 to 0 would read an item
+    nobody asked for) and ``IndexError`` naming every index that holds no item.
+
+    Example:
+        >>> storage_indices([2, 0], length=3).tolist()
+        [2, 0]
+        >>> storage_indices(torch.tensor([0.5]), length=3)
+        Traceback (most recent call last):
+        ...
+        TypeError: read: expected integer indices, found dtype float32
+    """
+    idx = torch.as_tensor(indices)
+    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+        raise TypeError(f"read: expected integer indices, found dtype {str(idx.dtype)[6:]}")
+    idx = idx.to(torch.int64).reshape(-1)
+    bad = idx[(idx < 0) | (idx >= length)]
+    if bad.numel():
+        raise IndexError(
+            f"read: indices {bad.tolist()} hold no item (stored: "
+            + (f"0..{length - 1})" if length else "none)")
+        )
+    return idx
 
 
 _M, _S = Level.MUST, Level.SHOULD

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain.contracts.buffer import storage_indices
 from posttrain.contracts.layout import key_str
 from posttrain.contracts.schema import ItemSchema, batch_violations, leaf_items
 from posttrain.contracts.validation import ContractViolation
@@ -63,7 +64,7 @@ class RingBuffer:
         sampling: str = "with_replacement",
         seed: int | None = None,
     ) -> None:
-        if not isinstance(capacity, int) or capacity < 1:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity: expected a positive int, found {capacity!r}")
         if sampling not in ("with_replacement", "without_replacement"):
             raise ValueError(
@@ -192,14 +193,10 @@ class RingBuffer:
 
     def read(self, indices: torch.Tensor, /) -> TensorDict:
         """The items at storage ``indices`` (as :meth:`extend` returned them), in that order."""
-        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
         with self._lock:
-            bad = idx[(idx < 0) | (idx >= self._len)]
-            if bad.numel() or self._rows is None:
-                raise IndexError(
-                    f"read: indices {(bad if bad.numel() else idx).tolist()} hold no item "
-                    f"(stored: 0..{self._len - 1})"
-                )
+            idx = storage_indices(indices, self._len)
+            if self._rows is None:  # nothing stored: only an empty read gets here
+                raise IndexError("read: the buffer holds no item yet (extend it first)")
             rows = self._rows.index_select(0, idx.to(self._rows.device))
         return _tensordict(self._nested(self._views(rows)), int(idx.shape[0]), self.device)
 
@@ -241,26 +238,45 @@ class RingBuffer:
             }
 
     def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
-        """Restore :meth:`state_dict`'s output; the next extend writes where the original would."""
-        if state_dict.get("capacity") != self.capacity:
+        """Restore :meth:`state_dict`'s output; the next extend writes where the original would.
+
+        The whole state is checked first: a bad one raises ``ValueError`` naming the key, with
+        the buffer unchanged.
+        """
+        st = _checked_state(state_dict, self.capacity)
+        try:
+            schema = None if st["schema"] is None else ItemSchema.from_state(st["schema"])
+        except (TypeError, ValueError, AttributeError) as e:
             raise ValueError(
-                f"state_dict['capacity']: expected {self.capacity}, found {state_dict.get('capacity')!r}"
+                f"state_dict['schema']: expected ItemSchema.to_state()'s output, found {e}"
+            ) from e
+        if schema is not None:
+            cols = self._layout(schema)
+            row = -(-sum(c.nbytes for c in cols.values()) // _ALIGN) * _ALIGN
+            want = (st["len"], row)
+            if tuple(st["rows"].shape) != want or st["rows"].dtype != torch.uint8:
+                raise ValueError(
+                    f"state_dict['rows']: expected uint8 {list(want)} (len x the schema's row "
+                    f"bytes), found {st['rows'].dtype} {list(st['rows'].shape)}"
+                )
+        elif st["len"] or st["rows"] is not None:
+            raise ValueError(
+                f"state_dict['rows']: expected none without a schema, found len {st['len']}"
             )
-        schema = state_dict["schema"]
         with self._lock:
             if schema is None:
                 self._schema, self._columns, self._rows, self._dst = None, None, None, None
+                self._dst_items = []
             else:
-                self._allocate(ItemSchema.from_state(schema))
+                self._allocate(schema)
                 assert self._rows is not None
-                saved = state_dict["rows"]
-                self._rows[: saved.shape[0]].copy_(saved)
-            self.sampling = state_dict["sampling"]
-            self._cursor = int(state_dict["cursor"])
-            self._len = int(state_dict["len"])
-            self._write_count = int(state_dict["write_count"])
-            self._gen.set_state(state_dict["rng"])
-            self._epoch = list(state_dict["epoch"])
+                self._rows[: st["len"]].copy_(st["rows"])
+            self.sampling = st["sampling"]
+            self._cursor = st["cursor"]
+            self._len = st["len"]
+            self._write_count = st["write_count"]
+            self._gen.set_state(st["rng"])
+            self._epoch = st["epoch"]
 
     # -- capability: checkpoint ----------------------------------------------------------
     def dumps(self, path: str | os.PathLike[str], /) -> None:
@@ -302,3 +318,61 @@ def _tensordict(nested: dict[str, Any], n: int, device: torch.device) -> TensorD
         out: TensorDict = unsafe(nested, batch_size=torch.Size([n]), device=device)
         return out
     return TensorDict(nested, batch_size=[n], device=device)
+
+
+_STATE_KEYS = (
+    "capacity",
+    "sampling",
+    "schema",
+    "rows",
+    "cursor",
+    "len",
+    "write_count",
+    "rng",
+    "epoch",
+)
+
+
+def _checked_state(state: Any, capacity: int) -> dict[str, Any]:
+    """``state`` with its ints as ints, or ``ValueError`` naming the first key that is off."""
+
+    def bad(key: str, expected: str, found: object) -> ValueError:
+        return ValueError(f"state_dict[{key!r}]: expected {expected}, found {found!r}")
+
+    if not isinstance(state, dict):
+        raise ValueError(f"state_dict: expected a dict, found {type(state).__name__}")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(
+            f"state_dict: expected keys {list(_STATE_KEYS)}, missing {missing} "
+            "(is it RingBuffer.state_dict()'s output?)"
+        )
+    out = dict(state)
+    if out["capacity"] != capacity:
+        raise bad("capacity", str(capacity), out["capacity"])
+    if out["sampling"] not in ("with_replacement", "without_replacement"):
+        raise bad("sampling", "'with_replacement' or 'without_replacement'", out["sampling"])
+    for key, lo, hi in (("len", 0, capacity), ("cursor", 0, capacity - 1)):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise bad(key, f"an int in [{lo}, {hi}]", v)
+    wc = out["write_count"]
+    if isinstance(wc, bool) or not isinstance(wc, int) or wc < out["len"]:
+        raise bad("write_count", f"an int >= len ({out['len']})", wc)
+    if out["len"] < capacity and out["cursor"] != out["len"]:
+        raise bad("cursor", f"len ({out['len']}) while the ring is not full", out["cursor"])
+    rows = out["rows"]
+    if rows is not None and not isinstance(rows, torch.Tensor):
+        raise bad("rows", "a uint8 tensor or None", type(rows).__name__)
+    rng = out["rng"]
+    try:
+        torch.Generator(device="cpu").set_state(rng)
+    except (TypeError, RuntimeError) as e:
+        raise bad("rng", "a CPU torch.Generator state", type(rng).__name__) from e
+    epoch = out["epoch"]
+    if not isinstance(epoch, list) or not all(
+        isinstance(i, int) and 0 <= i < out["len"] for i in epoch
+    ):
+        raise bad("epoch", f"a list of ints in [0, {out['len']})", epoch)
+    out["epoch"] = list(epoch)
+    return out

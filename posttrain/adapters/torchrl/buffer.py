@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from posttrain.contracts.buffer import storage_indices
 from posttrain.contracts.schema import ItemSchema, batch_violations
 from posttrain.contracts.validation import ContractViolation
 
@@ -76,6 +77,8 @@ class ValidatedReplayBuffer:
         fewer items are left; the adapter tops the batch up from the next epoch, which keeps
         the every-item-once-per-epoch order.
         """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+            raise ValueError(f"batch_size: expected a non-negative int, found {batch_size!r}")
         out = self.rb.sample(batch_size)
         got = int(out.batch_size[0]) if isinstance(out, TensorDictBase) else batch_size
         if got >= batch_size:
@@ -96,12 +99,7 @@ class ValidatedReplayBuffer:
 
         TorchRL's lazy storages hand back whatever memory sits at an index never written.
         """
-        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
-        n = len(self.rb)
-        bad = idx[(idx < 0) | (idx >= n)]
-        if bad.numel():
-            raise IndexError(f"read: indices {bad.tolist()} hold no item (stored: 0..{n - 1})")
-        return self.rb[idx]
+        return self.rb[storage_indices(indices, len(self.rb))]
 
     def __len__(self) -> int:
         return len(self.rb)
@@ -114,10 +112,21 @@ class ValidatedReplayBuffer:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
-        """Restore :meth:`state_dict`'s output."""
+        """Restore :meth:`state_dict`'s output.
+
+        The schema is read first: a state without one, or with one that does not parse, raises
+        ``ValueError`` before the wrapped buffer is touched (a storage restored under the old
+        schema would accept batches that do not match what it holds).
+        """
+        if not isinstance(state_dict, dict) or {"rb", "schema"} - state_dict.keys():
+            found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict)
+            raise ValueError(
+                f"state_dict: expected keys ['rb', 'schema'] (ValidatedReplayBuffer.state_dict()), "
+                f"found {found}"
+            )
+        schema = _schema_from_state(state_dict["schema"], "state_dict['schema']")
         self.rb.load_state_dict(state_dict["rb"])
-        s = state_dict["schema"]
-        self._schema = None if s is None else ItemSchema.from_state(s)
+        self._schema = schema
 
     def dumps(self, path: str | os.PathLike[str], /) -> None:
         """The wrapped buffer's ``dumps``, plus the schema beside it.
@@ -135,13 +144,16 @@ class ValidatedReplayBuffer:
 
     def loads(self, path: str | os.PathLike[str], /) -> None:
         """The wrapped buffer's ``loads`` (or the saved ``state_dict``), plus the schema."""
+        schema_file = Path(path, _SCHEMA_FILE)
+        if not schema_file.is_file():
+            raise FileNotFoundError(f"loads: expected {schema_file} (written by dumps), found none")
+        schema = _schema_from_state(json.loads(schema_file.read_text()), str(schema_file))
         fallback = Path(path, _STATE_FILE)
         if fallback.exists():
             self.rb.load_state_dict(torch.load(fallback, weights_only=False))
         else:
             self.rb.loads(path)
-        state = json.loads(Path(path, _SCHEMA_FILE).read_text())
-        self._schema = None if state is None else ItemSchema.from_state(state)
+        self._schema = schema
 
     def update_priority(self, index: Any, priority: Any, /) -> None:
         """Delegate to the wrapped buffer."""
@@ -178,3 +190,10 @@ class ValidatedReplayBuffer:
 
     def __repr__(self) -> str:
         return f"ValidatedReplayBuffer({self.rb!r})"
+
+
+def _schema_from_state(state: Any, where: str) -> ItemSchema | None:
+    try:
+        return None if state is None else ItemSchema.from_state(state)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{where}: expected ItemSchema.to_state()'s output, found {e}") from e
