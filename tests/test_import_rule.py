@@ -110,3 +110,62 @@ def test_importing_posttrain_pulls_no_optional_dependency() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_every_lazy_optional_import_says_what_to_install() -> None:
+    # Read from the source: an import of an optional dependency inside a function sits in
+    # `with optional_deps():` or in a try that turns its failure into an install hint.
+    bad = []
+    for f in sorted(PKG.rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom) or node in tree.body:
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            mod = node.module if isinstance(node, ast.ImportFrom) and node.level == 0 else None
+            if not {m.split(".")[0] for m in [*names, *([mod] if mod else [])]} & OPTIONAL:
+                continue
+            p = parents.get(node)
+            while p is not None and not isinstance(p, ast.With | ast.Try):
+                p = parents.get(p)
+            if p is None or (
+                isinstance(p, ast.With) and "optional_deps" not in ast.unparse(p.items[0])
+            ):
+                bad.append(f"{f.relative_to(PKG)}:{node.lineno}")
+    assert not bad
+
+
+@pytest.mark.parametrize(
+    ("missing", "call", "extra"),
+    [
+        (
+            "torchrl",
+            "from posttrain.adapters.torchrl.loggers import csv_logger; csv_logger('.')",
+            "torchrl",
+        ),
+        (
+            "tensorboard",
+            "from posttrain.adapters.torchrl.loggers import read_tensorboard; read_tensorboard('.')",
+            "observability",
+        ),
+        (
+            "datasets",
+            "from posttrain.adapters.trl.dataset import prompt_dataset; prompt_dataset(None, None, 1)",
+            "trl",
+        ),
+        (
+            "mlflow",
+            "from posttrain.observability.sinks import read_mlflow; read_mlflow('.', 'x')",
+            "observability",
+        ),
+    ],
+)
+def test_a_missing_optional_dependency_names_its_extra(missing: str, call: str, extra: str) -> None:
+    code = f"import sys; sys.modules[{missing!r}] = None\n{call}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert (
+        last == f"ModuleNotFoundError: {missing} is not installed: pip install 'posttrain[{extra}]'"
+    )

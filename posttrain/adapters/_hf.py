@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from posttrain._deps import optional_deps
+
 __all__ = ["word_level_tokenizer"]
 
 
@@ -22,7 +24,9 @@ def word_level_tokenizer(config: Any) -> Any:
         (64, 2)
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+
+    with optional_deps():
+        from transformers import PreTrainedTokenizerFast
 
     specials = {
         "<pad>": config.pad_token_id or 0,

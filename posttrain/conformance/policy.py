@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from posttrain._deps import optional_deps
+
 __all__ = ["forced_token_weights", "tiny_causal_lm", "tiny_reward_model"]
 
 
@@ -56,7 +58,8 @@ def tiny_reward_model(*, vocab_size: int = 64, seed: int = 1, hidden_size: int =
         >>> rm(input_ids=torch.tensor([[5, 6, 7]])).logits.shape
         torch.Size([1, 1])
     """
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    with optional_deps():
+        from transformers import LlamaConfig, LlamaForSequenceClassification
 
     config: Any = LlamaConfig  # num_labels is a PretrainedConfig kwarg the stubs omit
     cfg = config(

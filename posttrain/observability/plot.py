@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from posttrain._deps import optional_deps
 from posttrain.contracts.catalogue import CATALOGUE_V1
 
 __all__ = ["PANELS", "dashboard", "main", "read_run"]
@@ -53,7 +54,8 @@ def read_run(directory: str | os.PathLike[str], *, mlflow_run: str | None = None
             for k, v in read_jsonl(sub).items():
                 out.setdefault(k, []).extend(v)
     if any(d.rglob("events.out.tfevents.*")):
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        with optional_deps():
+            from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         for run in sorted({p.parent for p in d.rglob("events.out.tfevents.*")}):
             acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
@@ -84,10 +86,12 @@ def dashboard(scalars: Scalars, out: str | os.PathLike[str], *, title: str = "")
         >>> path.stat().st_size > 1000
         True
     """
-    import matplotlib
+    with optional_deps():
+        import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    with optional_deps():
+        import matplotlib.pyplot as plt
 
     cols = 4
     rows = -(-len(PANELS) // cols)

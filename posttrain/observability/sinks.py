@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from posttrain._deps import optional_deps
+
 __all__ = [
     "MlflowSink",
     "Tee",
@@ -111,7 +113,8 @@ def read_mlflow(
         >>> read_mlflow(d, "trl")  # doctest: +SKIP
         {'policy/kl_ref/k3': [(3, 0.25)]}
     """
-    from mlflow.tracking import MlflowClient
+    with optional_deps():
+        from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=mlflow_uri(directory))
     exp = client.get_experiment_by_name(EXPERIMENT)

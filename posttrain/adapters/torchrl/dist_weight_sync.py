@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from posttrain._deps import optional_deps
 from posttrain.adapters.torchrl.ray_weight_sync import non_persistent_buffers
 from posttrain.adapters.torchrl.weight_sync import CheckedSender, _call_with_timeout, _nested
 
@@ -207,7 +208,8 @@ def dist_weight_sync_pair(
         2
         >>> receiver.close()  # doctest: +SKIP
     """
-    from torchrl.weight_update import DistributedWeightSyncScheme
+    with optional_deps():
+        from torchrl.weight_update import DistributedWeightSyncScheme
 
     for old in list(_LIVE):
         old.close()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from posttrain._deps import optional_deps
 from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signature
 from posttrain.contracts.generation import (
     PROMPT_KEY,
@@ -65,11 +66,13 @@ class GenerateBatch(torch.nn.Module):
 
 
 def _server(policy: Any, max_new_tokens: int, processes: bool) -> Any:
-    from torchrl.modules.inference_server import InferenceServer
+    with optional_deps():
+        from torchrl.modules.inference_server import InferenceServer
 
     transport: Any = "auto"
     if processes:  # clients that can be handed to spawned processes
-        from torchrl.modules.inference_server._mp import MPTransport
+        with optional_deps():
+            from torchrl.modules.inference_server._mp import MPTransport
 
         transport = MPTransport()
     server = InferenceServer(

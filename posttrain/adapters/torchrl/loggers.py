@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from posttrain._deps import optional_deps
+
 __all__ = [
     "csv_logger",
     "read_tensorboard",
@@ -29,7 +31,8 @@ def csv_logger(directory: str | os.PathLike[str]) -> Any:
         >>> read_torchrl_csv(d)
         {'rollout/reward/mean': [(2, 0.5)]}
     """
-    from torchrl.record.loggers.csv import CSVLogger
+    with optional_deps():
+        from torchrl.record.loggers.csv import CSVLogger
 
     return CSVLogger(exp_name=EXP_NAME, log_dir=str(directory))
 
@@ -69,7 +72,8 @@ def tensorboard_logger(directory: str | os.PathLike[str]) -> Any:
         >>> read_tensorboard(d)
         {'policy/kl_ref/k3': [(3, 0.25)]}
     """
-    from torchrl.record.loggers.tensorboard import TensorboardLogger
+    with optional_deps():
+        from torchrl.record.loggers.tensorboard import TensorboardLogger
 
     return TensorboardLogger(exp_name=EXP_NAME, log_dir=str(directory))
 
@@ -86,7 +90,8 @@ def read_tensorboard(directory: str | os.PathLike[str]) -> dict[str, list[tuple[
         >>> read_tensorboard(d)
         {'loss': [(0, 1.5), (1, 0.5)]}
     """
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    with optional_deps():
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out: dict[str, list[tuple[int, float]]] = {}
     runs = sorted({p.parent for p in Path(directory).rglob("events.out.tfevents.*")})
@@ -111,7 +116,8 @@ def wandb_logger(directory: str | os.PathLike[str]) -> Any:
         >>> sink = wandb_logger(tempfile.mkdtemp())  # doctest: +SKIP
         >>> sink.log_scalar("policy/kl_ref/k3", 0.25, step=3); sink.close()  # doctest: +SKIP
     """
-    from torchrl.record.loggers.wandb import WandbLogger
+    with optional_deps():
+        from torchrl.record.loggers.wandb import WandbLogger
 
     from posttrain.observability.sinks import quiet_wandb_settings
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain._deps import optional_deps
 from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.validation import check
@@ -37,7 +38,8 @@ def transformers_actor(
         >>> from posttrain.conformance.policy import tiny_causal_lm  # doctest: +SKIP
         >>> actor = transformers_actor(tiny_causal_lm())  # doctest: +SKIP
     """
-    from torchrl.modules.llm import TransformersWrapper
+    with optional_deps():
+        from torchrl.modules.llm import TransformersWrapper
 
     return TransformersWrapper(
         policy,
@@ -120,7 +122,8 @@ def make_loss(cls_name: str, *, adapted: bool) -> Any:
     """A loss factory ``factory(policy, **options)`` for a TorchRL LLM loss class."""
 
     def factory(policy: Any, aggregation: str = "token_mean", **kwargs: Any) -> Any:
-        import torchrl.objectives.llm as llm
+        with optional_deps():
+            import torchrl.objectives.llm as llm
 
         cls = getattr(llm, cls_name)
         if adapted:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from posttrain._deps import optional_deps
 from posttrain.adapters._ray import ensure_cluster, ray_get
 from posttrain.adapters.torchrl.weight_sync import (
     SEND_TIMEOUT_S,
@@ -45,7 +46,8 @@ CONNECT_TIMEOUT_S = 120.0
 
 
 def _set_dist_timeout() -> None:
-    import torchrl.weight_update._ray as scheme_module
+    with optional_deps():
+        import torchrl.weight_update._ray as scheme_module
 
     # A module constant, not an argument, in TorchRL 0.14; lowered so a hung sync fails fast.
     scheme_module._DIST_TIMEOUT = timedelta(seconds=DIST_TIMEOUT_S)
@@ -212,7 +214,8 @@ def ray_weight_sync_pair(
         >>> receiver.receive(); receiver.version  # doctest: +SKIP
         3
     """
-    from torchrl.weight_update import RayWeightSyncScheme
+    with optional_deps():
+        from torchrl.weight_update import RayWeightSyncScheme
 
     ray = ensure_cluster()
     _set_dist_timeout()

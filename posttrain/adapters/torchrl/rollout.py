@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from posttrain._deps import optional_deps
 from posttrain.adapters.torchrl.loss import transformers_actor
 from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signature
 from posttrain.contracts.layout import LLM_LAYOUT_V1
@@ -42,9 +43,11 @@ def token_prompt_env(prompts: list[list[int]]) -> Any:
         torch.Size([2])
     """
     from tensordict import lazy_stack
-    from torchrl.envs import StepCounter
-    from torchrl.envs.llm import ChatEnv, DataLoadingPrimer
-    from torchrl.modules.llm.policies import Tokens
+
+    with optional_deps():
+        from torchrl.envs import StepCounter
+        from torchrl.envs.llm import ChatEnv, DataLoadingPrimer
+        from torchrl.modules.llm.policies import Tokens
 
     class TokenPromptChatEnv(ChatEnv):
         def _reset(self, tensordict: TensorDictBase, **kwargs: Any) -> TensorDictBase:
@@ -256,7 +259,8 @@ def llm_collector(
         >>> sum(1 for _ in src)
         2
     """
-    from torchrl.collectors.llm import LLMCollector
+    with optional_deps():
+        from torchrl.collectors.llm import LLMCollector
 
     wrapper = transformers_actor(
         policy,

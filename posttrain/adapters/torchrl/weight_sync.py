@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain._deps import optional_deps
+
 __all__ = [
     "CheckedSender",
     "TorchRLReceiver",
@@ -214,7 +216,8 @@ def _dt(dtype: torch.dtype) -> str:
 def _scheme_push(
     kind: str, model: torch.nn.Module
 ) -> tuple[Callable[[TensorDictBase], Any], Callable[[], None]]:
-    from torchrl.weight_update import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
+    with optional_deps():
+        from torchrl.weight_update import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
 
     scheme = SharedMemWeightSyncScheme() if kind == "shared_mem" else MultiProcessWeightSyncScheme()
     start = TensorDict.from_module(model).data.clone()  # a model here would alias its storage
@@ -227,7 +230,8 @@ def _scheme_push(
 
 
 def _vanilla_push(model: torch.nn.Module) -> Callable[[TensorDictBase], Any]:
-    from torchrl.collectors import VanillaWeightUpdater
+    with optional_deps():
+        from torchrl.collectors import VanillaWeightUpdater
 
     updater = VanillaWeightUpdater(policy_weights=TensorDict.from_module(model).data)
 

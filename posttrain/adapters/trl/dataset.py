@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
+from posttrain._deps import optional_deps
 from posttrain.adapters._layout import fill_mask, pad_values, to_padded
 from posttrain.contracts.buffer import ReplayBufferV1
 from posttrain.contracts.layout import (
@@ -479,7 +480,8 @@ def prompt_dataset(
         >>> len(row["prompt"].split()) == len(row["prompt_ids"]) == 3
         True
     """
-    import datasets
+    with optional_deps():
+        import datasets
 
     source = BufferDataset(
         buffer,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from posttrain._deps import optional_deps
 from posttrain.contracts.buffer import ReplayBufferV1
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 
@@ -220,7 +221,8 @@ def _generate(
     if config is not None:
         config = copy.deepcopy(config)
     else:
-        from transformers import GenerationConfig
+        with optional_deps():
+            from transformers import GenerationConfig
 
         make: Any = GenerationConfig  # untyped constructor
         config = make(max_new_tokens=trainer.args.max_completion_length, do_sample=True)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from posttrain._deps import optional_deps
 from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.trl.rollout import CaptureRollouts
 
@@ -71,9 +72,10 @@ class TRLRolloutSource:
             raise ValueError("prompts: expected a non-empty list of non-empty token lists")
         if total_batches is not None and total_batches < 0:
             raise ValueError(f"total_batches: expected None or >= 0, found {total_batches}")
-        from datasets import Dataset
-        from trl.trainer.grpo_config import GRPOConfig
-        from trl.trainer.grpo_trainer import GRPOTrainer
+        with optional_deps():
+            from datasets import Dataset
+            from trl.trainer.grpo_config import GRPOConfig
+            from trl.trainer.grpo_trainer import GRPOTrainer
 
         # A copy: TRL wants left padding, and the caller's tokenizer keeps its own side.
         tok = (

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from posttrain._deps import optional_deps
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
 from posttrain.conformance.data import item_uids, llm_batch, ragged_llm_batch
 from posttrain.conformance.registry import requirement
@@ -551,7 +552,8 @@ def _produce(
     Returns the indices each good extend returned, and what the bad extend did:
     ``"raised <type>: <message>"``, ``"accepted"``, or ``""`` when there was none.
     """
-    import ray
+    with optional_deps():
+        import ray
 
     ray.get(gate.arrive.remote())
     deadline = time.monotonic() + PRODUCERS_WAIT_S / 2

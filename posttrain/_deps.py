@@ -1,0 +1,50 @@
+"""Optional dependencies: the extra that installs each, and an error that names it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+__all__ = ["optional_deps"]
+
+EXTRAS = {
+    "torchrl": "torchrl",
+    "trl": "trl",
+    "transformers": "trl",
+    "datasets": "trl",
+    "accelerate": "trl",
+    "tensorboard": "observability",
+    "mlflow": "observability",
+    "wandb": "observability",
+    "matplotlib": "observability",
+    "ray": "ray",
+}
+"""Top-level module -> the ``posttrain[...]`` extra that installs it (pyproject.toml)."""
+
+
+@contextlib.contextmanager
+def optional_deps() -> Iterator[None]:
+    """Around a lazy import: a missing optional dependency says which extra installs it.
+
+    Other import errors (a broken install, a missing core dependency) pass unchanged.
+
+    Example:
+        >>> import sys
+        >>> sys.modules["mlflow"] = None  # as if not installed
+        >>> with optional_deps():
+        ...     import mlflow
+        Traceback (most recent call last):
+        ...
+        ModuleNotFoundError: mlflow is not installed: pip install 'posttrain[observability]'
+        >>> del sys.modules["mlflow"]
+    """
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        root = (e.name or "").split(".")[0]
+        extra = EXTRAS.get(root)
+        if extra is None:
+            raise
+        raise ModuleNotFoundError(
+            f"{root} is not installed: pip install 'posttrain[{extra}]'", name=e.name
+        ) from e
