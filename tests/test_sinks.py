@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from posttrain.conformance import Status, run
 from posttrain.observability.implementations import MLFLOW_SINK, WANDB_SINK
 from posttrain.observability.sinks import WANDB_STEP, WandbSink, quiet_wandb_settings, read_wandb
+from posttrain.reference_impls import JsonlSink, read_jsonl
 
 
 def test_wandb_sink_conforms() -> None:
@@ -87,3 +90,39 @@ def test_read_wandb_refuses_a_run_with_another_step_convention(tmp_path: Path) -
     sink.close()
     with pytest.raises(ValueError, match="none at its step column"):
         read_torchrl_wandb(tmp_path)  # TorchRL's columns are <group>/step, not posttrain:step
+
+
+@pytest.mark.parametrize(
+    ("value", "step", "says"),
+    [
+        (1.0, 2.7, "step expected an int >= 0 or None, found 2.7"),
+        (1.0, -5, "step expected an int >= 0 or None, found -5"),
+        (1.0, True, "step expected an int >= 0 or None, found True"),
+        ("abc", 1, "value expected one real number, found 'abc'"),
+        ("nan", 1, "value expected one real number, found 'nan'"),
+        (torch.ones(2), 1, "value expected one real number, found tensor([1., 1.])"),
+    ],
+)
+def test_jsonl_sink_refuses_what_would_not_read_back_as_logged(
+    tmp_path: Path, value: object, step: object, says: str
+) -> None:
+    sink = JsonlSink(tmp_path)
+    sink.log_scalar("loss/total", 1.0, step=1)
+    with pytest.raises(ValueError, match=re.escape(f"metric 'loss/total': {says}")):
+        sink.log_scalar("loss/total", value, step=step)  # type: ignore[arg-type]
+    sink.log_scalar("loss/total", torch.tensor(2.0), step=torch.tensor(4))  # type: ignore[arg-type]
+    sink.close()
+    assert read_jsonl(tmp_path) == {"loss/total": [(1, 1.0), (4, 2.0)]}
+
+
+def test_mlflow_sink_refuses_logging_after_close(tmp_path: Path) -> None:
+    from posttrain.observability.sinks import MlflowSink, read_mlflow
+
+    sink = MlflowSink(tmp_path)
+    sink.log_scalar("loss/total", 1.0, step=1)
+    sink.close()
+    with pytest.raises(RuntimeError, match=r"log_scalar\('loss/total'\) after close"):
+        sink.log_scalar("loss/total", 3.0, step=9)
+    with pytest.raises(ValueError, match=re.escape("step expected an int >= 0 or None, found 2.5")):
+        MlflowSink(tmp_path, run_name="second").log_scalar("loss/total", 1.0, step=2.5)  # type: ignore[arg-type]
+    assert read_mlflow(tmp_path, "run") == {"loss/total": [(1, 1.0)]}

@@ -2,16 +2,53 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any, Protocol
 
 from posttrain.contracts.contract import Capability, Contract
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = ["METRICS", "METRIC_NAME", "MetricSinkV1"]
+__all__ = ["METRICS", "METRIC_NAME", "MetricSinkV1", "metric_point"]
 
 METRIC_NAME = re.compile(r"^[a-z0-9_]+(/[a-z0-9_]+)*$")
 """Metric names: lowercase path segments, e.g. ``policy/kl_ref/k3``."""
+
+
+def metric_point(name: str, value: Any, step: Any = None) -> tuple[str, float, int]:
+    """A ``log_scalar`` call's arguments checked: ``(name, float value, int step >= 0)``.
+
+    ``value`` is anything with one real number (a float, an int, a one-element tensor);
+    ``step`` an integer (``None``: 0). A float step is refused rather than rounded: MET-001
+    reads back the step that was logged.
+
+    Example:
+        >>> import torch
+        >>> metric_point("loss/total", torch.tensor(0.5), step=3)
+        ('loss/total', 0.5, 3)
+        >>> metric_point("loss/total", 0.5, step=2.7)
+        Traceback (most recent call last):
+        ...
+        ValueError: metric 'loss/total': step expected an int >= 0 or None, found 2.7
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"metric name: expected a str, found {type(name).__name__}")
+    if step is None:
+        s = 0
+    else:
+        try:
+            s = -1 if isinstance(step, bool) else operator.index(step)
+        except TypeError:
+            s = -1
+        if s < 0:
+            raise ValueError(f"metric {name!r}: step expected an int >= 0 or None, found {step!r}")
+    bad = ValueError(f"metric {name!r}: value expected one real number, found {value!r:.80}")
+    if isinstance(value, str | bytes | complex):  # float("nan") would turn text into a value
+        raise bad
+    try:
+        return name, float(value), s
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise bad from e
 
 
 class MetricSinkV1(Protocol):

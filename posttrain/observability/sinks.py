@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain._deps import optional_deps
+from posttrain.contracts.metrics import metric_point
 
 __all__ = [
     "MlflowSink",
@@ -82,9 +83,12 @@ class MlflowSink:
 
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
         """One metric value at ``step`` (0 when none is given)."""
-        self.client.log_metric(
-            self.run_id, name, float(value), timestamp=int(time.time() * 1000), step=step or 0
-        )
+        if self._closed:
+            raise RuntimeError(
+                f"MlflowSink: log_scalar({name!r}) after close(): the run is finished"
+            )
+        _, v, s = metric_point(name, value, step)
+        self.client.log_metric(self.run_id, name, v, timestamp=int(time.time() * 1000), step=s)
 
     def log_hparams(self, params: dict[str, Any]) -> None:
         """Run parameters (strings in MLflow)."""
@@ -223,15 +227,15 @@ class WandbSink:
             raise RuntimeError(
                 f"WandbSink: log_scalar({name!r}) after close(): the run is finished"
             )
+        _, v, s = metric_point(name, value, step)
         if name == WANDB_STEP or name.startswith("_"):
             raise ValueError(
                 f"metric name {name!r}: W&B reserves names starting with '_' and "
                 f"{WANDB_STEP!r} holds the step; expected a catalogue name such as 'loss/total'"
             )
-        s = int(step or 0)
         if self._row and (self._row[WANDB_STEP] != s or name in self._row):
             self._commit()
-        self._row[name] = float(value)
+        self._row[name] = v
         self._row[WANDB_STEP] = s
 
     def _commit(self) -> None:

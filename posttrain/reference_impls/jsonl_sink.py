@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from posttrain.contracts.metrics import METRIC_NAME
+from posttrain.contracts.metrics import METRIC_NAME, metric_point
 
 __all__ = ["FILE_NAME", "JsonlSink", "read_jsonl"]
 
@@ -42,7 +42,8 @@ class JsonlSink:
         """Record ``value`` for ``name`` at ``step`` (``None``: 0)."""
         if not isinstance(name, str) or not METRIC_NAME.match(name):
             raise ValueError(f"name: expected a match of {METRIC_NAME.pattern}, found {name!r}")
-        line = json.dumps({"name": name, "step": int(step or 0), "value": float(value)}) + "\n"
+        _, v, s = metric_point(name, value, step)
+        line = json.dumps({"name": name, "step": s, "value": v}) + "\n"
         with self._lock:
             if self._file is None:
                 self._file = self.path.open("a", encoding="utf-8")
