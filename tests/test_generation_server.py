@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
+import pytest
+
 from posttrain.conformance import Status, run
+from posttrain.conformance.policy import tiny_causal_lm
 from posttrain.contracts import Implementation
 from posttrain.reference_impls import ThreadGenerationServer
 
@@ -78,3 +82,17 @@ def test_submits_racing_shutdown_never_stay_pending() -> None:
     t.join(10)
     assert futures
     assert all(f.done() for f in futures)
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size: expected a positive int, found 0"),
+        ({"max_batch_size": -3}, "max_batch_size: expected a positive int, found -3"),
+        ({"max_new_tokens": 0}, "max_new_tokens: expected a positive int, found 0"),
+        ({"timeout": -1.0}, "timeout: expected seconds >= 0, found -1.0"),
+    ],
+)
+def test_bad_settings_are_refused_at_construction(option: dict[str, object], says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        ThreadGenerationServer(tiny_causal_lm(), **option)  # type: ignore[arg-type]

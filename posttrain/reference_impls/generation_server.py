@@ -85,6 +85,11 @@ class ThreadGenerationServer:
     ) -> None:
         if on_shutdown not in ("fail", "drain"):
             raise ValueError(f"on_shutdown: expected 'fail' or 'drain', found {on_shutdown!r}")
+        for key, v in (("max_new_tokens", max_new_tokens), ("max_batch_size", max_batch_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{key}: expected a positive int, found {v!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+            raise ValueError(f"timeout: expected seconds >= 0, found {timeout!r}")
         self.policy = policy
         self.max_new_tokens = max_new_tokens
         self.max_batch_size = max_batch_size

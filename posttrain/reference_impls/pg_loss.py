@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -69,13 +70,22 @@ class PolicyGradientLoss(torch.nn.Module):
             raise ValueError(
                 f"t_norm: seq_mean_token_sum_norm needs a positive int, found {t_norm!r}"
             )
-        low, high = (
-            (clip_epsilon, clip_epsilon) if isinstance(clip_epsilon, (int, float)) else clip_epsilon
-        )
-        if not (0 <= low < 1 and high >= 0):
+        pair: Any = (clip_epsilon, clip_epsilon) if _real(clip_epsilon) else clip_epsilon
+        if (
+            not isinstance(pair, tuple | list)
+            or len(pair) != 2
+            or not all(_real(x) for x in pair)
+            or not (0 <= pair[0] < 1 and pair[1] >= 0)
+        ):
             raise ValueError(
-                f"clip_epsilon: expected 0 <= low < 1 and high >= 0, found {clip_epsilon!r}"
+                "clip_epsilon: expected a number or a (low, high) pair with 0 <= low < 1 and "
+                f"high >= 0, found {clip_epsilon!r}"
             )
+        low, high = pair
+        if not _real(kl_coef) or not kl_coef >= 0:  # NaN fails too: it would drop the KL term
+            raise ValueError(f"kl_coef: expected a number >= 0, found {kl_coef!r}")
+        if not _real(entropy_coef) or not math.isfinite(entropy_coef):
+            raise ValueError(f"entropy_coef: expected a finite number, found {entropy_coef!r}")
         self.policy = policy
         self.aggregation = aggregation
         self.clip = (float(low), float(high))
@@ -101,6 +111,10 @@ class PolicyGradientLoss(torch.nn.Module):
     def forward(self, td: TensorDictBase) -> TensorDict:
         """Compute the loss terms and diagnostics for ``td`` (never mutated)."""
         check(td, self.layout, require=self._require, context=type(self).__name__)
+        if td.batch_size.numel() == 0:
+            raise ValueError(
+                f"td: expected at least one item, found batch size {list(td.batch_size)}"
+            )
         k = self.layout.key
         tokens = td.get(k("tokens"))
         attn = td.get(k("attention_mask"))
@@ -139,3 +153,7 @@ class PolicyGradientLoss(torch.nn.Module):
             out["kl_approx"] = (torch.where(mask, d_old.exp() - d_old - 1, 0.0) * tm).sum()
             out["entropy"] = (torch.where(mask, ent, 0.0) * tm).sum()
         return TensorDict(out, batch_size=[])
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
