@@ -1,11 +1,6 @@
 """Generate ``specs/``: one Markdown and one JSON Schema file per contract and per layout.
 
 Run ``python -m posttrain.specgen specs`` (``make specs``); ``--check`` exits 1 on drift.
-
-Example:
-    >>> files = render_all()
-    >>> sorted(files)[:2]
-    ['buffer-v1.md', 'buffer-v1.schema.json']
 """
 
 from __future__ import annotations

@@ -3,11 +3,6 @@
 ``python -m posttrain.conformance.matrix --out reports`` runs each entry point of group
 ``posttrain.implementations`` through its contract's suite and writes ``conformance.md``,
 ``conformance.html`` and ``conformance.json``.
-
-Example:
-    >>> from posttrain.conformance.outcome import Report
-    >>> print(render_markdown({"x": Report(run={"contract": "buffer"}, results=[])}).splitlines()[0])
-    # posttrain conformance matrix
 """
 
 from __future__ import annotations
@@ -195,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         0
     """
     p = argparse.ArgumentParser(prog="python -m posttrain.conformance.matrix", description=__doc__)
-    p.add_argument("--out", type=Path, default=Path("reports"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("reports"), help="folder for the three files")
+    p.add_argument("--seed", type=int, default=0, help="seed of every suite's random data")
     args = p.parse_args(argv)
     reports = run_all(args.seed)
     md = render_markdown(reports)

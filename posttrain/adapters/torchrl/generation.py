@@ -54,6 +54,7 @@ class GenerateBatch(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: TensorDictBase) -> TensorDictBase:
+        """One response per request of ``batch``, as a lazy stack in request order."""
         items = batch.tensordicts if isinstance(batch, LazyStackedTensorDict) else batch.unbind(0)
         prompts = [x.get(PROMPT_KEY) for x in items]
         answers = [

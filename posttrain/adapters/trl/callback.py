@@ -66,6 +66,7 @@ class CatalogueCallback(_callback_base()):  # type: ignore[misc]
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
+        """Add the catalogue's names to TRL's ``logs`` before the reporting callbacks see them."""
         if logs is None or any(k.startswith("eval_") for k in logs):
             return
         for trl_name, name in TRL_SAME.items():
