@@ -263,3 +263,40 @@ def test_vector_grpo_advantages(leave_one_out: bool) -> None:
     expected = v["leave_one_out"] if leave_one_out else v["no_leave_one_out"]
     for key, want in expected.items():
         torch.testing.assert_close(out[key], torch.tensor(want), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("data", "shards", "batch_size", "error", "message"),
+    [
+        ({"x": list(range(8))}, 0, None, ValueError, r"shards: expected a positive int, found 0"),
+        ({"x": list(range(8))}, -2, None, ValueError, r"shards: expected a positive int, found -2"),
+        (
+            {"x": list(range(8))},
+            2,
+            -4,
+            ValueError,
+            r"batch_size: expected a positive int, found -4",
+        ),
+        ({"x": list(range(8))}, 2, 0, ValueError, r"batch_size: expected a positive int, found 0"),
+        (
+            {"x": list(range(8))},
+            2.0,
+            None,
+            TypeError,
+            r"shards: expected a positive int, found 2.0",
+        ),
+        ({}, 2, None, ValueError, r"data: expected at least one key, found an empty mapping"),
+        ({"x": [1, 2], "y": [1]}, 1, None, ValueError, r"found lengths \{'x': 2, 'y': 1\}"),
+    ],
+)
+def test_shard_by_batch_size_refuses_bad_arguments_naming_them(
+    data: dict[str, Any], shards: Any, batch_size: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        shard_by_batch_size(data, shards, batch_size=batch_size)
+
+
+def test_shard_by_batch_size_of_an_empty_batch_gives_empty_shards() -> None:
+    out = shard_by_batch_size({"x": [], "t": torch.zeros(0, 3)}, 2)
+    assert [s["x"] for s in out] == [[], []]
+    assert [tuple(s["t"].shape) for s in out] == [(0, 3), (0, 3)]

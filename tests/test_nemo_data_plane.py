@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from posttrain.adapters.nemo_rl.codec import pack_jagged_fields
 from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient
+from posttrain.contracts.validation import ContractViolation
 from posttrain.reference_impls import RingBuffer
 
 
@@ -94,3 +95,43 @@ def test_a_refused_write_leaves_every_id_as_it_was() -> None:
     assert dp.get_samples(["a"], "train", ["x"])["x"].tolist() == [1.0]
     with pytest.raises(KeyError, match="field 'y'"):
         dp.get_samples(["a"], "train", ["y"])
+
+
+def test_a_write_refused_on_a_later_field_leaves_earlier_fields_of_other_ids_intact() -> None:
+    dp = NemoDataPlaneClient(RingBuffer, capacity=2)
+    dp.put_samples(
+        ["a", "b"],
+        "train",
+        TensorDict({"x": torch.tensor([1.0, 2.0]), "y": torch.tensor([10, 20])}, [2]),
+    )
+    bad = TensorDict({"x": torch.tensor([3.0, 4.0]), "y": torch.tensor([0.5, 0.5])}, [2])
+    with pytest.raises(ContractViolation) as refused:
+        dp.put_samples(["c", "d"], "train", bad)  # y's store holds int64, not float32
+    got = dp.get_samples(["a", "b"], "train", ["x", "y"])
+    assert got["x"].tolist() == [1.0, 2.0]  # the x store was not written: nothing evicted
+    assert got["y"].tolist() == [10, 20]
+    assert "field 'y' of partition 'train' (nothing written)" in str(refused.value)
+    assert "BUF-011 key 'value': expected dtype int64, found dtype float32" in str(refused.value)
+    with pytest.raises(KeyError, match=r"no value for sample ids \['c'\]"):
+        dp.get_samples(["c"], "train", ["x"])
+
+
+def test_an_id_whose_row_was_overwritten_raises_instead_of_reading_the_new_row() -> None:
+    dp = NemoDataPlaneClient(RingBuffer, capacity=2)
+    dp.put_samples(["a", "b"], "train", TensorDict({"x": torch.tensor([1.0, 2.0])}, [2]))
+    dp.put_samples(["c"], "train", TensorDict({"x": torch.tensor([3.0])}, [1]))  # over a's row
+    with pytest.raises(KeyError, match=r"sample ids \['a'\] were evicted"):
+        dp.get_samples(["a"], "train", ["x"])
+    assert dp.get_samples(["c", "b"], "train", ["x"])["x"].tolist() == [3.0, 2.0]
+    # Rewriting c writes the next row (b's): b is evicted, c reads its new value.
+    dp.put_samples(["c"], "train", TensorDict({"x": torch.tensor([5.0])}, [1]))
+    assert dp.get_samples(["c"], "train", ["x"])["x"].tolist() == [5.0]
+    with pytest.raises(KeyError, match=r"sample ids \['b'\] were evicted"):
+        dp.get_samples(["b"], "train", ["x"])
+    dp.clear_samples(["a"], "train")  # forgetting an evicted id forgets its eviction too
+    with pytest.raises(KeyError, match=r"field 'x': no value for sample ids \['a'\]") as e:
+        dp.get_samples(["a"], "train", ["x"])
+    assert "evicted" not in str(e.value)
+    with pytest.raises(ValueError, match=r"at most capacity=2 ids per write, found 3"):
+        dp.put_samples(["p", "q", "r"], "train", TensorDict({"x": torch.zeros(3)}, [3]))
+    assert dp.get_samples(["c"], "train", ["x"])["x"].tolist() == [5.0]

@@ -170,3 +170,111 @@ def test_real_replay_buffer_where_nemo_rl_imports() -> None:
             assert [t["i"] for t in a["trajectories"]] == [t["i"] for t in b["trajectories"]]
             assert a["avg_trajectory_age"] == pytest.approx(b["avg_trajectory_age"])
     assert real.size() == ours.size()
+
+
+def test_capacity_defaults_to_the_buffers_so_no_entry_comes_back_with_anothers_rows() -> None:
+    groups = [_group(s) for s in range(3)]
+    nemo = NemoReplayBuffer(RingBuffer(4), max_size=4)  # no capacity=: RingBuffer's 4
+    assert [nemo.add({"batch": g}, 0, 0) for g in groups] == ["success", "success", "full"]
+    assert nemo.capacity == 4
+    out = nemo.sample(2, current_weight_version=0, max_age_steps=1)
+    assert out is not None
+    _same(dict(out["trajectories"][0]["batch"]), groups[0])
+    _same(dict(out["trajectories"][1]["batch"]), groups[1])
+    assert NemoReplayBuffer(_torchrl(6), max_size=4).capacity == 6  # TorchRL's storage size
+    with pytest.raises(ValueError, match="capacity: expected at most the buffer's capacity 4"):
+        NemoReplayBuffer(RingBuffer(4), max_size=4, capacity=8)
+
+
+class _NoCapacity:
+    """A buffer that does not say its capacity (as a served or custom one may not)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._rb = RingBuffer(capacity)
+
+    def extend(self, data: Any) -> torch.Tensor:
+        return self._rb.extend(data)
+
+    def read(self, indices: torch.Tensor) -> Any:
+        return self._rb.read(indices)
+
+    def __len__(self) -> int:
+        return len(self._rb)
+
+
+def test_an_add_the_buffer_wrote_over_unsampled_entries_raises_and_drops_them() -> None:
+    groups = [_group(s) for s in range(3)]
+    nemo = NemoReplayBuffer(_NoCapacity(4), max_size=4)
+    assert nemo.capacity is None
+    assert nemo.add({"batch": groups[0], "i": 0}, 0, 0) == "success"
+    assert nemo.add({"batch": groups[1], "i": 1}, 0, 0) == "success"
+    with pytest.raises(RuntimeError, match=r"over rows of 1 unsampled entries .*Pass capacity="):
+        nemo.add({"batch": groups[2], "i": 2}, 0, 0)  # the ring wraps onto group 0's rows
+    assert nemo.size() == 1
+    out = nemo.sample(1, current_weight_version=0, max_age_steps=1)
+    assert out is not None
+    assert out["trajectories"][0]["i"] == 1
+    _same(dict(out["trajectories"][0]["batch"]), groups[1])
+
+
+def test_a_bad_state_is_refused_whole_and_nothing_changes() -> None:
+    src = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    src.add({"batch": _group(0), "t": 0}, 0, 1)
+    dst = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    dst.add({"batch": _group(1), "t": 1}, 0, 1)
+    good = src.state_dict()
+    rows = dst.buffer.state_dict()["rows"].clone()
+    entry = good["trajectories"][0]
+    no_width = {k: v for k, v in entry.items() if k != "width"}
+    cases: list[tuple[dict[str, Any], type[Exception], str]] = [
+        (
+            {**good, "trajectories": [{**entry, "offset": None}]},
+            TypeError,
+            "state['trajectories'][0]['offset']: expected an int, found None",
+        ),
+        (
+            {**good, "trajectories": [no_width]},
+            KeyError,
+            "state['trajectories'][0]: missing ['width']",
+        ),
+        (
+            {**good, "target_weight_versions": ["1"]},
+            TypeError,
+            "state['target_weight_versions'][0]: expected an int, found '1'",
+        ),
+        ({**good, "max_size": 0}, ValueError, "state['max_size']: expected > 0, found 0"),
+    ]
+    for state, error, message in cases:
+        with pytest.raises(error) as refused:
+            dst.load_state_dict(state)
+        assert dst.size() == 1
+        assert dst.max_size == 4
+        assert torch.equal(dst.buffer.state_dict()["rows"], rows)  # its buffer not loaded either
+        assert message in str(refused.value)
+    out = dst.sample(1, current_weight_version=1, max_age_steps=1)
+    assert out is not None
+    assert out["trajectories"][0]["t"] == 1
+    _same(dict(out["trajectories"][0]["batch"]), _group(1))
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        ((0, 0, 1), ValueError, r"num_prompt_groups: expected >= 1, found 0"),
+        ((-1, 0, 1), ValueError, r"num_prompt_groups: expected >= 1, found -1"),
+        ((1.5, 0, 1), TypeError, r"num_prompt_groups: expected an int, found 1.5"),
+        ((1, 5, -1), ValueError, r"max_age_steps: expected >= 0, found -1"),
+    ],
+)
+def test_sample_refuses_bad_counts_and_drops_nothing(
+    args: tuple[Any, int, int], error: type[Exception], message: str
+) -> None:
+    nemo = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    for i in range(3):
+        nemo.add({"batch": _group(i), "i": i}, 0, 0)
+    with pytest.raises(error, match=message):
+        nemo.sample(*args)
+    assert nemo.size() == 3
+    out = nemo.sample(3, current_weight_version=0, max_age_steps=1)
+    assert out is not None
+    assert [t["i"] for t in out["trajectories"]] == [0, 1, 2]

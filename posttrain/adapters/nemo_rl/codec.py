@@ -319,15 +319,27 @@ def shard_by_batch_size(
     """``BatchedDataDict.shard_by_batch_size`` without dynamic batching or packing.
 
     Cut into chunks of ``batch_size`` (default: everything), split each chunk into ``shards``
-    equal parts, and give shard i the i-th part of every chunk.
+    equal parts, and give shard i the i-th part of every chunk. ``shards`` and ``batch_size``
+    must be positive ints, and ``data`` must hold at least one key, every value as long as
+    the others; anything else raises ``ValueError`` (``TypeError`` for a non-int count).
 
     Example:
         >>> [s["x"] for s in shard_by_batch_size({"x": list(range(8))}, 2, batch_size=4)]
         [[0, 1, 4, 5], [2, 3, 6, 7]]
     """
     data = _plain(data)
-    n = len(next(iter(data.values())))
-    bs = batch_size or n
+    if not data:
+        raise ValueError("data: expected at least one key, found an empty mapping")
+    lengths = {k: len(v) for k, v in data.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"data: expected values of one length, found lengths {lengths}")
+    _positive("shards", shards)
+    if batch_size is not None:
+        _positive("batch_size", batch_size)
+    n = next(iter(lengths.values()))
+    if n == 0:  # nothing to cut: every shard is empty (no division by a batch of 0)
+        return [{k: _select(v, []) for k, v in data.items()} for _ in range(shards)]
+    bs = n if batch_size is None else batch_size
     if n % bs or bs % shards:
         raise ValueError(
             f"shard_by_batch_size: {n} items must split into batches of {bs} and each batch "
@@ -336,6 +348,13 @@ def shard_by_batch_size(
     per = bs // shards
     index = [[c + i * per + j for c in range(0, n, bs) for j in range(per)] for i in range(shards)]
     return [{k: _select(v, idx) for k, v in data.items()} for idx in index]
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected a positive int, found {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, found {value}")
 
 
 def _select(v: Any, idx: list[int]) -> Any:

@@ -10,6 +10,8 @@ loop can move its storage onto TorchRL (memmap, shared memory, a Ray-served buff
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,12 +43,17 @@ class NemoReplayBuffer:
     LLM-layout items and given back bit-exactly, dtypes included; the trajectory's other keys
     (``rollout_metrics``, ``timestamp``) stay here. ``capacity`` is the backing buffer's
     capacity in items: an ``add`` whose FIFO write would overwrite an entry not yet sampled
-    answers ``"full"``, as one beyond ``max_size`` entries does, and changes nothing.
+    answers ``"full"``, as one beyond ``max_size`` entries does, and changes nothing. It
+    defaults to the buffer's own (``RingBuffer.capacity``; ``rb.storage.max_size`` of a TorchRL
+    buffer behind ``ValidatedReplayBuffer``). Where neither says, an ``add`` that the buffer
+    wrote over rows of unsampled entries raises ``RuntimeError`` and drops those entries (their
+    rows are gone), so ``sample`` never hands back another group's rows.
 
     Sampling follows NeMo-RL: entries generated before ``current - max_age_steps`` are
     dropped; ``None`` unless at least ``num_prompt_groups`` entries are valid and meant for
     the current version (``target == current``); else the oldest such entries leave the
     buffer, returned as ``{"trajectories": [...], "avg_trajectory_age": float}``.
+    ``num_prompt_groups`` < 1 or ``max_age_steps`` < 0 raises ``ValueError`` and drops nothing.
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
@@ -79,9 +86,16 @@ class NemoReplayBuffer:
                 f"found {type(buffer).__name__} without it; wrap a TorchRL buffer in "
                 "posttrain.adapters.torchrl.ValidatedReplayBuffer"
             )
+        known = _capacity_of(buffer)
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity: expected a positive int, found {capacity}")
+        if capacity is not None and known is not None and capacity > known:
+            raise ValueError(
+                f"capacity: expected at most the buffer's capacity {known}, found {capacity}"
+            )
         self.buffer = buffer
         self.max_size = max_size
-        self.capacity = capacity
+        self.capacity = known if capacity is None else capacity
         self.layout = layout
         self._entries: list[_Entry] = []
         self._written = 0
@@ -101,24 +115,48 @@ class NemoReplayBuffer:
             oldest = min((e.offset for e in self._entries), default=self._written)
             if self._written + n - oldest > self.capacity:
                 return "full"
-        idx = self.buffer.extend(td)  # raises on a schema mismatch: nothing recorded then
+        offset = self._written
+        # extend raises on a schema mismatch: nothing recorded then.
+        indices = [int(i) for i in self.buffer.extend(td).tolist()]
+        self._written += n
+        # Without a known capacity nothing stopped the write from landing on rows of entries
+        # not sampled yet (or, longer than the buffer, on its own first rows): those rows now
+        # hold this group, so those entries can only be dropped, never handed back.
+        hit = set(indices)
+        lost = [e for e in self._entries if hit.intersection(e.indices)]
+        if lost or len(hit) < n:
+            gone = {id(e) for e in lost}
+            self._entries = [e for e in self._entries if id(e) not in gone]
+            raise RuntimeError(
+                f"add: {type(self.buffer).__name__} wrote this group's {n} items at storage "
+                f"indices {indices}, over rows of {len(lost)} unsampled entries (weight "
+                f"versions {[e.version for e in lost]}, targets {[e.target for e in lost]})"
+                + ("" if len(hit) == n else " and over its own first items")
+                + "; those entries are dropped and this group is not stored. Pass capacity= "
+                "(the buffer's capacity in items) so that add answers 'full' instead"
+            )
         self._entries.append(
             _Entry(
-                indices=[int(i) for i in idx.tolist()],
-                offset=self._written,
+                indices=indices,
+                offset=offset,
                 width=int(td.get(self.layout.key("tokens")).shape[1]),
                 version=int(weight_version),
                 target=int(target_weight_version),
                 extras={k: v for k, v in trajectory.items() if k != "batch"},
             )
         )
-        self._written += n
         return "success"
 
     def sample(
         self, num_prompt_groups: int, current_weight_version: int, max_age_steps: int
     ) -> dict[str, Any] | None:
         """NeMo-RL's staleness rules; the chosen entries leave the buffer."""
+        # Checked before the staleness pass drops anything. NeMo-RL checks neither: 0 ends in
+        # a ZeroDivisionError, -1 takes all intended groups but the last.
+        if _int(num_prompt_groups, "num_prompt_groups") < 1:
+            raise ValueError(f"num_prompt_groups: expected >= 1, found {num_prompt_groups}")
+        if _int(max_age_steps, "max_age_steps") < 0:
+            raise ValueError(f"max_age_steps: expected >= 0, found {max_age_steps}")
         if not self._entries:
             return None
         min_valid = max(0, current_weight_version - max_age_steps)
@@ -176,28 +214,82 @@ class NemoReplayBuffer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (lists must agree in length)."""
+        """Restore :meth:`state_dict`'s output (lists must agree in length).
+
+        Every key is checked before anything is assigned or the backing buffer's state is
+        loaded (that comes last): a bad state raises naming the key, what was expected and what
+        was found, and leaves this buffer as it was.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state: expected a dict, found {type(state).__name__}")
         keys = ("trajectories", "trajectory_versions", "target_weight_versions")
         missing = [k for k in (*keys, "buffer") if k not in state]
         if missing:
             raise KeyError(f"state: missing {missing}; found {sorted(state)}")
+        for k in keys:
+            if not isinstance(state[k], list | tuple):
+                raise TypeError(f"state[{k!r}]: expected a list, found {type(state[k]).__name__}")
         lengths = {k: len(state[k]) for k in keys}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"state: lists differ in length: {lengths}")
-        self.buffer.load_state_dict(state["buffer"])
-        self._entries = [
-            _Entry(
-                list(t["indices"]),
-                int(t["offset"]),
-                int(t["width"]),
-                int(v),
-                int(g),
-                dict(t["extras"]),
-            )
-            for t, v, g in zip(*(state[k] for k in keys), strict=True)
+        entries = [
+            _entry(t, v, g, n)
+            for n, (t, v, g) in enumerate(zip(*(state[k] for k in keys), strict=True))
         ]
-        self._written = int(state.get("written", 0))
-        self.last_target_weight_already_generated = int(
-            state.get("last_target_weight_already_generated", -1)
+        written = _int(state.get("written", 0), "state['written']")
+        last = _int(
+            state.get("last_target_weight_already_generated", -1),
+            "state['last_target_weight_already_generated']",
         )
-        self.max_size = int(state.get("max_size", self.max_size))
+        max_size = _int(state.get("max_size", self.max_size), "state['max_size']")
+        if max_size <= 0:
+            raise ValueError(f"state['max_size']: expected > 0, found {max_size}")
+        self.buffer.load_state_dict(state["buffer"])  # last: if it raises, nothing here changed
+        self._entries = entries
+        self._written = written
+        self.last_target_weight_already_generated = last
+        self.max_size = max_size
+
+
+_ENTRY_KEYS = ("indices", "offset", "width", "extras")
+
+
+def _entry(t: Any, version: Any, target: Any, n: int) -> _Entry:
+    """Entry ``n`` of a saved state, every field checked."""
+    where = f"state['trajectories'][{n}]"
+    if not isinstance(t, Mapping):
+        raise TypeError(f"{where}: expected a dict with keys {list(_ENTRY_KEYS)}, found {t!r}")
+    absent = [k for k in _ENTRY_KEYS if k not in t]
+    if absent:
+        raise KeyError(f"{where}: missing {absent}; found {sorted(t)}")
+    if not isinstance(t["indices"], list | tuple):
+        raise TypeError(f"{where}['indices']: expected a list of ints, found {t['indices']!r}")
+    if not isinstance(t["extras"], Mapping):
+        raise TypeError(f"{where}['extras']: expected a dict, found {t['extras']!r}")
+    return _Entry(
+        [_int(i, f"{where}['indices'][{j}]") for j, i in enumerate(t["indices"])],
+        _int(t["offset"], f"{where}['offset']"),
+        _int(t["width"], f"{where}['width']"),
+        _int(version, f"state['trajectory_versions'][{n}]"),
+        _int(target, f"state['target_weight_versions'][{n}]"),
+        dict(t["extras"]),
+    )
+
+
+def _int(value: Any, where: str) -> int:
+    """``value`` as an int; ``TypeError`` naming ``where`` for anything else (bool included)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}: expected an int, found {value!r}") from None
+
+
+def _capacity_of(buffer: Any) -> int | None:
+    """The buffer's capacity in items where it tells: ``capacity``, or TorchRL's storage size."""
+    storage = getattr(getattr(buffer, "rb", None), "storage", None)
+    for value in (getattr(buffer, "capacity", None), getattr(storage, "max_size", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
