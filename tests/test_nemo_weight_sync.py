@@ -92,3 +92,62 @@ def test_a_failed_sync_leaves_the_generator_unchanged_and_stale() -> None:
     assert all(torch.equal(v, generator.state_dict()[k]) for k, v in before.items())
     with pytest.raises(ValueError, match="kv_scales"):
         sync.sync_weights(kv_scales={"k": 1.0})
+
+
+# The reference in-process sync itself: all or nothing, versions only rise.
+
+
+def _linear_and_weights() -> tuple[torch.nn.Linear, dict[str, torch.Tensor]]:
+    model = torch.nn.Linear(2, 2)
+    return model, {k: v.clone() + 1 for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("bias", "found"),
+    [
+        (lambda: torch.ones(2).to_sparse(), "expected layout strided, found sparse_coo"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2)], layout=torch.jagged), "found nested"),
+        (lambda: torch.ones(2, device="meta"), "found one on device meta"),
+        (lambda: [1.0, 1.0], "expected a tensor, found list"),
+    ],
+    ids=["sparse", "nested", "meta", "list"],
+)
+def test_reference_sync_refuses_at_send_what_cannot_be_copied(bias: Any, found: str) -> None:
+    from posttrain.reference_impls.weight_sync import WeightMismatch
+
+    model, weights = _linear_and_weights()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sender, receiver = in_process_weight_sync(model)
+    with pytest.raises(WeightMismatch, match=rf"'bias': [^;]*{found}"):
+        sender.send({**weights, "bias": bias()}, version=1)
+    assert receiver.receive() is None
+    assert receiver.version == 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_reference_sync_rejects_a_version_not_above_the_pending_one() -> None:
+    model, weights = _linear_and_weights()
+    sender, receiver = in_process_weight_sync(model)
+    sender.send(weights, version=5)
+    with pytest.raises(ValueError, match=r"version: expected an int above 5 .*found 3"):
+        sender.send(weights, version=3)
+    assert receiver.receive() == 5
+    with pytest.raises(ValueError, match=r"version: expected an int above 5 .*found 5"):
+        sender.send(weights, version=5)
+    sender.send(weights, version=6)
+    assert receiver.receive() == 6
+
+
+def test_reference_sync_keeps_pending_weights_the_model_no_longer_fits() -> None:
+    from posttrain.reference_impls.weight_sync import WeightMismatch
+
+    model, weights = _linear_and_weights()
+    sender, receiver = in_process_weight_sync(model)
+    sender.send(weights, version=1)
+    model.double()  # changed after the send: the copy would cast silently
+    with pytest.raises(WeightMismatch, match=r"'weight': expected dtype float64, found float32"):
+        receiver.receive()
+    assert receiver.version == 0
+    model.float()
+    assert receiver.receive() == 1
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,7 +15,10 @@ from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability import (
     Accumulator,
     Timers,
+    buffer_metrics,
+    generation_server_metrics,
     loss_metrics,
+    optim_metrics,
     policy_metrics,
     rollout_metrics,
 )
@@ -188,3 +193,126 @@ def test_entropy_counts_a_masked_vocabulary_entry_as_zero() -> None:
     want = torch.special.entr(lp.exp()).sum(-1)[mask].mean()
     assert math.isfinite(got)
     assert abs(got - float(want)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("value", "count", "message"),
+    [
+        (1.0, torch.tensor([3, 5]), "expected count to be one number, found a tensor of shape [2]"),
+        (1.0, -1, "expected count to be finite and >= 0, found -1.0"),
+        (1.0, math.nan, "expected count to be finite and >= 0, found nan"),
+        (1.0, math.inf, "expected count to be finite and >= 0, found inf"),
+        (
+            torch.tensor([1.0, 2.0]),
+            2,
+            "expected value to be one number, found a tensor of shape [2]",
+        ),
+    ],
+    ids=["count-per-sequence", "negative", "nan", "inf", "value-per-sequence"],
+)
+def test_accumulator_add_checks_value_and_count_before_any_change(
+    value: float | torch.Tensor, count: float | torch.Tensor, message: str
+) -> None:
+    acc = Accumulator()
+    acc.add("policy/kl_ref/k3", 3.0, 2)
+    acc.add_moments("rollout/reward/std", 1.0, 1.0, 2)
+    before = acc.values()
+    with pytest.raises(ValueError, match=f"metric 'policy/kl_ref/k3': {re.escape(message)}"):
+        acc.add("policy/kl_ref/k3", value, count)
+    with pytest.raises(ValueError, match="metric 'rollout/reward/std': expected"):
+        acc.add_moments("rollout/reward/std", value, 1.0, count)  # type: ignore[arg-type]
+    assert acc.values() == before
+
+
+def _batch_with(change: str) -> TensorDict:
+    td = llm_batch(4, 8)
+    if change == "advantage [4, 3]":
+        td.set(K("advantage"), torch.zeros(4, 3))
+    elif change == "no attention mask":
+        td = td.exclude(K("attention_mask"))
+    elif change == "float assistant mask":
+        td.set(K("assistant_mask"), td.get(K("assistant_mask")).float())
+    return td
+
+
+@pytest.mark.parametrize(
+    ("change", "kwargs", "message"),
+    [
+        ("advantage [4, 3]", {}, r"LAY-003 key 'advantage'"),
+        ("no attention mask", {}, r"LAY-001 key \('masks', 'all_attention_mask'\)"),
+        ("float assistant mask", {}, r"LAY-002 key \('masks', 'all_assistant_mask'\)"),
+        ("", {"truncated": torch.ones(3)}, r"truncated: expected a tensor of 4 values"),
+        ("", {"reward_fns": {"fmt": torch.ones(2)}}, r"reward_fns\['fmt'\]: expected"),
+        ("", {"reward_fns": {"a/b": torch.ones(4)}}, r"rollout/reward_fn/a/b/mean"),
+        ("", {"learner_version": "3"}, r"learner_version: expected an int, found '3'"),
+    ],
+    ids=[
+        "advantage-shape",
+        "no-attention-mask",
+        "float-mask",
+        "truncated",
+        "reward_fn-size",
+        "reward_fn-name",
+        "learner_version",
+    ],
+)
+def test_rollout_metrics_checks_the_batch_before_any_write(
+    change: str, kwargs: dict[str, object], message: str
+) -> None:
+    acc = Accumulator()
+    acc.add("rollout/reward/mean", 1.0, 1)
+    with pytest.raises((ValueError, KeyError), match=message):
+        rollout_metrics(_batch_with(change), acc, **kwargs)  # type: ignore[arg-type]
+    assert acc.values() == {"rollout/reward/mean": 1.0}
+
+
+class _Server:
+    def stats(self) -> dict[str, object]:
+        return {"queue_wait_s": 0.1, "forward_s": torch.ones(3)}
+
+
+_LOGITS = torch.zeros(2, 6, 8)
+
+
+@pytest.mark.parametrize(
+    ("hook", "message"),
+    [
+        (
+            lambda acc: policy_metrics(_crafted(), torch.zeros(2, 5, 8), acc),
+            r"logits: expected .*\[2, 6, V\]",
+        ),
+        (
+            lambda acc: policy_metrics(_crafted(), _LOGITS, acc, old_log_probs=torch.zeros(2, 5)),
+            r"old_log_probs: expected a tensor of shape \[2, 6\]",
+        ),
+        (
+            lambda acc: policy_metrics(_crafted(), _LOGITS, acc, clip=0.2),  # type: ignore[arg-type]
+            r"clip: expected a \(low, high\)",
+        ),
+        (
+            lambda acc: loss_metrics({"loss_entropy": 0.1, "loss_objective": torch.ones(2)}, acc),
+            r"'loss_objective': expected one number, found a tensor of shape \[2\]",
+        ),
+        (
+            lambda acc: optim_metrics(1.0, None, acc),  # type: ignore[arg-type]
+            r"lr: expected one number, found NoneType",
+        ),
+        (
+            lambda acc: buffer_metrics([1, 2], acc, capacity=4, reads=[1]),  # type: ignore[arg-type]
+            r"reads: expected one number",
+        ),
+        (
+            lambda acc: generation_server_metrics(_Server(), acc),
+            r"stats\(\)\['forward_s'\]: expected one number",
+        ),
+    ],
+    ids=["logits", "old_log_probs", "clip", "loss", "optim", "buffer", "gen_server"],
+)
+def test_other_hooks_check_their_inputs_before_any_write(
+    hook: Callable[[Accumulator], Accumulator], message: str
+) -> None:
+    acc = Accumulator()
+    acc.add("optim/lr", 1.0)
+    with pytest.raises(ValueError, match=message):
+        hook(acc)
+    assert acc.values() == {"optim/lr": 1.0}

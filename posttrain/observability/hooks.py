@@ -9,6 +9,7 @@ count) pair, so padding never dilutes and microbatches add up. All hooks run und
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.contracts.validation import check
 from posttrain.observability.reduce import Accumulator
 
 __all__ = [
@@ -46,6 +48,45 @@ def _dense(td: TensorDictBase, layout: Layout) -> TensorDictBase:
     return TensorDict(out, batch_size=[len(lengths)])
 
 
+def _check_batch(td: TensorDictBase, layout: Layout, context: str) -> int:
+    """Check ``td`` against ``layout`` (metadata only); return its number of sequences.
+
+    Hooks check before their first write: an accumulator must not keep half a batch's metrics.
+    """
+    check(td, layout, ragged=isinstance(td, LazyStackedTensorDict), context=context)
+    n = int(td.batch_size.numel())
+    if n == 0:
+        # Its min and max metrics are undefined, and skipping them would leave ranks holding
+        # different metric names for all_reduce.
+        raise ValueError(f"{context}: expected at least one sequence, found batch size [0]")
+    return n
+
+
+def _number(key: str, x: Any) -> float:
+    """``x`` as one float, or a ``ValueError`` naming ``key``."""
+    try:
+        return float(x)
+    except (TypeError, ValueError, RuntimeError):
+        found = (
+            f"a tensor of shape {list(x.shape)}"
+            if isinstance(x, torch.Tensor)
+            else f"{type(x).__name__} {x!r}"
+        )
+        raise ValueError(f"{key}: expected one number, found {found}") from None
+
+
+def _per_sequence(key: str, x: Any, n: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.numel() != n:
+        found = (
+            f"a tensor of shape {list(x.shape)}"
+            if isinstance(x, torch.Tensor)
+            else type(x).__name__
+        )
+        raise ValueError(
+            f"{key}: expected a tensor of {n} values (one per sequence), found {found}"
+        )
+
+
 def _seq(acc: Accumulator, name: str, values: torch.Tensor) -> None:
     acc.add(name, values.sum(), values.numel())
 
@@ -70,8 +111,22 @@ def rollout_metrics(
         >>> vals = rollout_metrics(llm_batch(4, 8), learner_version=9).values()
         >>> vals["staleness/mean"], vals["rollout/response_len/max"] <= 5
         (2.0, True)
+        >>> rollout_metrics(llm_batch(2, 4), truncated=torch.ones(3, dtype=torch.bool))
+        Traceback (most recent call last):
+        ...
+        ValueError: truncated: expected a tensor of 2 values (one per sequence), found a tensor of shape [3]
     """
     acc = acc if acc is not None else Accumulator()
+    n_seq = _check_batch(td, layout, "rollout_metrics")
+    if truncated is not None:
+        _per_sequence("truncated", truncated, n_seq)
+    for name, values in (reward_fns or {}).items():
+        _per_sequence(f"reward_fns[{name!r}]", values, n_seq)
+        # A name the catalogue cannot match (one with a '/') raises its KeyError here, not
+        # after the batch's other metrics are in.
+        acc.reduction(f"rollout/reward_fn/{name}/mean")
+    if learner_version is not None and not isinstance(learner_version, numbers.Integral):
+        raise ValueError(f"learner_version: expected an int, found {learner_version!r}")
     td = _dense(td, layout)
     k = layout.key
     attn = td.get(k("attention_mask"))
@@ -151,9 +206,14 @@ def policy_metrics(
         True
     """
     acc = acc if acc is not None else Accumulator()
+    _check_batch(td, layout, "policy_metrics")
+    low_clip, high_clip = (_number("clip", c) for c in _pair("clip", clip))
     td = _dense(td, layout)
     k = layout.key
     tokens = td.get(k("tokens"))
+    _shaped("logits", logits, (*tokens.shape, "V"))
+    if old_log_probs is not None:
+        _shaped("old_log_probs", old_log_probs, tuple(tokens.shape))
     mask = td.get(k("assistant_mask")) & td.get(k("attention_mask"))
     mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
     n = mask.sum()
@@ -183,8 +243,8 @@ def policy_metrics(
         if adv is not None:
             a = adv.float()
             a = a[:, None].expand_as(ratio) if a.ndim == 1 else a
-            low = mask & (ratio < 1 - clip[0]) & (a < 0)
-            high = mask & (ratio > 1 + clip[1]) & (a > 0)
+            low = mask & (ratio < 1 - low_clip) & (a < 0)
+            high = mask & (ratio > 1 + high_clip) & (a > 0)
             acc.add("policy/clip_frac/low", low.sum(), n)
             acc.add("policy/clip_frac/high", high.sum(), n)
         if old_log_probs is not None:
@@ -200,6 +260,22 @@ def policy_metrics(
     return acc
 
 
+def _pair(key: str, x: Any) -> tuple[Any, Any]:
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        raise ValueError(f"{key}: expected a (low, high) pair, found {x!r}")
+    return x[0], x[1]
+
+
+def _shaped(key: str, x: Any, shape: tuple[int | str, ...]) -> None:
+    """Check that ``x`` is a tensor of ``shape`` (a str is a dim of any size)."""
+    ok = isinstance(x, torch.Tensor) and x.ndim == len(shape)
+    ok = ok and all(isinstance(s, str) or d == s for d, s in zip(x.shape, shape, strict=True))
+    if not ok:
+        found = f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        want = "[" + ", ".join(str(s) for s in shape) + "]"
+        raise ValueError(f"{key}: expected a tensor of shape {want} (the batch's), found {found}")
+
+
 def loss_metrics(out: Mapping[str, Any], acc: Accumulator | None = None) -> Accumulator:
     """``loss/total`` (sum of the ``loss_*`` terms) and the named terms of a loss output.
 
@@ -209,7 +285,7 @@ def loss_metrics(out: Mapping[str, Any], acc: Accumulator | None = None) -> Accu
         {'loss/total': 1.5, 'loss/policy': 1.0, 'loss/kl': 0.5}
     """
     acc = acc if acc is not None else Accumulator()
-    terms = {key: float(v) for key, v in out.items() if str(key).startswith("loss_")}
+    terms = {key: _number(repr(key), v) for key, v in out.items() if str(key).startswith("loss_")}
     acc.add("loss/total", sum(terms.values()))
     for key, name in (
         ("loss_objective", "loss/policy"),
@@ -234,8 +310,9 @@ def optim_metrics(
         {'optim/grad_norm': 1.73205..., 'optim/lr': 0.001}
     """
     acc = acc if acc is not None else Accumulator()
-    acc.add("optim/grad_norm", grad_norm)
-    acc.add("optim/lr", lr)
+    norm, rate = _number("grad_norm", grad_norm), _number("lr", lr)
+    acc.add("optim/grad_norm", norm)
+    acc.add("optim/lr", rate)
     return acc
 
 
@@ -259,12 +336,14 @@ def buffer_metrics(
     acc = acc if acc is not None else Accumulator()
     size = len(buffer)
     cap = capacity if capacity is not None else getattr(buffer, "capacity", None)
+    cap = None if cap is None else _number("capacity", cap)
+    counts = {"buffer/writes": _number("writes", writes), "buffer/reads": _number("reads", reads)}
     acc.add("buffer/size", size)
     if cap:
         acc.add("buffer/capacity", cap)
         acc.add("buffer/utilization", size / cap)
-    acc.add("buffer/writes", writes)
-    acc.add("buffer/reads", reads)
+    for name, v in counts.items():
+        acc.add(name, v)
     return acc
 
 
@@ -279,9 +358,13 @@ def generation_server_metrics(server: Any, acc: Accumulator | None = None) -> Ac
     """
     acc = acc if acc is not None else Accumulator()
     stats = server.stats()
-    for key in ("queue_wait_s", "batch_size", "forward_s"):
-        if key in stats:
-            acc.add(f"gen_server/{key}", float(stats[key]))
+    values = {
+        f"gen_server/{key}": _number(f"stats()[{key!r}]", stats[key])
+        for key in ("queue_wait_s", "batch_size", "forward_s")
+        if key in stats
+    }
+    for name, v in values.items():
+        acc.add(name, v)
     return acc
 
 

@@ -20,6 +20,27 @@ __all__ = ["Accumulator"]
 _KINDS: dict[int, tuple[Catalogue, dict[str, str]]] = {}
 
 
+def _number(name: str, what: str, x: float | torch.Tensor) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError, RuntimeError):
+        found = (
+            f"a tensor of shape {list(x.shape)}"
+            if isinstance(x, torch.Tensor)
+            else f"{type(x).__name__} {x!r}"
+        )
+        raise ValueError(
+            f"metric {name!r}: expected {what} to be one number, found {found}"
+        ) from None
+
+
+def _count(name: str, what: str, x: float | torch.Tensor) -> float:
+    c = _number(name, what, x)
+    if not (c >= 0 and math.isfinite(c)):  # NaN fails both
+        raise ValueError(f"metric {name!r}: expected {what} to be finite and >= 0, found {c}")
+    return c
+
+
 class Accumulator:
     """Per metric: (sum, count) for ``tok``/``seq``/``rate``, a total for ``sum``, the
     extremum for ``min``/``max``, the latest value for ``last``; reductions from the catalogue.
@@ -66,12 +87,26 @@ class Accumulator:
         return kind
 
     def add(self, name: str, value: float | torch.Tensor, count: float | torch.Tensor = 1) -> None:
-        """Add a numerator and its denominator (``tok``/``seq``/``rate``), or one value."""
-        v = float(value)
+        """Add a numerator and its denominator (``tok``/``seq``/``rate``), or one value.
+
+        A value or count that is not one number, or a count that is negative or not finite,
+        raises ``ValueError`` naming the metric, and the accumulator is left as it was.
+
+        Example:
+            >>> acc = Accumulator()
+            >>> acc.add("policy/kl_ref/k3", 1.0, torch.tensor([3, 5]))  # a count per sequence
+            Traceback (most recent call last):
+            ...
+            ValueError: metric 'policy/kl_ref/k3': expected count to be one number, found a tensor of shape [2]
+            >>> acc.values()
+            {}
+        """
         kind = self.reduction(name)
+        v = _number(name, "value", value)
         if kind in ("tok", "seq", "rate"):
+            c = _count(name, "count", count)
             self._num[name] = self._num.get(name, 0.0) + v
-            self._den[name] = self._den.get(name, 0.0) + float(count)
+            self._den[name] = self._den.get(name, 0.0) + c
         elif kind == "sum":
             self._num[name] = self._num.get(name, 0.0) + v
         elif kind == "min":
@@ -87,10 +122,12 @@ class Accumulator:
         """A ``.../std`` metric: population std from sums of x and x^2 over ``count`` items."""
         if self.reduction(name) != "seq":
             raise ValueError(f"{name!r}: moments need a 'seq' reduction")
+        a, b = _number(name, "total", total), _number(name, "squares", squares)
+        c = _count(name, "count", count)
         m = self._mom.setdefault(name, [0.0, 0.0, 0.0])
-        m[0] += float(total)
-        m[1] += float(squares)
-        m[2] += float(count)
+        m[0] += a
+        m[1] += b
+        m[2] += c
 
     def merge(self, other: Accumulator) -> None:
         """Fold another accumulator (another microbatch, step or rank) into this one."""

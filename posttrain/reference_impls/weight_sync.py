@@ -12,7 +12,7 @@ __all__ = ["InProcessReceiver", "InProcessSender", "in_process_weight_sync"]
 
 
 class WeightMismatch(ValueError):
-    """Sent weights do not fit the receiver's model (names, shapes or dtypes)."""
+    """Sent weights do not fit the receiver's model (names, tensors, layouts, shapes, dtypes)."""
 
 
 def _dt(d: torch.dtype) -> str:
@@ -22,8 +22,9 @@ def _dt(d: torch.dtype) -> str:
 class InProcessReceiver:
     """Applies published weights to ``model``; conforms to ``WeightReceiverV1``.
 
-    Weights are checked against the model's ``state_dict`` (names, shapes, dtypes) before a
-    single byte is copied, so a rejected sync leaves the model and ``version`` unchanged.
+    Weights are checked against the model's ``state_dict`` (names, tensors, layouts, shapes,
+    dtypes) before a single byte is copied, so a rejected sync leaves the model and ``version``
+    unchanged; versions only rise, pending ones included.
 
     Example:
         >>> import torch
@@ -50,6 +51,11 @@ class InProcessReceiver:
 
     def check(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Raise :class:`WeightMismatch` naming every parameter that does not fit."""
+        if not isinstance(weights, Mapping):
+            raise WeightMismatch(
+                "weights rejected, receiver unchanged: expected a mapping of names to tensors, "
+                f"found {type(weights).__name__}"
+            )
         own = self.model.state_dict()
         problems = [
             f"{n!r}: missing (expected {_dt(t.dtype)} {list(t.shape)})"
@@ -58,41 +64,76 @@ class InProcessReceiver:
         ]
         problems += [f"{n!r}: unknown to the receiver's model" for n in weights if n not in own]
         for n, t in weights.items():
-            if n in own and not isinstance(t, torch.Tensor):
-                problems.append(f"{n!r}: expected a tensor, found {type(t).__name__}")
-            elif n in own and t.shape != own[n].shape:
-                problems.append(
-                    f"{n!r}: expected shape {list(own[n].shape)}, found {list(t.shape)}"
-                )
-            elif n in own and t.dtype != own[n].dtype:
-                problems.append(f"{n!r}: expected dtype {_dt(own[n].dtype)}, found {_dt(t.dtype)}")
+            if n in own:
+                problem = _misfit(t, own[n])
+                if problem is not None:
+                    problems.append(f"{n!r}: {problem}")
         if problems:
             raise WeightMismatch("weights rejected, receiver unchanged: " + "; ".join(problems))
 
+    def _check_version(self, version: int) -> None:
+        # Against the pending version too: a lower one sent after it would replace it, and the
+        # newer weights would be dropped without a word.
+        pending = self._pending[1] if self._pending is not None else None
+        floor = self._version if pending is None else max(self._version, pending)
+        if not isinstance(version, int) or version <= floor:
+            held = f"the model holds {self._version}"
+            held += f", {pending} is pending" if pending is not None else ""
+            raise ValueError(f"version: expected an int above {floor} ({held}), found {version!r}")
+
     def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        with self._cond:
+            self._check_version(version)
         self.check(weights)
         # Copy now: the sender may change its tensors as soon as send returns.
         snapshot = {n: t.detach().clone() for n, t in weights.items()}
         with self._cond:
+            self._check_version(version)  # another send may have landed while we copied
             self._pending = (snapshot, version)
             self._cond.notify_all()
 
     def receive(self, timeout: float | None = None) -> int | None:
-        """Apply the pending weights, waiting up to ``timeout`` s; return their version or None."""
+        """Apply the pending weights, waiting up to ``timeout`` s; return their version or None.
+
+        Weights that no longer fit the model (cast or resized since they were sent) raise and
+        stay pending, the model unchanged.
+        """
         start = time.perf_counter()
         with self._cond:
             if self._pending is None and timeout:
                 self._cond.wait(timeout)
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return None
+            pending = self._pending
+            if pending is None:
+                return None
+            # The model may have been cast or resized since send checked it.
+            self.check(pending[0])
+            self._pending = None
         weights, version = pending
+        # Checked just above: same names, layouts, shapes and dtypes, so a copy can fail only
+        # on an interrupt or a device error. No undo copy is kept for that: it would double
+        # the model's memory on every sync.
         with torch.no_grad():
             for n, t in self.model.state_dict().items():
                 t.copy_(weights[n])
         self._version = version
         self.last_sync_s = time.perf_counter() - start
         return version
+
+
+def _misfit(t: object, own: torch.Tensor) -> str | None:
+    """Why ``t`` cannot be copied into ``own`` as it is, or None when it can."""
+    if not isinstance(t, torch.Tensor):
+        return f"expected a tensor, found {type(t).__name__}"
+    if t.layout != own.layout or t.is_nested:
+        found = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        return f"expected layout {str(own.layout).removeprefix('torch.')}, found {found}"
+    if t.is_meta and not own.is_meta:
+        return "expected a tensor with data, found one on device meta"
+    if t.shape != own.shape:
+        return f"expected shape {list(own.shape)}, found {list(t.shape)}"
+    if t.dtype != own.dtype:
+        return f"expected dtype {_dt(own.dtype)}, found {_dt(t.dtype)}"
+    return None
 
 
 class InProcessSender:
@@ -111,11 +152,10 @@ class InProcessSender:
         self._receiver = receiver
 
     def send(self, weights: Mapping[str, torch.Tensor], /, *, version: int) -> None:
-        """Validate and publish ``weights`` as ``version`` (must exceed the receiver's)."""
-        if not isinstance(version, int) or version <= self._receiver.version:
-            raise ValueError(
-                f"version: expected an int above {self._receiver.version}, found {version!r}"
-            )
+        """Validate and publish ``weights`` as ``version``.
+
+        ``version`` must exceed both the receiver's and any version still pending.
+        """
         self._receiver._post(weights, version)
 
 
