@@ -98,7 +98,7 @@ IN_PROCESS_WEIGHT_SYNC = Implementation(
     "weight_sync",
     in_process_weight_sync,
     name="posttrain.in_process_weight_sync",
-    description="Reference in-process weight sync: validate names/shapes/dtypes, then copy.",
+    description="Reference in-process weight sync: check names, layouts, shapes, dtypes and the version, then copy.",
 )
 """The reference weight sync's declaration (entry point ``reference-weight-sync``)."""
 
