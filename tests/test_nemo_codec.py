@@ -27,7 +27,7 @@ from posttrain.adapters.nemo_rl.codec import (
     wire_to_layout,
 )
 from posttrain.conformance.data import llm_batch, ragged_llm_batch
-from posttrain.contracts import validate
+from posttrain.contracts import ContractViolation, validate
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 
 K = LLM_LAYOUT_V1.key
@@ -300,3 +300,40 @@ def test_shard_by_batch_size_of_an_empty_batch_gives_empty_shards() -> None:
     out = shard_by_batch_size({"x": [], "t": torch.zeros(0, 3)}, 2)
     assert [s["x"] for s in out] == [[], []]
     assert [tuple(s["t"].shape) for s in out] == [(0, 3), (0, 3)]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda td: td.exclude(K("attention_mask")),
+            r"LAY-001 key \('masks', 'all_attention_mask'\): expected attention_mask "
+            r"\(bool \[\*B, T\]\), found no such key",
+        ),
+        (
+            lambda td: td.exclude(K("tokens")),
+            r"LAY-001 key \('tokens', 'full'\): expected tokens \(int64 \[\*B, T\]\), "
+            r"found no such key",
+        ),
+        (
+            lambda td: td.set(K("tokens"), td.get(K("tokens")).float()),
+            r"LAY-002 key \('tokens', 'full'\): expected dtype int64, found dtype float32",
+        ),
+        (
+            lambda td: td.set(K("advantage"), torch.zeros(2, 3)),
+            r"LAY-003 key 'advantage': expected \[\*B\] or \[\*B, T\] with T=6 .*found shape "
+            r"\[2, 3\]",
+        ),
+    ],
+    ids=["no-attention-mask", "no-tokens", "float-tokens", "advantage-2x3"],
+)
+def test_a_batch_off_the_layout_is_refused_naming_the_key(change: Any, message: str) -> None:
+    td = change(llm_batch(2, 6))
+    with pytest.raises(ContractViolation, match=message):
+        from_layout(td)
+
+
+def test_anything_but_a_tensordict_is_refused_by_from_layout() -> None:
+    plain: Any = dict(llm_batch(2, 6).items(include_nested=True, leaves_only=True))
+    with pytest.raises(NemoFormatError, match="td: expected an LLM-layout TensorDict, found dict"):
+        from_layout(plain)

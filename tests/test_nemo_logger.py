@@ -76,3 +76,27 @@ def test_catalogue_names_for_nemo_rl_metrics(tmp_path: Path) -> None:
     log.flush()
     got = read_jsonl(tmp_path)
     assert sorted(got) == ["policy/kl_ref/k3", "time/weight_sync_s", "train/approx_entropy"]
+
+
+def test_a_bad_name_logs_nothing_of_the_call(tmp_path: Path) -> None:
+    log = NemoLogger(JsonlSink(tmp_path))
+    with pytest.raises(ValueError, match=r"metric name '%': no catalogue form .*found ''"):
+        log.log_metrics({"reward": 0.5, "text": "skip", "%": 2.0}, step=1)
+    with pytest.raises(ValueError, match=r"'train/\?\?\?': no catalogue form .*name '\?\?\?'"):
+        log.log_metrics({"reward": 0.5, "???": 3.0}, step=1, prefix="train")
+    log.flush()
+    assert read_jsonl(tmp_path) == {}
+    assert log.dropped == 0
+
+
+def test_two_names_for_one_metric_are_refused_and_nothing_is_logged(tmp_path: Path) -> None:
+    log = NemoLogger(JsonlSink(tmp_path))
+    message = (
+        r"metrics\['policy_loss'\]: expected a metric of its own, found it maps to "
+        r"'train/policy_loss' as metrics\['Policy Loss'\] does"
+    )
+    with pytest.raises(ValueError, match=message):
+        log.log_metrics({"Policy Loss": 1.0, "policy_loss": 2.0}, step=1, prefix="train")
+    log.log_metrics({"Policy Loss": 1.0}, step=2, prefix="train")
+    log.flush()
+    assert read_jsonl(tmp_path) == {"train/policy_loss": [(2, 1.0)]}

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from posttrain.adapters.nemo_rl.codec import NemoFormatError
 from posttrain.adapters.nemo_rl.loss import ContractAsNemoLoss, NemoLossModule, global_counts
 from posttrain.conformance.data import llm_batch
 from posttrain.conformance.policy import tiny_causal_lm
@@ -163,3 +164,30 @@ def test_real_clipped_pg_loss_where_nemo_rl_imports() -> None:
     module = NemoLossModule(real, tiny_causal_lm())
     out = module(llm_batch(2, 6, vocab_size=64))
     assert torch.isfinite(out["loss_objective"])
+
+
+@pytest.mark.parametrize(
+    ("drop", "missing"),
+    [
+        (("advantages",), "['advantages']"),
+        (("sample_mask",), "['sample_mask']"),
+        (("token_mask",), "['token_mask']"),
+        (("input_ids",), "['input_ids']"),
+        (("prev_logprobs", "generation_logprobs"), "['prev_logprobs']"),
+        (("input_ids", "advantages"), "['input_ids', 'advantages']"),
+    ],
+)
+def test_missing_data_keys_are_named_with_what_nemo_rl_loss_data_holds(
+    drop: tuple[str, ...], missing: str
+) -> None:
+    data = {k: v for k, v in _data().items() if k not in drop}
+    with pytest.raises(NemoFormatError) as refused:
+        _nemo_default()(
+            next_token_logprobs=torch.tensor(V["next_token_logprobs"]),
+            data=data,
+            global_valid_seqs=2,
+            global_valid_toks=5,
+        )
+    message = str(refused.value)
+    assert message.startswith(f"data: missing {missing}; NeMo-RL's loss data holds input_ids")
+    assert f"found {sorted(data)}" in message

@@ -278,3 +278,24 @@ def test_sample_refuses_bad_counts_and_drops_nothing(
     out = nemo.sample(3, current_weight_version=0, max_age_steps=1)
     assert out is not None
     assert [t["i"] for t in out["trajectories"]] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("at_max_size", [False, True])
+def test_a_group_larger_than_the_capacity_raises_instead_of_full(at_max_size: bool) -> None:
+    nemo = NemoReplayBuffer(RingBuffer(4), max_size=1)
+    if at_max_size:
+        assert nemo.add({"batch": _group(0), "i": 0}, 0, 0) == "success"
+    written = nemo.buffer.write_count
+    with pytest.raises(
+        ValueError,
+        match=r"trajectory\['batch'\]: expected a prompt group of at most 4 rows \(the "
+        r"buffer's capacity\), found 6 rows",
+    ):
+        nemo.add({"batch": _group(1, n=6), "i": 1}, 0, 0)
+    assert nemo.size() == int(at_max_size)
+    assert nemo.buffer.write_count == written  # nothing reached the backing buffer
+    if at_max_size:
+        out = nemo.sample(1, current_weight_version=0, max_age_steps=1)
+        assert out is not None
+        _same(dict(out["trajectories"][0]["batch"]), _group(0))
+    assert nemo.add({"batch": _group(2, n=4), "i": 2}, 0, 0) == "success"  # a group that fits

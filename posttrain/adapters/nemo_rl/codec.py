@@ -24,6 +24,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.adapters._layout import to_padded
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.contracts.validation import check
 
 __all__ = [
     "NEMO_KEY",
@@ -223,12 +224,25 @@ def from_layout(
     [B, S]; the reward becomes ``total_reward``. ``pad_token_id`` overwrites token ids past
     each length. Returns a ``BatchedDataDict`` where nemo_rl is importable, else a dict.
 
+    ``td`` is checked against ``layout`` first (keys, dtypes, shapes): anything but a
+    TensorDict raises :class:`NemoFormatError`, a batch that breaks the layout (no attention
+    mask, float tokens, an advantage neither [B] nor [B, T]) a ``ContractViolation`` naming
+    the key, what was expected and what was found.
+
     Example:
         >>> from posttrain.conformance.data import llm_batch
         >>> d = from_layout(llm_batch(2, 6))
         >>> d["input_lengths"].dtype, d["token_mask"].dtype, d["advantages"].shape
         (torch.int32, torch.int64, torch.Size([2, 6]))
     """
+    if not isinstance(td, TensorDictBase):
+        raise NemoFormatError(
+            f"td: expected an LLM-layout TensorDict, found {type(td).__name__} "
+            "(NeMo-RL train data goes the other way, through to_layout)"
+        )
+    # Checked before any field is read: a missing or mistyped field would otherwise surface
+    # as an AttributeError, or pass through as input_ids NeMo-RL cannot train on.
+    check(td, layout, ragged=isinstance(td, LazyStackedTensorDict), context="from_layout")
     td = _right_aligned(td, layout)
     if td.batch_dims != 1:
         td = td.reshape(-1)

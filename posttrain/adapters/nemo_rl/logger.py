@@ -52,10 +52,20 @@ def metric_name(name: str, prefix: str | None = "") -> str:
     full = f"{prefix}/{name}" if prefix else name
     if METRIC_NAME.match(full):
         return full
-    out = _BAD.sub("_", full.lower()).strip("_/")
-    out = re.sub(r"/+", "/", re.sub(r"_*/_*", "/", out))
+    # Each part on its own: a name (or prefix) of symbols only would otherwise vanish into
+    # the other part and log under it (``train/???`` as ``train``).
+    parts = [_segment(prefix, "prefix", full)] if prefix else []
+    return "/".join([*parts, _segment(name, "name", full)])
+
+
+def _segment(part: str, what: str, full: str) -> str:
+    out = _BAD.sub("_", part.lower())
+    out = re.sub(r"/+", "/", re.sub(r"_*/_*", "/", out)).strip("_/")
     if not METRIC_NAME.match(out):
-        raise ValueError(f"metric name {full!r}: no catalogue form (found {out!r})")
+        raise ValueError(
+            f"metric name {full!r}: no catalogue form (expected the {what} {part!r} to keep "
+            f"at least one [a-z0-9] character per segment, found {out!r})"
+        )
     return out
 
 
@@ -98,15 +108,30 @@ class NemoLogger:
         step_metric: str | None = None,
         step_finished: bool = False,
     ) -> None:
-        """NeMo-RL's call: every scalar of ``metrics`` under ``prefix``."""
+        """NeMo-RL's call: every scalar of ``metrics`` under ``prefix``, all or nothing.
+
+        Every name is worked out before anything is logged: a name with no catalogue form, or
+        two names that end up as one metric (``"Policy Loss"`` and ``"policy_loss"``), raise
+        ``ValueError`` naming them, and nothing is logged or counted as dropped.
+        """
+        points: dict[str, tuple[str, float]] = {}  # metric name -> (input name, value)
+        dropped = 0
         for key, value in metrics.items():
             scalar = _scalar(value)
             if scalar is None:
-                self.dropped += 1
+                dropped += 1
                 continue
             full = f"{prefix}/{key}" if prefix else key
             name = self.names.get(full) or metric_name(key, prefix)
+            if name in points:
+                raise ValueError(
+                    f"metrics[{key!r}]: expected a metric of its own, found it maps to "
+                    f"{name!r} as metrics[{points[name][0]!r}] does (nothing logged)"
+                )
+            points[name] = (key, scalar)
+        for name, (_, scalar) in points.items():
             self.sink.log_scalar(name, scalar, step=step)
+        self.dropped += dropped
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Kept in ``hyperparams``; passed on where the sink has ``log_hparams``."""

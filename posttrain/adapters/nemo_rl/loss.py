@@ -20,12 +20,17 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from posttrain.adapters.nemo_rl.codec import from_layout
+from posttrain.adapters.nemo_rl.codec import NemoFormatError, from_layout
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.validation import check
 
 __all__ = ["ContractAsNemoLoss", "NemoLossModule", "global_counts", "nemo_loss_module"]
+
+# What NeMo-RL's loss reads from ``data`` (``ClippedPGLossFn``,
+# ``nemo_rl/algorithms/loss/loss_functions.py``), besides ``prev_logprobs`` (for which
+# ``generation_logprobs`` stands in here) and, with a KL term, ``reference_policy_logprobs``.
+_LOSS_DATA_KEYS = ("input_ids", "token_mask", "sample_mask", "advantages")
 
 LOSS_TYPES = {"token_mean": "token_level", "seq_mean_token_mean": "sequence_level"}
 """posttrain aggregation -> NeMo-RL ``LossType`` value (NeMo-RL has no token-sum variants)."""
@@ -97,7 +102,9 @@ class ContractAsNemoLoss:
     (``"sequence_level"``) over this microbatch, is rescaled by local/global count so that
     microbatches and ranks add up to the full-batch loss, as NeMo-RL's own losses do.
     ``clip_fraction`` and ``kl_approx`` are reported likewise; entropy cannot be (only the
-    sampled tokens' log-probs arrive) and is dropped.
+    sampled tokens' log-probs arrive) and is dropped. ``data`` without ``input_ids``,
+    ``token_mask``, ``sample_mask``, ``advantages`` or behaviour log-probs raises
+    ``NemoFormatError`` naming what is missing.
 
     Example:
         >>> from posttrain.reference_impls import PolicyGradientLoss
@@ -137,6 +144,15 @@ class ContractAsNemoLoss:
         if global_valid_seqs is None or global_valid_toks is None:
             raise TypeError("expected global_valid_seqs= and global_valid_toks=")
         d = dict(getattr(data, "data", data))
+        missing = [k for k in _LOSS_DATA_KEYS if k not in d]
+        if "prev_logprobs" not in d and "generation_logprobs" not in d:
+            missing.append("prev_logprobs")
+        if missing:
+            raise NemoFormatError(
+                f"data: missing {missing}; NeMo-RL's loss data holds input_ids, token_mask, "
+                "advantages and prev_logprobs (or generation_logprobs) [B, S] and sample_mask "
+                f"[B]; found {sorted(d)}"
+            )
         ids = d["input_ids"]
         b, s = ids.shape
         if tuple(next_token_logprobs.shape) != (b, s - 1):
@@ -166,8 +182,6 @@ class ContractAsNemoLoss:
         sm = d["sample_mask"]
         mask = d["token_mask"].bool() & (sm > 0)[:, None]
         behaviour = d.get("prev_logprobs", d.get("generation_logprobs"))
-        if behaviour is None:
-            raise KeyError("data: expected 'prev_logprobs' or 'generation_logprobs'")
         k = self.layout.key
         fields: dict[Any, torch.Tensor] = {
             # Token ids are all 0: the stand-in policy's log-prob of token 0 is the given one.

@@ -43,11 +43,12 @@ class NemoReplayBuffer:
     LLM-layout items and given back bit-exactly, dtypes included; the trajectory's other keys
     (``rollout_metrics``, ``timestamp``) stay here. ``capacity`` is the backing buffer's
     capacity in items: an ``add`` whose FIFO write would overwrite an entry not yet sampled
-    answers ``"full"``, as one beyond ``max_size`` entries does, and changes nothing. It
-    defaults to the buffer's own (``RingBuffer.capacity``; ``rb.storage.max_size`` of a TorchRL
-    buffer behind ``ValidatedReplayBuffer``). Where neither says, an ``add`` that the buffer
-    wrote over rows of unsampled entries raises ``RuntimeError`` and drops those entries (their
-    rows are gone), so ``sample`` never hands back another group's rows.
+    answers ``"full"``, as one beyond ``max_size`` entries does, and changes nothing; a group
+    of more rows than ``capacity`` can never fit and raises ``ValueError``. ``capacity``
+    defaults to the buffer's own (``RingBuffer.capacity``; ``rb.storage.max_size`` of a
+    TorchRL buffer behind ``ValidatedReplayBuffer``). Where neither says, an ``add`` that the
+    buffer wrote over rows of unsampled entries raises ``RuntimeError`` and drops those
+    entries (their rows are gone), so ``sample`` never hands back another group's rows.
 
     Sampling follows NeMo-RL: entries generated before ``current - max_age_steps`` are
     dropped; ``None`` unless at least ``num_prompt_groups`` entries are valid and meant for
@@ -104,13 +105,23 @@ class NemoReplayBuffer:
     def add(
         self, trajectory: dict[str, Any], weight_version: int, target_weight_version: int
     ) -> str:
-        """Store one prompt group; ``"success"``, or ``"full"`` with nothing changed."""
-        if len(self._entries) >= self.max_size:
-            return "full"
+        """Store one prompt group; ``"success"``, or ``"full"`` with nothing changed.
+
+        A group of more rows than ``capacity`` raises ``ValueError`` (nothing changed), even
+        at ``max_size`` entries: no amount of sampling makes room, and NeMo-RL's producer
+        would wait on ``"full"`` forever.
+        """
         if "batch" not in trajectory:
             raise KeyError(f"trajectory: expected a 'batch' key; found {sorted(trajectory)}")
         td = to_layout(trajectory["batch"], layout=self.layout)
         n = int(td.batch_size[0])
+        if self.capacity is not None and n > self.capacity:
+            raise ValueError(
+                f"trajectory['batch']: expected a prompt group of at most {self.capacity} rows "
+                f"(the buffer's capacity), found {n} rows; it can never fit, nothing stored"
+            )
+        if len(self._entries) >= self.max_size:
+            return "full"
         if self.capacity is not None:
             oldest = min((e.offset for e in self._entries), default=self._written)
             if self._written + n - oldest > self.capacity:
