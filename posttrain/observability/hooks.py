@@ -19,7 +19,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.validation import check
-from posttrain.observability.reduce import Accumulator
+from posttrain.observability.reduce import Accumulator, not_a_number
 
 __all__ = [
     "Timers",
@@ -67,12 +67,7 @@ def _number(key: str, x: Any) -> float:
     try:
         return float(x)
     except (TypeError, ValueError, RuntimeError):
-        found = (
-            f"a tensor of shape {list(x.shape)}"
-            if isinstance(x, torch.Tensor)
-            else f"{type(x).__name__} {x!r}"
-        )
-        raise ValueError(f"{key}: expected one number, found {found}") from None
+        raise ValueError(f"{key}: expected one number, found {not_a_number(x)}") from None
 
 
 def _per_sequence(key: str, x: Any, n: int) -> None:

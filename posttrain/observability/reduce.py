@@ -20,17 +20,21 @@ __all__ = ["Accumulator"]
 _KINDS: dict[int, tuple[Catalogue, dict[str, str]]] = {}
 
 
+def not_a_number(x: Any) -> str:
+    """How an error names ``x`` that ``float()`` refused: a tensor by its shape."""
+    return (
+        f"a tensor of shape {list(x.shape)}"
+        if isinstance(x, torch.Tensor)
+        else f"{type(x).__name__} {x!r}"
+    )
+
+
 def _number(name: str, what: str, x: float | torch.Tensor) -> float:
     try:
         return float(x)
     except (TypeError, ValueError, RuntimeError):
-        found = (
-            f"a tensor of shape {list(x.shape)}"
-            if isinstance(x, torch.Tensor)
-            else f"{type(x).__name__} {x!r}"
-        )
         raise ValueError(
-            f"metric {name!r}: expected {what} to be one number, found {found}"
+            f"metric {name!r}: expected {what} to be one number, found {not_a_number(x)}"
         ) from None
 
 
