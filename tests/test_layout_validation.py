@@ -216,3 +216,15 @@ def test_the_remembered_signature_covers_layout_flags_and_nested_tensors() -> No
     nested.set("strided", torch.nested.nested_tensor(parts))
     assert [v.requirement for v in validate(nested, strict=True)] == ["LAY-006"]
     assert validate(td) == []
+
+
+def test_any_float_lets_other_float_dtypes_through_and_nothing_else() -> None:
+    td = llm_batch(2, 6)
+    td.set(("log_probs", "full"), td.get(("log_probs", "full")).bfloat16())
+    td.set(("next", "reward"), td.get(("next", "reward")).double())
+    assert [v.requirement for v in validate(td)] == ["LAY-002", "LAY-002"]
+    assert validate(td, any_float=True) == []
+    td.set(("tokens", "full"), td.get(("tokens", "full")).float())  # ids are not floats
+    assert [str(v) for v in validate(td, any_float=True)] == [
+        "LAY-002 key ('tokens', 'full'): expected dtype int64, found dtype float32"
+    ]

@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from posttrain.conformance.data import llm_batch, ragged_llm_batch
+from posttrain.contracts import ContractViolation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability import (
     Accumulator,
@@ -316,3 +317,48 @@ def test_other_hooks_check_their_inputs_before_any_write(
     with pytest.raises(ValueError, match=message):
         hook(acc)
     assert acc.values() == {"optim/lr": 1.0}
+
+
+def test_hooks_and_the_codec_take_bf16_log_probs_and_float64_rewards() -> None:
+    # TorchRL's TransformersWrapper on a bf16 model writes bf16 log-probs; rewards often
+    # arrive as float64. Metrics are computed in float32 either way.
+    from posttrain.adapters.nemo_rl.codec import from_layout
+
+    td = llm_batch(2, 6, vocab_size=8)
+    mixed = td.clone()
+    mixed.set(("log_probs", "full"), td.get(("log_probs", "full")).bfloat16())
+    mixed.set(("next", "reward"), td.get(("next", "reward")).double())
+    want = rollout_metrics(td, learner_version=3).values()
+    got = rollout_metrics(mixed, learner_version=torch.tensor(3)).values()  # type: ignore[arg-type]
+    assert got == pytest.approx(want, nan_ok=True)
+    logits = torch.randn(2, 6, 8)
+    assert policy_metrics(mixed, logits).values() == pytest.approx(
+        policy_metrics(td, logits).values(), rel=1e-2
+    )
+    assert from_layout(mixed)["input_ids"].dtype == torch.int64
+
+
+def test_a_ragged_batch_whose_items_disagree_is_refused_naming_the_items() -> None:
+    # Padding would hide one item's float mask under the others' bools, and a key some
+    # items lack ended in a TypeError on None.
+    bad = ragged_llm_batch([4, 6])
+    bad.tensordicts[1].set(("masks", "all_attention_mask"), torch.ones(6))
+    acc = Accumulator()
+    with pytest.raises(
+        ContractViolation,
+        match=re.escape(
+            "LAY-002 key ('masks', 'all_attention_mask'): expected dtype bool in every item, "
+            "found dtypes {'bool': [0], 'float32': [1]} (by items)"
+        ),
+    ):
+        rollout_metrics(bad, acc=acc)
+    missing = ragged_llm_batch([4, 6])
+    del missing.tensordicts[1]["advantage"]
+    with pytest.raises(
+        ContractViolation,
+        match=re.escape(
+            "LAY-001 key 'advantage': expected advantage in every item, found missing from items [1]"
+        ),
+    ):
+        rollout_metrics(missing, acc=acc)
+    assert acc.values() == {}

@@ -143,15 +143,29 @@ def _fmt_symbolic(shape: tuple[str, ...]) -> str:
     return "[" + ", ".join("*B" if s == "B" else s for s in shape) + "]"
 
 
+class _ItemsDiffer(Exception):
+    """A lazy stack's items disagree on a key: (requirement, expected suffix, found)."""
+
+
 def _meta(td: TensorDictBase, key: tuple[str, ...]) -> tuple[torch.dtype, tuple[int, ...], bool]:
     """dtype, shape (ragged dims as -1) and requires_grad, without touching the values."""
     if isinstance(td, LazyStackedTensorDict):
+        # Each item answers for itself: the stack's own view of a key is its first item's
+        # dtype, and an item without the key is not noticed.
+        parts = [x.get(key, None) for x in td.tensordicts]
+        missing = [i for i, p in enumerate(parts) if p is None]
+        if missing:
+            raise _ItemsDiffer("LAY-001", "in every item", f"missing from items {missing}")
+        dtypes = list(dict.fromkeys(p.dtype for p in parts))  # in the items' order
+        if len(dtypes) > 1:
+            by = {
+                str(d).removeprefix("torch."): [i for i, p in enumerate(parts) if p.dtype == d]
+                for d in dtypes
+            }
+            raise _ItemsDiffer("LAY-002", "in every item", f"dtypes {by} (by items)")
         # A lazy stack of unequal items cannot be densified; ask it for the shape instead.
         shape = tuple(int(d) for d in td.get_item_shape(key))
-        first = td.tensordicts[0].get(key) if td.tensordicts else None
-        if first is None:
-            return torch.float32, shape, False
-        return first.dtype, shape, any(t.get(key).requires_grad for t in td.tensordicts)
+        return parts[0].dtype, shape, any(p.requires_grad for p in parts)
     return _tensor_meta(td.get(key))
 
 
@@ -172,12 +186,15 @@ def validate(
     strict: bool = False,
     ragged: bool = False,
     deep: bool = False,
+    any_float: bool = False,
 ) -> list[Violation]:
     """Return every violation of ``layout`` by ``td`` (empty when it conforms).
 
     Metadata only (keys, dtypes, shapes, requires_grad) unless ``deep=True``, which also reads
     mask and log-prob values (LAY-004, LAY-007). ``require`` adds fields the consumer needs;
-    ``strict`` rejects keys outside the layout; ``ragged`` lets 'T' differ between items.
+    ``strict`` rejects keys outside the layout; ``ragged`` lets 'T' differ between items;
+    ``any_float`` accepts any floating dtype for a float field (for a consumer that casts, as
+    metrics do with bf16 log-probs or float64 rewards).
 
     Example:
         >>> import torch
@@ -189,7 +206,11 @@ def validate(
         ["LAY-002 key ('masks', 'all_assistant_mask'): expected dtype bool, found dtype float32"]
     """
     plain = type(td) is TensorDict  # skips two abstract-class isinstance checks per call
-    quick = _flat_signature(td, layout, require, strict, ragged) if plain and not deep else None
+    quick = (
+        _flat_signature(td, layout, require, strict, ragged, any_float)
+        if plain and not deep
+        else None
+    )
     if quick is not None and quick == _LAST_VALID[0][0]:
         return []  # the every-step case: shaped exactly like the batch validated last
     if not plain and not isinstance(td, TensorDictBase):
@@ -209,7 +230,7 @@ def validate(
         if plain
         else None
         if leaves is None or deep
-        else _signature(leaves, layout, require, strict, ragged, td)
+        else _signature(leaves, layout, require, strict, ragged, any_float, td)
     )
     if memo is not None and memo in _VALID:
         if quick is not None:
@@ -217,9 +238,15 @@ def validate(
         return []
     required = set(require) | {f.name for f in layout.fields if f.required}
     present = (
-        {norm_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
-        if leaves is None
-        else set(leaves)
+        set(leaves)
+        if leaves is not None
+        else {  # every item's keys: a key some items lack is then named by _meta
+            norm_key(k)
+            for x in td.tensordicts
+            for k in x.keys(include_nested=True, leaves_only=True)
+        }
+        if lazy
+        else {norm_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
     )
     batch = tuple(td.batch_size)
     out: list[Violation] = []
@@ -242,8 +269,14 @@ def validate(
         except TypeError as e:
             out.append(Violation(f.key, "a tensor", str(e), "LAY-003"))
             continue
+        except _ItemsDiffer as e:
+            rid, where, found = e.args
+            expected = f"dtype {f.dtype}" if rid == "LAY-002" else f.name
+            out.append(Violation(f.key, f"{expected} {where}", found, rid))
+            continue
         fine = True
-        if dtype != _DTYPES[f.dtype]:
+        want = _DTYPES[f.dtype]
+        if dtype != want and not (any_float and dtype.is_floating_point and want.is_floating_point):
             out.append(
                 Violation(f.key, f"dtype {f.dtype}", f"dtype {_dtype_name(dtype)}", "LAY-002")
             )
@@ -293,9 +326,11 @@ def _signature(
     require: tuple[str, ...],
     strict: bool,
     ragged: bool,
+    any_float: bool,
     td: TensorDictBase,
 ) -> tuple[Any, ...] | None:
-    sig: list[Any] = [id(layout), tuple(require), strict, ragged, type(td), td.batch_size]
+    sig: list[Any] = [id(layout), tuple(require), strict, ragged, any_float, type(td)]
+    sig.append(td.batch_size)
     append = sig.append  # this runs on every extend: one append per leaf, no temporary lists
     for k, v in leaves.items():
         if type(v) is not torch.Tensor or v.is_nested:
@@ -305,7 +340,12 @@ def _signature(
 
 
 def _flat_signature(
-    td: TensorDict, layout: Layout, require: tuple[str, ...], strict: bool, ragged: bool
+    td: TensorDict,
+    layout: Layout,
+    require: tuple[str, ...],
+    strict: bool,
+    ragged: bool,
+    any_float: bool = False,
 ) -> list[Any] | None:
     """What metadata validation of a plain TensorDict depends on, as one flat list.
 
@@ -315,7 +355,7 @@ def _flat_signature(
     leaf, a nested tensor, whose ``shape`` raises), which takes the full path.
     """
     req = require if type(require) is tuple else tuple(require)
-    sig: list[Any] = [id(layout), req, strict, ragged, td.batch_size]
+    sig: list[Any] = [id(layout), req, strict, ragged, any_float, td.batch_size]
     try:
         _flat_walk(td, sig)
     except (_NoSignature, AttributeError, RuntimeError):
@@ -437,6 +477,7 @@ def check(
     strict: bool = False,
     ragged: bool = False,
     deep: bool = False,
+    any_float: bool = False,
     context: str = "",
 ) -> None:
     """Raise one :class:`ContractViolation` listing every violation; return quietly otherwise.
@@ -455,6 +496,8 @@ def check(
         posttrain.contracts.validation.ContractViolation: 1 contract violation(s)
           - LAY-001 key 'advantage': expected advantage (float32 [*B]), found no such key
     """
-    violations = validate(td, layout, require=require, strict=strict, ragged=ragged, deep=deep)
+    violations = validate(
+        td, layout, require=require, strict=strict, ragged=ragged, deep=deep, any_float=any_float
+    )
     if violations:
         raise ContractViolation(violations, context)

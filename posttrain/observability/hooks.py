@@ -9,7 +9,7 @@ count) pair, so padding never dilutes and microbatches add up. All hooks run und
 from __future__ import annotations
 
 import contextlib
-import numbers
+import operator
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -48,18 +48,22 @@ def _dense(td: TensorDictBase, layout: Layout) -> TensorDictBase:
     return TensorDict(out, batch_size=[len(lengths)])
 
 
-def _check_batch(td: TensorDictBase, layout: Layout, context: str) -> int:
-    """Check ``td`` against ``layout`` (metadata only); return its number of sequences.
+def _checked(td: TensorDictBase, layout: Layout, context: str) -> tuple[TensorDictBase, int]:
+    """``td`` padded to one dense batch and checked against ``layout``; its sequence count.
 
     Hooks check before their first write: an accumulator must not keep half a batch's metrics.
+    Any float dtype passes (metrics are computed in float32). A ragged stack is checked item
+    by item, before padding: padding would hide one item's dtype under the others'.
     """
-    check(td, layout, ragged=isinstance(td, LazyStackedTensorDict), context=context)
-    n = int(td.batch_size.numel())
+    ragged = isinstance(td, LazyStackedTensorDict)
+    check(td, layout, ragged=ragged, any_float=True, context=context)
+    dense = _dense(td, layout)
+    n = int(dense.batch_size.numel())
     if n == 0:
         # Its min and max metrics are undefined, and skipping them would leave ranks holding
         # different metric names for all_reduce.
         raise ValueError(f"{context}: expected at least one sequence, found batch size [0]")
-    return n
+    return dense, n
 
 
 def _number(key: str, x: Any) -> float:
@@ -112,7 +116,7 @@ def rollout_metrics(
         ValueError: truncated: expected a tensor of 2 values (one per sequence), found a tensor of shape [3]
     """
     acc = acc if acc is not None else Accumulator()
-    n_seq = _check_batch(td, layout, "rollout_metrics")
+    td, n_seq = _checked(td, layout, "rollout_metrics")
     if truncated is not None:
         _per_sequence("truncated", truncated, n_seq)
     for name, values in (reward_fns or {}).items():
@@ -120,9 +124,13 @@ def rollout_metrics(
         # A name the catalogue cannot match (one with a '/') raises its KeyError here, not
         # after the batch's other metrics are in.
         acc.reduction(f"rollout/reward_fn/{name}/mean")
-    if learner_version is not None and not isinstance(learner_version, numbers.Integral):
-        raise ValueError(f"learner_version: expected an int, found {learner_version!r}")
-    td = _dense(td, layout)
+    if learner_version is not None:
+        try:
+            learner_version = operator.index(learner_version)
+        except TypeError:
+            raise ValueError(
+                f"learner_version: expected an int, found {learner_version!r}"
+            ) from None
     k = layout.key
     attn = td.get(k("attention_mask"))
     asst = td.get(k("assistant_mask")) & attn
@@ -201,9 +209,8 @@ def policy_metrics(
         True
     """
     acc = acc if acc is not None else Accumulator()
-    _check_batch(td, layout, "policy_metrics")
+    td, _ = _checked(td, layout, "policy_metrics")
     low_clip, high_clip = (_number("clip", c) for c in _pair("clip", clip))
-    td = _dense(td, layout)
     k = layout.key
     tokens = td.get(k("tokens"))
     _shaped("logits", logits, (*tokens.shape, "V"))

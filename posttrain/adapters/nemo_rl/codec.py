@@ -16,6 +16,7 @@ Position t holds log p(token_t | tokens before t) in NeMo-RL and in the layout a
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -242,7 +243,14 @@ def from_layout(
         )
     # Checked before any field is read: a missing or mistyped field would otherwise surface
     # as an AttributeError, or pass through as input_ids NeMo-RL cannot train on.
-    check(td, layout, ragged=isinstance(td, LazyStackedTensorDict), context="from_layout")
+    # Float fields may hold any float dtype (bf16 log-probs, float64 rewards): cast below.
+    check(
+        td,
+        layout,
+        ragged=isinstance(td, LazyStackedTensorDict),
+        any_float=True,
+        context="from_layout",
+    )
     td = _right_aligned(td, layout)
     if td.batch_dims != 1:
         td = td.reshape(-1)
@@ -365,8 +373,12 @@ def shard_by_batch_size(
 
 
 def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}: expected a positive int, found {value!r}")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)  # numpy ints too
+    except TypeError:
+        raise TypeError(f"{name}: expected a positive int, found {value!r}") from None
     if value < 1:
         raise ValueError(f"{name}: expected a positive int, found {value}")
 
