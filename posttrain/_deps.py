@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 
 __all__ = ["optional_deps"]
@@ -18,6 +19,7 @@ EXTRAS = {
     "wandb": "observability",
     "matplotlib": "observability",
     "ray": "ray",
+    "tokenizers": "trl",
 }
 """Top-level module -> the ``posttrain[...]`` extra that installs it (pyproject.toml)."""
 
@@ -37,6 +39,12 @@ def optional_deps() -> Iterator[None]:
         ...
         ModuleNotFoundError: mlflow is not installed: pip install 'posttrain[observability]'
         >>> del sys.modules["mlflow"]
+        >>> with optional_deps():
+        ...     import torchrl.no_such_module
+        Traceback (most recent call last):
+        ...
+        ModuleNotFoundError: torchrl is installed but has no torchrl.no_such_module: pip install -U 'posttrain[torchrl]'
+
     """
     try:
         yield
@@ -45,6 +53,15 @@ def optional_deps() -> Iterator[None]:
         extra = EXTRAS.get(root)
         if extra is None:
             raise
+        try:
+            there = importlib.util.find_spec(root) is not None
+        except (ImportError, ValueError):  # None in sys.modules, as when hidden on purpose
+            there = False
+        if there:  # installed, but without that module: another version than posttrain needs
+            raise ModuleNotFoundError(
+                f"{root} is installed but has no {e.name}: pip install -U 'posttrain[{extra}]'",
+                name=e.name,
+            ) from e
         raise ModuleNotFoundError(
             f"{root} is not installed: pip install 'posttrain[{extra}]'", name=e.name
         ) from e

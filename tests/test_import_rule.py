@@ -21,6 +21,8 @@ OPTIONAL = {
     "mlflow",
     "wandb",
     "ray",
+    "matplotlib",
+    "tokenizers",
 }
 
 
@@ -133,6 +135,10 @@ def test_every_lazy_optional_import_says_what_to_install() -> None:
                 isinstance(p, ast.With) and "optional_deps" not in ast.unparse(p.items[0])
             ):
                 bad.append(f"{f.relative_to(PKG)}:{node.lineno}")
+            elif isinstance(p, ast.Try) and not any(
+                h.type is not None and "ImportError" in ast.unparse(h.type) for h in p.handlers
+            ):
+                bad.append(f"{f.relative_to(PKG)}:{node.lineno} (its try catches no ImportError)")
     assert not bad
 
 

@@ -337,3 +337,10 @@ def test_anything_but_a_tensordict_is_refused_by_from_layout() -> None:
     plain: Any = dict(llm_batch(2, 6).items(include_nested=True, leaves_only=True))
     with pytest.raises(NemoFormatError, match="td: expected an LLM-layout TensorDict, found dict"):
         from_layout(plain)
+
+
+def test_shard_by_batch_size_takes_numpy_ints() -> None:
+    import numpy as np
+
+    data = {"x": list(range(8))}
+    assert shard_by_batch_size(data, np.int64(2), np.int64(4)) == shard_by_batch_size(data, 2, 4)  # type: ignore[arg-type]

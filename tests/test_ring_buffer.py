@@ -161,3 +161,15 @@ def test_read_refuses_float_and_bool_indices_and_capacity_refuses_bool() -> None
         rb.read(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="capacity: expected a positive int, found True"):
         RingBuffer(True)  # bool is an int subclass, not a size
+
+
+def test_numpy_sizes_empty_reads_and_a_state_without_rows() -> None:
+    import numpy as np
+
+    rb = RingBuffer(4, seed=0)
+    rb.extend(llm_batch(3))
+    assert rb.sample(np.int64(2)).batch_size == torch.Size([2])  # type: ignore[arg-type]
+    assert rb.read(torch.tensor([])).batch_size == torch.Size([0])
+    state = rb.state_dict()
+    with pytest.raises(ValueError, match=re.escape("state_dict['rows']: expected uint8 [3, ")):
+        RingBuffer(4).load_state_dict({**state, "rows": None})

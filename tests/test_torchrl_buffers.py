@@ -121,3 +121,12 @@ def test_adapter_checks_sample_size_and_read_indices() -> None:
     with pytest.raises(TypeError, match="expected integer indices, found dtype float32"):
         rb.read(torch.tensor([0.5]))
     assert len(rb) == 3
+
+
+def test_adapter_samples_numpy_sizes_as_torchrl_does() -> None:
+    import numpy as np
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    rb = ValidatedReplayBuffer(TensorDictReplayBuffer(storage=LazyTensorStorage(8)))
+    rb.extend(TensorDict({"z": torch.arange(3)}, batch_size=[3]))
+    assert rb.sample(np.int64(2)).batch_size == torch.Size([2])  # type: ignore[arg-type]

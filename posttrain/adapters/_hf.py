@@ -23,9 +23,8 @@ def word_level_tokenizer(config: Any) -> Any:
         >>> len(tok), tok.eos_token_id
         (64, 2)
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     with optional_deps():
+        from tokenizers import Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 
     specials = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -10,7 +11,14 @@ from tensordict import TensorDictBase
 from posttrain.contracts.contract import Capability, Contract, Option
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = ["BUFFER", "ReplayBufferV1", "SupportsCheckpoint", "SupportsPriority", "storage_indices"]
+__all__ = [
+    "BUFFER",
+    "ReplayBufferV1",
+    "SupportsCheckpoint",
+    "SupportsPriority",
+    "sample_size",
+    "storage_indices",
+]
 
 
 class ReplayBufferV1(Protocol):
@@ -106,6 +114,27 @@ class SupportsRead(Protocol):
         ...
 
 
+def sample_size(batch_size: Any) -> int:
+    """``batch_size`` for a ``sample`` as an int >= 0 (numpy and 0-d integer tensors too).
+
+    Example:
+        >>> import numpy as np
+        >>> sample_size(np.int64(4))
+        4
+        >>> sample_size(2.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: batch_size: expected a non-negative int, found 2.5
+    """
+    try:
+        n = -1 if isinstance(batch_size, bool) else operator.index(batch_size)
+    except TypeError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"batch_size: expected a non-negative int, found {batch_size!r}")
+    return n
+
+
 def storage_indices(indices: Any, length: int) -> torch.Tensor:
     """``indices`` for a ``read`` of a buffer holding ``length`` items, as 1-D int64.
 
@@ -121,6 +150,8 @@ def storage_indices(indices: Any, length: int) -> torch.Tensor:
         TypeError: read: expected integer indices, found dtype float32
     """
     idx = torch.as_tensor(indices)
+    if idx.numel() == 0:  # [] has no dtype of its own (torch makes it float32)
+        return torch.empty(0, dtype=torch.int64)
     if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
         raise TypeError(f"read: expected integer indices, found dtype {str(idx.dtype)[6:]}")
     idx = idx.to(torch.int64).reshape(-1)

@@ -42,13 +42,15 @@ def metric_point(name: str, value: Any, step: Any = None) -> tuple[str, float, i
             s = -1
         if s < 0:
             raise ValueError(f"metric {name!r}: step expected an int >= 0 or None, found {step!r}")
-    bad = ValueError(f"metric {name!r}: value expected one real number, found {value!r:.80}")
-    if isinstance(value, str | bytes | complex):  # float("nan") would turn text into a value
-        raise bad
     try:
+        if isinstance(value, str | bytes | complex):  # float("nan") would turn text into a value
+            raise TypeError(type(value).__name__)
         return name, float(value), s
     except (TypeError, ValueError, RuntimeError) as e:
-        raise bad from e
+        # Built here only: the repr of a tensor costs ~60 us, on every call were it eager.
+        raise ValueError(
+            f"metric {name!r}: value expected one real number, found {value!r:.80}"
+        ) from e
 
 
 class MetricSinkV1(Protocol):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -156,4 +157,4 @@ class PolicyGradientLoss(torch.nn.Module):
 
 
 def _real(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)  # numpy floats too

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.contracts.buffer import storage_indices
+from posttrain.contracts.buffer import sample_size, storage_indices
 from posttrain.contracts.layout import key_str
 from posttrain.contracts.schema import ItemSchema, batch_violations, leaf_items
 from posttrain.contracts.validation import ContractViolation
@@ -104,8 +104,7 @@ class RingBuffer:
     def _allocate(self, schema: ItemSchema) -> None:
         self._schema = schema
         self._columns = self._layout(schema)
-        row = sum(c.nbytes for c in self._columns.values())
-        row = -(-row // _ALIGN) * _ALIGN
+        row = _row_bytes(self._columns)
         self._rows = torch.empty(self.capacity, row, dtype=torch.uint8, device=self.device)
         self._dst = self._views(self._rows)  # typed views of the whole ring, made once
         self._dst_items = list(self._dst.items())
@@ -179,8 +178,7 @@ class RingBuffer:
 
     def sample(self, batch_size: int, /) -> TensorDict:
         """Draw ``batch_size`` stored items (a copy) as a TensorDict with batch size [batch_size]."""
-        if not isinstance(batch_size, int) or batch_size < 0:
-            raise ValueError(f"batch_size: expected a non-negative int, found {batch_size!r}")
+        batch_size = sample_size(batch_size)
         with self._lock:
             if self._len == 0 or self._rows is None:
                 raise RuntimeError("cannot sample from an empty buffer: extend it first")
@@ -251,13 +249,13 @@ class RingBuffer:
                 f"state_dict['schema']: expected ItemSchema.to_state()'s output, found {e}"
             ) from e
         if schema is not None:
-            cols = self._layout(schema)
-            row = -(-sum(c.nbytes for c in cols.values()) // _ALIGN) * _ALIGN
-            want = (st["len"], row)
-            if tuple(st["rows"].shape) != want or st["rows"].dtype != torch.uint8:
+            want = (st["len"], _row_bytes(self._layout(schema)))
+            rows = st["rows"]
+            if rows is None or tuple(rows.shape) != want or rows.dtype != torch.uint8:
+                found = "None" if rows is None else f"{rows.dtype} {list(rows.shape)}"
                 raise ValueError(
                     f"state_dict['rows']: expected uint8 {list(want)} (len x the schema's row "
-                    f"bytes), found {st['rows'].dtype} {list(st['rows'].shape)}"
+                    f"bytes), found {found}"
                 )
         elif st["len"] or st["rows"] is not None:
             raise ValueError(
@@ -291,6 +289,11 @@ class RingBuffer:
     def __repr__(self) -> str:
         keys = "" if self._columns is None else ", ".join(key_str(k) for k in self._columns)
         return f"RingBuffer(capacity={self.capacity}, len={self._len}, keys=[{keys}])"
+
+
+def _row_bytes(columns: dict[tuple[str, ...], _Column]) -> int:
+    """One item's bytes in the ring: every column, rounded up to the alignment."""
+    return -(-sum(c.nbytes for c in columns.values()) // _ALIGN) * _ALIGN
 
 
 def _nesting(

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from posttrain.contracts.buffer import storage_indices
+from posttrain.contracts.buffer import sample_size, storage_indices
 from posttrain.contracts.schema import ItemSchema, batch_violations
 from posttrain.contracts.validation import ContractViolation
 
@@ -77,8 +77,7 @@ class ValidatedReplayBuffer:
         fewer items are left; the adapter tops the batch up from the next epoch, which keeps
         the every-item-once-per-epoch order.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-            raise ValueError(f"batch_size: expected a non-negative int, found {batch_size!r}")
+        batch_size = sample_size(batch_size)
         out = self.rb.sample(batch_size)
         got = int(out.batch_size[0]) if isinstance(out, TensorDictBase) else batch_size
         if got >= batch_size:
