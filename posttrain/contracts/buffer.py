@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDictBase
 
+from posttrain.contracts._counts import as_count
 from posttrain.contracts.contract import Capability, Contract, Option
 from posttrain.contracts.requirements import Level, Requirement
 
@@ -126,11 +126,8 @@ def sample_size(batch_size: Any) -> int:
         ...
         ValueError: batch_size: expected a non-negative int, found 2.5
     """
-    try:
-        n = -1 if isinstance(batch_size, bool) else operator.index(batch_size)
-    except TypeError:
-        n = -1
-    if n < 0:
+    n = as_count(batch_size)
+    if n is None:
         raise ValueError(f"batch_size: expected a non-negative int, found {batch_size!r}")
     return n
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import operator
 import re
 from typing import Any, Protocol
 
+from posttrain.contracts._counts import as_count
 from posttrain.contracts.contract import Capability, Contract
 from posttrain.contracts.requirements import Level, Requirement
 
@@ -33,15 +33,9 @@ def metric_point(name: str, value: Any, step: Any = None) -> tuple[str, float, i
     """
     if not isinstance(name, str):
         raise ValueError(f"metric name: expected a str, found {type(name).__name__}")
-    if step is None:
-        s = 0
-    else:
-        try:
-            s = -1 if isinstance(step, bool) else operator.index(step)
-        except TypeError:
-            s = -1
-        if s < 0:
-            raise ValueError(f"metric {name!r}: step expected an int >= 0 or None, found {step!r}")
+    s = 0 if step is None else as_count(step)
+    if s is None:
+        raise ValueError(f"metric {name!r}: step expected an int >= 0 or None, found {step!r}")
     try:
         if isinstance(value, str | bytes | complex):  # float("nan") would turn text into a value
             raise TypeError(type(value).__name__)
