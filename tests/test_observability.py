@@ -362,3 +362,21 @@ def test_a_ragged_batch_whose_items_disagree_is_refused_naming_the_items() -> No
     ):
         rollout_metrics(missing, acc=acc)
     assert acc.values() == {}
+
+
+def test_merge_of_a_name_this_catalogue_lacks_folds_in_nothing() -> None:
+    from posttrain.contracts.catalogue import CATALOGUE_V1, Catalogue
+
+    small = Catalogue(
+        name="small",
+        version="1.0",
+        metrics=tuple(m for m in CATALOGUE_V1.metrics if m.name != "loss/total"),
+    )
+    mine = Accumulator(small)
+    mine.add("policy/kl_ref/k3", 1.0, 1)
+    other = Accumulator()
+    other.add("policy/kl_ref/k3", 3.0, 1)
+    other.add("loss/total", 2.0)
+    with pytest.raises(KeyError, match="'loss/total' is not in catalogue small"):
+        mine.merge(other)
+    assert mine.values() == {"policy/kl_ref/k3": 1.0}

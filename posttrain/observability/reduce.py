@@ -134,7 +134,13 @@ class Accumulator:
         m[2] += c
 
     def merge(self, other: Accumulator) -> None:
-        """Fold another accumulator (another microbatch, step or rank) into this one."""
+        """Fold another accumulator (another microbatch, step or rank) into this one.
+
+        Every name of ``other`` is looked up first: one this catalogue does not hold raises
+        ``KeyError`` before anything is folded in.
+        """
+        for name in (*other._num, *other._ext, *other._last, *other._mom):
+            self.reduction(name)
         for name, num in other._num.items():
             if name in other._den:
                 self.add(name, num, other._den[name])
