@@ -133,8 +133,13 @@ class NemoReplayBuffer:
         # Without a known capacity nothing stopped the write from landing on rows of entries
         # not sampled yet (or, longer than the buffer, on its own first rows): those rows now
         # hold this group, so those entries can only be dropped, never handed back.
+        # With the capacity known, the check above already kept the write off their rows.
         hit = set(indices)
-        lost = [e for e in self._entries if hit.intersection(e.indices)]
+        lost = (
+            [e for e in self._entries if hit.intersection(e.indices)]
+            if self.capacity is None
+            else []
+        )
         if lost or len(hit) < n:
             gone = {id(e) for e in lost}
             self._entries = [e for e in self._entries if id(e) not in gone]
