@@ -37,8 +37,9 @@ def _requirements_md(reqs: tuple[Requirement, ...]) -> list[str]:
             when = f"capability `{r.capability}`"
         elif r.option:
             when = f"`{r.option[0]}={r.option[1]}`"
+        since = r.since + "".join(f"; tightened {v}" for v in r.tightened)
         out.append(
-            f'| <a id="{r.id}"></a>**{r.id}** | {r.level.value} | {when} | {r.since} | {_cell(r.text)} |'
+            f'| <a id="{r.id}"></a>**{r.id}** | {r.level.value} | {when} | {since} | {_cell(r.text)} |'
         )
     deps = [r for r in reqs if r.depends_on]
     if deps:
@@ -119,8 +120,10 @@ def render_markdown(c: Contract) -> str:
         "## Versioning",
         "",
         f"`{c.id}` v{c.version}. Additive changes (a new SHOULD, a new capability and its "
-        "requirements) bump the minor version; anything that can fail a conforming "
-        f"implementation makes v{c.major + 1}. Requirement ids are never reused.",
+        "requirements) bump the minor version. So does a *tightening*: a check that tests more "
+        "of an existing requirement's own sentence, catching an implementation that already "
+        "broke it (the 'since' column names the version that tightened it). Anything else that can "
+        f"fail a conforming implementation makes v{c.major + 1}. Requirement ids are never reused.",
     ]
     return "\n".join(lines) + "\n"
 

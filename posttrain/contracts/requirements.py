@@ -46,6 +46,13 @@ class Requirement(BaseModel):
     title: str = Field(description="A few words, for tables and reports.")
     text: str = Field(description="The one normative sentence.")
     since: str = Field(default="1.0", description="Contract version that introduced it.")
+    tightened: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Contract versions whose check tests more of this same text (a tightening: it may "
+            "fail an implementation that passed before, which already broke the sentence)."
+        ),
+    )
     capability: str | None = Field(default=None, description="Capability it needs, if any.")
     option: tuple[str, str] | None = Field(
         default=None, description="(option, value) it is restricted to, if any."
