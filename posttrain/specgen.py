@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from posttrain.conformance.outcome import report_schema
 from posttrain.contracts import CONTRACTS, LAYOUT_REQUIREMENTS, LLM_LAYOUT_V1, Contract
 from posttrain.contracts.catalogue import CATALOGUE_V1, Catalogue
 from posttrain.contracts.catalogue import FRAMEWORKS as CATALOGUE_FRAMEWORKS
@@ -292,6 +293,7 @@ def render_all() -> dict[str, str]:
     files[f"{lay.name}_layout-v1.schema.json"] = _dump(render_layout_schema(lay))
     files["metrics_catalogue-v1.md"] = render_catalogue_markdown(CATALOGUE_V1)
     files["metrics_catalogue-v1.schema.json"] = _dump(render_catalogue_schema(CATALOGUE_V1))
+    files["conformance-report-v1.schema.json"] = _dump(report_schema())
     return files
 
 
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         >>> import tempfile
         >>> out = tempfile.mkdtemp()
         >>> main([out])
-        wrote 16 files to ...
+        wrote 17 files to ...
         0
         >>> main([out, "--check"])
         0

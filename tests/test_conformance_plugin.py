@@ -22,14 +22,17 @@ def test_reference_passes_from_an_empty_directory(pytester: pytest.Pytester) -> 
         [
             "posttrain conformance: posttrain.RingBuffer (*) against buffer v1.2; capabilities: checkpoint, read, thread_safe*",
             "BUF-009   MUST   PASS           missing key rejected atomically",
-            "*18 PASS, 0 FAIL, 0 ERROR, 5 NOT_APPLICABLE; conforms*",
+            "*18 PASS, 0 FAIL, 0 ERROR, 5 NOT_APPLICABLE; verdict: conforms*",
         ]
     )
     data = json.loads(report.read_text())
-    assert data["run"]["implementation"] == "posttrain.RingBuffer"
-    assert data["run"]["contract_version"] == "1.2"
-    assert {"torch", "tensordict", "posttrain"} <= set(data["run"]["versions"])
-    rows = {r["id"]: r for r in data["results"]}
+    assert data["format"] == "posttrain-conformance-report/1"
+    (rep,) = data["reports"]
+    assert rep["verdict"] == "conforms"
+    assert rep["run"]["implementation"] == "posttrain.RingBuffer"
+    assert rep["run"]["contract_version"] == "1.2"
+    assert {"torch", "tensordict", "posttrain"} <= set(rep["run"]["versions"])
+    rows = {r["id"]: r for r in rep["results"]}
     assert rows["BUF-020"]["status"] == "NOT_APPLICABLE"
     assert "-k BUF-020" in rows["BUF-020"]["repro"]
     assert (
@@ -132,7 +135,7 @@ def test_two_contracts_in_one_run(pytester: pytest.Pytester) -> None:
     )
     assert res.ret == 0
     res.assert_outcomes(passed=18 + 12, skipped=5 + 1)
-    data = json.loads(report.read_text())
+    data = json.loads(report.read_text())["reports"]
     assert [d["run"]["contract"] for d in data] == ["buffer", "loss"]
     assert data[1]["run"]["options"] == {"aggregation": "seq_mean_token_sum"}
 

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 from posttrain.conformance.outcome import Report
-from posttrain.conformance.runner import run
+from posttrain.conformance.runner import DEFAULT_TIMEOUT_S, run
 from posttrain.conformance.target import resolve
 from posttrain.contracts.implementation import Implementation
 
 __all__ = ["check"]
 
 
-def check(contract: str, target: str | Implementation, *, seed: int = 0) -> Report:
+def check(
+    contract: str,
+    target: str | Implementation,
+    *,
+    seed: int = 0,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> Report:
     """Run ``contract``'s suite against ``target``; return the report (it never raises on FAIL).
+
+    ``target`` is ``module:attr``, an entry-point name or the :class:`Implementation` itself
+    (its rows' repro commands then name the module attribute that holds it, if one does).
 
     Example:
         >>> rep = check("buffer", "posttrain.reference_impls:RING_BUFFER")
@@ -19,9 +28,11 @@ def check(contract: str, target: str | Implementation, *, seed: int = 0) -> Repo
         (True, 0)
     """
     if isinstance(target, Implementation):
-        impl, name = target, target.name
+        impl, name = target, ""
     else:
         impl, name = resolve(target, contract), target
     if impl.contract != contract:
-        raise ValueError(f"target {name!r} implements {impl.contract!r}, not {contract!r}")
-    return run(impl, target=name, seed=seed)
+        raise ValueError(
+            f"target {name or impl.name!r} implements {impl.contract!r}, not {contract!r}"
+        )
+    return run(impl, target=name, seed=seed, timeout_s=timeout_s)

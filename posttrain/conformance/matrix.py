@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import sys
 import time
 from pathlib import Path
 
-from posttrain.conformance.outcome import Report, Status
+from posttrain.conformance.outcome import Report, Status, reports_json
 from posttrain.conformance.runner import run
 from posttrain.conformance.target import discover
 from posttrain.contracts.implementation import Implementation
@@ -198,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "conformance.md").write_text(md)
     (args.out / "conformance.html").write_text(render_html(reports))
-    payload = {n: json.loads(r.to_json()) for n, r in reports.items()}
-    (args.out / "conformance.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (args.out / "conformance.json").write_text(reports_json(list(reports.values())))
     sys.stdout.write(md)
     print(
         f"\nwrote {args.out / 'conformance.md'}, {args.out / 'conformance.html'}, {args.out / 'conformance.json'}"

@@ -9,7 +9,10 @@ from typing import Any
 
 from posttrain.contracts.requirements import Level
 
-__all__ = ["Report", "Result", "Status"]
+__all__ = ["REPORT_FORMAT", "Report", "Result", "Status", "report_schema", "reports_json"]
+
+REPORT_FORMAT = "posttrain-conformance-report/1"
+"""The ``format`` field of every JSON report file; its schema is ``specs/conformance-report-v1.schema.json``."""
 
 
 class Status(str, enum.Enum):
@@ -43,6 +46,7 @@ class Result:
     message: str = ""
     repro: str = ""
     duration_s: float = 0.0
+    spec: str = ""
 
     @property
     def passed(self) -> bool:
@@ -110,6 +114,25 @@ class Report:
         ]
         return out
 
+    def verdict(self) -> str:
+        """One phrase for the whole run, read against the declared ``known_failures``.
+
+        ``conforms`` (every MUST holds), ``does not conform`` (a MUST failed and nothing was
+        declared), ``does not conform (as declared)`` (exactly the declared failures: a raw
+        upstream component with published deviations), or ``unexpected`` (the failures differ
+        from the declaration either way: see :meth:`surprises`).
+
+        Example:
+            >>> Report(run={}, results=[]).verdict()
+            'conforms'
+        """
+        if self.surprises():
+            # Nothing declared: a surprise is simply a failure.
+            return "unexpected" if self.run.get("known_failures") else "does not conform"
+        if self.ok:
+            return "conforms"
+        return "does not conform (as declared)"
+
     def counts(self) -> dict[str, int]:
         """How many rows have each status."""
         out = {s.value: 0 for s in Status}
@@ -117,13 +140,24 @@ class Report:
             out[r.status.value] += 1
         return out
 
+    def to_dict(self) -> dict[str, Any]:
+        """One implementation's report as plain data (see ``specs/conformance-report-v1.schema.json``).
+
+        Example:
+            >>> sorted(Report(run={}, results=[]).to_dict())
+            ['results', 'run', 'summary', 'surprises', 'verdict']
+        """
+        return {
+            "run": self.run,
+            "verdict": self.verdict(),
+            "surprises": self.surprises(),
+            "summary": self.counts(),
+            "results": [{**asdict(r), "status": r.status.value} for r in self.results],
+        }
+
     def to_json(self) -> str:
-        """The JSON report: ``{"run": {...}, "results": [...]}``."""
-        rows = [{**asdict(r), "status": r.status.value} for r in self.results]
-        return (
-            json.dumps({"run": self.run, "summary": self.counts(), "results": rows}, indent=2)
-            + "\n"
-        )
+        """The JSON report file of this run alone: :func:`reports_json` of ``[self]``."""
+        return reports_json([self])
 
     def to_markdown(self) -> str:
         """A Markdown table of the rows, under a header naming target, contract and capabilities."""
@@ -146,3 +180,87 @@ class Report:
             msg = (r.message.splitlines()[0] if r.message else "").replace("|", "\\|")
             lines.append(f"| {r.id} | {r.level} | {r.title} | {r.status.value} | {msg} |")
         return "\n".join(lines) + "\n"
+
+
+def reports_json(reports: list[Report]) -> str:
+    """A JSON report file: ``{"format": ..., "reports": [...]}``, one shape for any number of runs.
+
+    Example:
+        >>> import json
+        >>> data = json.loads(reports_json([Report(run={"implementation": "x"}, results=[])]))
+        >>> data["format"], data["reports"][0]["verdict"]
+        ('posttrain-conformance-report/1', 'conforms')
+    """
+    payload = {"format": REPORT_FORMAT, "reports": [r.to_dict() for r in reports]}
+    return json.dumps(payload, indent=2) + "\n"
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema of a report file (written to ``specs/conformance-report-v1.schema.json``).
+
+    Example:
+        >>> report_schema()["properties"]["format"]["const"]
+        'posttrain-conformance-report/1'
+    """
+    status = {"enum": [s.value for s in Status]}
+    row = {
+        "type": "object",
+        "required": ["id", "level", "title", "status", "message", "repro", "duration_s", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "id": {"type": "string", "pattern": "^[A-Z]+-[0-9]{3}$"},
+            "level": {"enum": ["MUST", "SHOULD"]},
+            "title": {"type": "string"},
+            "status": status,
+            "message": {
+                "type": "string",
+                "description": "Empty on PASS; otherwise starts with '<id>: ' and, on FAIL or "
+                "ERROR, ends with '(see <spec>)'.",
+            },
+            "repro": {"type": "string", "description": "A command that reruns this row alone."},
+            "duration_s": {"type": "number", "minimum": 0},
+            "spec": {"type": "string", "description": "specs/<contract>-v<major>.md#<id>"},
+        },
+    }
+    one = {
+        "type": "object",
+        "required": ["run", "verdict", "surprises", "summary", "results"],
+        "additionalProperties": False,
+        "properties": {
+            "run": {
+                "type": "object",
+                "description": "Who was checked against what: implementation, target, contract, "
+                "contract_version, capabilities, unavailable, known_failures, options, seed, "
+                "versions, python, device, started.",
+                "required": ["implementation", "contract", "contract_version", "seed"],
+            },
+            "verdict": {
+                "enum": [
+                    "conforms",
+                    "does not conform",
+                    "does not conform (as declared)",
+                    "unexpected",
+                ]
+            },
+            "surprises": {"type": "array", "items": {"type": "string"}},
+            "summary": {
+                "type": "object",
+                "required": [s.value for s in Status],
+                "additionalProperties": False,
+                "properties": {s.value: {"type": "integer", "minimum": 0} for s in Status},
+            },
+            "results": {"type": "array", "items": row},
+        },
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "urn:posttrain:conformance-report:v1",
+        "title": "posttrain conformance report",
+        "type": "object",
+        "required": ["format", "reports"],
+        "additionalProperties": False,
+        "properties": {
+            "format": {"const": REPORT_FORMAT},
+            "reports": {"type": "array", "items": one, "description": "One per implementation."},
+        },
+    }

@@ -45,6 +45,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--conformance-seed", type=int, default=0, help="seed for the suites' data (default 0)"
     )
     g.addoption(
+        "--conformance-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="abandon a requirement's check after this long and report it as FAIL "
+        "(default 120; 0 runs every check in pytest's own thread, unbounded)",
+    )
+    g.addoption(
         "--conformance-list",
         action="store_true",
         help="print the requirement catalogue (of --conformance contracts, or all) and exit",
@@ -79,7 +87,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
 def pytest_configure(config: pytest.Config) -> None:
     """Activate the kit when ``--conformance`` is given."""
     config.addinivalue_line("markers", "conformance: a posttrain conformance requirement")
-    if config.getoption("conformance"):
+    if config.getoption("conformance") or config.getoption("conformance_impl"):
         config.pluginmanager.register(_Conformance(config), "posttrain-conformance")
 
 
@@ -140,24 +148,26 @@ class _Conformance:
     """The active kit: resolves targets, collects requirement items, writes reports."""
 
     def __init__(self, config: pytest.Config) -> None:
-        from posttrain.conformance.runner import Session
+        from posttrain.conformance.runner import DEFAULT_TIMEOUT_S, Session
         from posttrain.conformance.target import TargetError, resolve
         from posttrain.contracts.contract import DeclarationError
         from posttrain.contracts.registry import get_contract
 
         self.config = config
-        try:
-            contracts = [
-                get_contract(n.strip()).id for n in config.getoption("conformance").split(",")
-            ]
-        except KeyError as e:
-            raise pytest.UsageError(str(e.args[0])) from None
+        named: str | None = config.getoption("conformance")
         targets: list[str] = config.getoption("conformance_impl")
         if not targets:
             raise pytest.UsageError(
                 "--conformance needs --conformance-impl=<entry point | module:attr>"
             )
+        contracts: list[str] = []
+        try:
+            contracts = [get_contract(n.strip()).id for n in named.split(",")] if named else []
+        except KeyError as e:
+            raise pytest.UsageError(str(e.args[0])) from None
         seed = config.getoption("conformance_seed")
+        timeout = config.getoption("conformance_timeout")
+        timeout_s = DEFAULT_TIMEOUT_S if timeout is None else (timeout or None)
         # Like `python -m`, a target module beside the invocation directory is importable.
         here = str(config.invocation_params.dir)
         if here not in sys.path:
@@ -165,14 +175,17 @@ class _Conformance:
         self.sessions: list[Session] = []
         for t in targets:
             try:
+                # Without --conformance, a declaration says its contract (a plain factory
+                # cannot: resolve() asks for --conformance then).
                 impl = resolve(t, contracts[0] if len(contracts) == 1 else None)
             except (TargetError, DeclarationError) as e:
                 raise pytest.UsageError(str(e)) from None
-            if impl.contract not in contracts:
+            if named and impl.contract not in contracts:
                 raise pytest.UsageError(
                     f"target {t!r} implements {impl.contract!r}, which --conformance does not name"
                 )
-            self.sessions.append(Session(impl, target=t, seed=seed))
+            self.sessions.append(Session(impl, target=t, seed=seed, timeout_s=timeout_s))
+        contracts = contracts or [s.contract.id for s in self.sessions]
         seen = [s.contract.id for s in self.sessions]
         twice = sorted({c for c in seen if seen.count(c) > 1})
         if twice:
@@ -236,20 +249,19 @@ class _Conformance:
                     + (f" — {msg}" if r.status.value != "PASS" else "")
                 )
             counts = ", ".join(f"{v} {k}" for k, v in rep.counts().items())
-            tr.write_line(f"{counts}; {'conforms' if rep.ok else 'DOES NOT CONFORM'} (every MUST)")
+            tr.write_line(f"{counts}; verdict: {rep.verdict()} (every MUST)")
         path = self.config.getoption("conformance_report")
         if path:
             written = self.write_reports(Path(path))
             tr.write_line("conformance report: " + ", ".join(str(p) for p in written))
 
     def write_reports(self, path: Path) -> list[Path]:
-        """One JSON report (a list when several implementations ran) and a Markdown twin."""
-        import json
+        """One JSON report (one shape for any number of implementations) and a Markdown twin."""
+        from posttrain.conformance.outcome import reports_json
 
         reports = [s.report() for s in self.sessions]
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = [json.loads(r.to_json()) for r in reports]
-        path.write_text(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2) + "\n")
+        path.write_text(reports_json(reports))
         md = path.with_suffix(".md")
         md.write_text("\n".join(r.to_markdown() for r in reports))
         return [path, md]

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import datetime
 import platform
+import random
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from importlib import metadata
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -20,7 +25,14 @@ from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.registry import get_contract
 from posttrain.contracts.requirements import Requirement
 
-__all__ = ["Session", "run"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Session", "run"]
+
+DEFAULT_TIMEOUT_S = 120.0
+"""How long one requirement's check may run before it is FAIL "no answer in N s"."""
+
+# A message is one reading, not a log: a long list in it is cut here at the latest.
+_MAX_MESSAGE = 1200
+_KIT_DIR = Path(__file__).resolve().parent
 
 
 def _version(dist: str) -> str | None:
@@ -67,10 +79,20 @@ class Session:
         'PASS'
     """
 
-    def __init__(self, impl: Implementation, *, target: str = "", seed: int = 0) -> None:
+    def __init__(
+        self,
+        impl: Implementation,
+        *,
+        target: str = "",
+        seed: int = 0,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self.impl = impl
-        self.target = target or impl.name
+        found = target or target_of(impl)
+        self.target = found or impl.name
+        self.target_resolvable = bool(found)
         self.seed = seed
+        self.timeout_s = timeout_s
         self.contract: Contract = get_contract(impl.contract)
         self.checks = checks_for(impl.contract)
         self.applicable = {r.id for r in self.contract.applicable(impl.capabilities, impl.options)}
@@ -81,10 +103,15 @@ class Session:
         return list(self.contract.requirements)
 
     def repro(self, req: Requirement) -> str:
-        """A command that reruns just this requirement."""
+        """A command that reruns just this requirement (same seed, so the same data)."""
+        if self.target_resolvable:
+            return (
+                f"pytest -p no:cacheprovider --conformance={self.contract.id} "
+                f"--conformance-impl={self.target} --conformance-seed={self.seed} -k {req.id}"
+            )
         return (
-            f"pytest -p no:cacheprovider --conformance={self.contract.id} "
-            f"--conformance-impl={self.target} --conformance-seed={self.seed} -k {req.id}"
+            f"no command: no module attribute holds this Implementation ({self.impl.name}); "
+            "bind it to a module-level name and pass 'module:name' to get one"
         )
 
     def _na_reason(self, req: Requirement) -> str | None:
@@ -98,9 +125,20 @@ class Session:
         assert req.option is not None
         return f"applies to {req.option[0]}={req.option[1]} only"
 
+    def spec_anchor(self, req: Requirement) -> str:
+        """Where the requirement's sentence is: ``specs/<contract>-v<major>.md#<id>``."""
+        return f"specs/{self.contract.id}-v{self.contract.major}.md#{req.id}"
+
     def run_one(self, req: Requirement) -> Result:
         """Run (or skip, or block) one requirement and remember its result."""
-        res = Result(req.id, req.level.value, req.title, Status.PASS, repro=self.repro(req))
+        res = Result(
+            req.id,
+            req.level.value,
+            req.title,
+            Status.PASS,
+            repro=self.repro(req),
+            spec=self.spec_anchor(req),
+        )
         na = self._na_reason(req)
         blocked = [
             d
@@ -116,23 +154,75 @@ class Session:
         elif check is None:
             res.status, res.message = Status.ERROR, f"{req.id}: the suite has no check for it"
         else:
-            ctx = Context(self.impl, seed=self.seed)
-            try:
-                check(ctx)
-            except NotApplicable as e:
-                res.status, res.message = Status.NOT_APPLICABLE, str(e)
-            except ConformanceError as e:
-                res.status, res.message = Status.FAIL, f"{req.id}: {e}"
-            except Exception as e:
-                tb = traceback.extract_tb(e.__traceback__)[-1]
-                res.status = Status.ERROR
-                res.message = (
-                    f"{req.id}: raised {type(e).__name__}: {e} "
-                    f"(at {tb.filename.rsplit('/', 1)[-1]}:{tb.lineno})"
-                )
+            res.status, res.message = self._call(req, check)
+        if res.status in (Status.FAIL, Status.ERROR):
+            res.message = _shorten(res.message) + f" (see {res.spec})"
         res.duration_s = round(time.perf_counter() - start, 4)
         self.results[req.id] = res
         return res
+
+    def _call(self, req: Requirement, check: Any) -> tuple[Status, str]:
+        # Every check starts from the same global RNG state, so a rerun of one requirement
+        # (pytest -k) draws what it drew inside the whole run.
+        _seed_everything(self.seed)
+        ctx = Context(self.impl, seed=self.seed)
+        outcome: list[BaseException | None] = []
+
+        def body() -> None:
+            try:
+                check(ctx)
+            except BaseException as e:  # handed to the caller's thread below
+                outcome.append(e)
+            else:
+                outcome.append(None)
+
+        if self.timeout_s is None:
+            body()
+        else:
+            # A thread, not a signal: a hang inside C code (a lock, a queue, a socket) cannot be
+            # interrupted, only abandoned. The thread is a daemon, so it never holds up exit.
+            worker = threading.Thread(target=body, name=f"posttrain-{req.id}", daemon=True)
+            worker.start()
+            worker.join(self.timeout_s)
+            if not outcome:
+                return Status.FAIL, (
+                    f"{req.id}: no answer in {self.timeout_s:g} s (the check was abandoned "
+                    "while it waited on the implementation)"
+                )
+        err = outcome[0]
+        if err is None:
+            return Status.PASS, ""
+        if isinstance(err, NotApplicable):
+            return Status.NOT_APPLICABLE, str(err)
+        if isinstance(err, ConformanceError):
+            return Status.FAIL, f"{req.id}: {err}"
+        if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit: the user's, not ours
+            raise err
+        return Status.ERROR, (
+            f"{req.id}: raised {type(err).__name__}: {err} ({self._where(err.__traceback__)})"
+        )
+
+    def _where(self, tb: TracebackType | None) -> str:
+        """Where an unexpected exception came from, each frame said to be kit, implementation
+        or library code: ``at torch/nn/modules/module.py:1 (library), from the implementation
+        at ourpkg/port.py:42, called by the kit at posttrain/conformance/suites/buffer.py:405``.
+        """
+        frames = traceback.extract_tb(tb)
+        if not frames:
+            return "no traceback"
+        impl_root = _package_root(self.impl.factory)
+        kinds = [_kind(f.filename, impl_root) for f in frames]
+        last = frames[-1]
+        parts = [f"at {_show(last.filename)}:{last.lineno} ({kinds[-1]})"]
+        if kinds[-1] != "implementation" and "implementation" in kinds:
+            i = len(kinds) - 1 - kinds[::-1].index("implementation")
+            parts.append(
+                f"from the implementation at {_show(frames[i].filename)}:{frames[i].lineno}"
+            )
+        if kinds[-1] != "kit" and "kit" in kinds:
+            i = len(kinds) - 1 - kinds[::-1].index("kit")
+            parts.append(f"called by the kit at {_show(frames[i].filename)}:{frames[i].lineno}")
+        return ", ".join(parts)
 
     def __iter__(self) -> Iterator[Result]:
         for req in self.requirements():
@@ -147,15 +237,99 @@ class Session:
         )
 
 
-def run(impl: Implementation, *, target: str = "", seed: int = 0) -> Report:
+def run(
+    impl: Implementation,
+    *,
+    target: str = "",
+    seed: int = 0,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> Report:
     """Run the whole suite of ``impl``'s contract; return the report.
+
+    Each requirement's check runs in a thread of its own for at most ``timeout_s`` seconds
+    (``None``: in this thread, unbounded).
 
     Example:
         >>> from posttrain.reference_impls import RING_BUFFER
         >>> run(RING_BUFFER).ok
         True
     """
-    s = Session(impl, target=target, seed=seed)
+    s = Session(impl, target=target, seed=seed, timeout_s=timeout_s)
     for _ in s:
         pass
     return s.report()
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed)
+
+
+def target_of(impl: Implementation) -> str:
+    """The ``module:attr`` that holds ``impl`` among imported modules, or ``""``.
+
+    An implementation handed over as an object gets a repro command only if some importable
+    module binds it to a name (its factory's module is looked at first).
+
+    Example:
+        >>> from posttrain.reference_impls import RING_BUFFER
+        >>> target_of(RING_BUFFER)
+        'posttrain.reference_impls:RING_BUFFER'
+    """
+    home = getattr(impl.factory, "__module__", None)
+    modules = [sys.modules.get(home)] if isinstance(home, str) else []
+    for m in [*modules, *list(sys.modules.values())]:
+        name = getattr(m, "__name__", None)
+        if not isinstance(name, str) or name == "__main__":
+            continue
+        try:
+            items = list(vars(m).items())
+        except TypeError:
+            continue
+        for attr, value in items:
+            if value is impl:
+                return f"{name}:{attr}"
+    return ""
+
+
+def _package_root(factory: Any) -> Path | None:
+    mod = sys.modules.get(getattr(factory, "__module__", "") or "")
+    file = getattr(mod, "__file__", None)
+    if not file:
+        return None
+    top = sys.modules.get(mod.__name__.split(".")[0]) if mod is not None else None
+    top_file = getattr(top, "__file__", None)
+    path = Path(top_file or file).resolve()
+    return path.parent if path.name == "__init__.py" else path
+
+
+def _kind(filename: str, impl_root: Path | None) -> str:
+    path = Path(filename).resolve()
+    if path.is_relative_to(_KIT_DIR):
+        return "kit"
+    if impl_root is not None and (path == impl_root or path.is_relative_to(impl_root)):
+        return "implementation"
+    return "library"
+
+
+def _show(filename: str) -> str:
+    """A path short enough to read and long enough to find: from the package down."""
+    parts = Path(filename).parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            return "/".join(parts[parts.index(marker) + 1 :])
+    try:
+        return str(Path(filename).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return filename
+
+
+def _shorten(message: str) -> str:
+    if len(message) <= _MAX_MESSAGE:
+        return message
+    return (
+        message[: _MAX_MESSAGE - 40] + f" ... ({len(message) - _MAX_MESSAGE + 40} more characters)"
+    )

@@ -1,0 +1,141 @@
+"""The runner's mechanics, whatever the contract: timeouts, messages, repros, seeds, reports."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from posttrain.conformance import Implementation, Status, check
+from posttrain.conformance.outcome import report_schema
+from posttrain.conformance.runner import Session, target_of
+from posttrain.reference_impls import RingBuffer
+
+pytest_plugins = ["pytester"]
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+
+class _HangingSample(RingBuffer):
+    """Waits for data forever instead of raising on an empty buffer."""
+
+    def sample(self, batch_size: Any) -> Any:
+        if len(self) == 0:
+            threading.Event().wait()
+        return super().sample(batch_size)
+
+
+class _Crashes(RingBuffer):
+    def sample(self, batch_size: Any) -> Any:
+        return {}["no such key"]
+
+
+HANGING = Implementation("buffer", _HangingSample, name="tests.HangingSample")
+CRASHES = Implementation("buffer", _Crashes, name="tests.Crashes")
+DRAWS: list[float] = []
+
+
+def _draws_at_construction(capacity: int) -> RingBuffer:
+    DRAWS.append(float(torch.rand(())))
+    return RingBuffer(capacity)
+
+
+RECORDS_DRAWS = Implementation("buffer", _draws_at_construction, name="tests.RecordsDraws")
+
+
+def _row(session: Session, req_id: str) -> Any:
+    return session.run_one(session.contract.requirement(req_id))
+
+
+def test_a_hang_is_a_failure_within_the_timeout() -> None:
+    s = Session(HANGING, timeout_s=0.5)
+    row = _row(s, "BUF-013")
+    assert row.status is Status.FAIL
+    assert row.message.startswith("BUF-013: no answer in 0.5 s")
+    assert row.duration_s < 5
+    # The session goes on, and the report is still written.
+    assert _row(s, "BUF-002").status is Status.PASS
+    assert [r.id for r in s.report().results] == ["BUF-002", "BUF-013"]  # catalogue order
+
+
+def test_failures_end_with_their_spec_anchor() -> None:
+    from tests.mutants.buffers import MUTANTS
+
+    row = _row(Session(MUTANTS["BUF-009"]), "BUF-009")
+    assert row.status is Status.FAIL
+    assert row.message.endswith("(see specs/buffer-v1.md#BUF-009)")
+    assert row.spec == "specs/buffer-v1.md#BUF-009"
+    assert (SPECS / "buffer-v1.md").read_text().count('<a id="BUF-009">') == 1
+
+
+def test_an_error_says_whose_frame_raised() -> None:
+    row = _row(Session(CRASHES), "BUF-004")
+    assert row.status is Status.ERROR
+    assert "raised KeyError: 'no such key'" in row.message
+    assert "at tests/test_kit_mechanics.py:" in row.message
+    assert "(implementation)" in row.message
+    assert "called by the kit at posttrain/conformance/suites/buffer.py:" in row.message
+
+
+def test_an_implementation_object_gets_a_repro_that_resolves() -> None:
+    rep = check("buffer", CRASHES)
+    row = {r.id: r for r in rep.results}["BUF-004"]
+    assert f"--conformance-impl={target_of(CRASHES)} " in row.repro
+    assert target_of(CRASHES) == "tests.test_kit_mechanics:CRASHES"
+    loose = Implementation("buffer", RingBuffer, name="nowhere")
+    assert target_of(loose) == ""
+    assert (
+        Session(loose)
+        .repro(Session(loose).contract.requirement("BUF-001"))
+        .startswith("no command")
+    )
+
+
+def test_a_rerun_of_one_requirement_draws_the_same_data() -> None:
+    DRAWS.clear()
+    whole = Session(RECORDS_DRAWS)
+    for req in whole.requirements():
+        if req.id in ("BUF-001", "BUF-002", "BUF-013"):
+            whole.run_one(req)
+    in_run = DRAWS[-1]  # BUF-013 builds one buffer, after the others drew
+    DRAWS.clear()
+    _row(Session(RECORDS_DRAWS), "BUF-013")
+    assert [in_run] == DRAWS
+
+
+def test_the_report_file_has_one_shape_and_matches_its_schema(tmp_path: Path) -> None:
+    from posttrain.conformance.outcome import reports_json
+
+    committed = json.loads((SPECS / "conformance-report-v1.schema.json").read_text())
+    assert committed == report_schema()
+    reps = [check("buffer", CRASHES), check("buffer", "posttrain.reference_impls:RING_BUFFER")]
+    for some in (reps[:1], reps):
+        data = json.loads(reports_json(some))
+        jsonschema.validate(data, committed)
+        assert len(data["reports"]) == len(some)
+    assert [r.verdict() for r in reps] == ["does not conform", "conforms"]
+
+
+def test_impl_without_contract_option_takes_the_declared_contract(
+    pytester: pytest.Pytester,
+) -> None:
+    res = pytester.runpytest_inprocess(
+        "--conformance-impl=posttrain.reference_impls:RING_BUFFER", "-k", "BUF-001 or BUF-013"
+    )
+    assert res.ret == 0
+    res.assert_outcomes(passed=2, deselected=21)
+
+
+def test_a_plain_factory_without_contract_option_is_a_usage_error(
+    pytester: pytest.Pytester,
+) -> None:
+    res = pytester.runpytest_inprocess(
+        "--conformance-impl=posttrain.reference_impls:make_ring_buffer"
+    )
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*plain factory: say which contract*"])
