@@ -139,3 +139,27 @@ def test_a_plain_factory_without_contract_option_is_a_usage_error(
     )
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     res.stderr.fnmatch_lines(["*plain factory: say which contract*"])
+
+
+class _NoRead(RingBuffer):
+    read = None  # type: ignore[assignment]
+
+
+FALSE_CLAIM = Implementation(
+    "buffer", _NoRead, name="tests.NoRead", capabilities={"read", "checkpoint"}
+)
+
+
+def test_a_capability_without_its_methods_is_a_declaration_error() -> None:
+    from posttrain.contracts import DeclarationError
+
+    with pytest.raises(
+        DeclarationError, match=r"capability 'read' declared, but _NoRead has no read\(\)"
+    ):
+        check("buffer", FALSE_CLAIM)
+
+
+def test_the_plugin_says_so_before_running(pytester: pytest.Pytester) -> None:
+    res = pytester.runpytest_inprocess("--conformance-impl=tests.test_kit_mechanics:FALSE_CLAIM")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*capability 'read' declared, but _NoRead has no read()*"])

@@ -184,7 +184,10 @@ class _Conformance:
                 raise pytest.UsageError(
                     f"target {t!r} implements {impl.contract!r}, which --conformance does not name"
                 )
-            self.sessions.append(Session(impl, target=t, seed=seed, timeout_s=timeout_s))
+            try:
+                self.sessions.append(Session(impl, target=t, seed=seed, timeout_s=timeout_s))
+            except DeclarationError as e:
+                raise pytest.UsageError(str(e)) from None
         contracts = contracts or [s.contract.id for s in self.sessions]
         seen = [s.contract.id for s in self.sessions]
         twice = sorted({c for c in seen if seen.count(c) > 1})

@@ -20,7 +20,7 @@ import torch
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
 from posttrain.conformance.outcome import Report, Result, Status
 from posttrain.conformance.registry import checks_for
-from posttrain.contracts.contract import Contract
+from posttrain.contracts.contract import Contract, DeclarationError
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.registry import get_contract
 from posttrain.contracts.requirements import Requirement
@@ -97,6 +97,30 @@ class Session:
         self.checks = checks_for(impl.contract)
         self.applicable = {r.id for r in self.contract.applicable(impl.capabilities, impl.options)}
         self.results: dict[str, Result] = {}
+        self._check_methods()
+
+    def _check_methods(self) -> None:
+        """A declared capability's methods exist: a false claim is a declaration error now,
+        not an AttributeError in the middle of the suite."""
+        wanted = {
+            c.name: c.methods
+            for c in self.contract.capabilities
+            if c.methods and c.name in self.impl.capabilities
+        }
+        probe = _PROBES.get(self.contract.id)
+        if not wanted or probe is None:
+            return
+        obj = probe(Context(self.impl, seed=self.seed))
+        problems = [
+            f"capability {cap!r} declared, but {type(obj).__name__} has no {m}()"
+            for cap, methods in sorted(wanted.items())
+            for m in methods
+            if not callable(getattr(obj, m, None))
+        ]
+        if problems:
+            raise DeclarationError(
+                "\n".join(f"{self.impl.name} ({self.contract.id}): {p}" for p in problems)
+            )
 
     def requirements(self) -> list[Requirement]:
         """The catalogue, in run order."""
@@ -258,6 +282,23 @@ def run(
     for _ in s:
         pass
     return s.report()
+
+
+def _probe_buffer(ctx: Context) -> Any:
+    return ctx.make(8)
+
+
+def _probe_sink(ctx: Context) -> Any:
+    with ctx.tmpdir() as d:
+        sink = ctx.make(d)
+        close = getattr(sink, "close", None)
+        if callable(close):
+            close()
+        return sink
+
+
+# One object of each contract whose capabilities add methods, built as its suite builds them.
+_PROBES = {"buffer": _probe_buffer, "metrics": _probe_sink}
 
 
 def _seed_everything(seed: int) -> None:

@@ -177,13 +177,13 @@ BUFFER = Contract(
     factory="factory(capacity: int) -> ReplayBufferV1  # a fresh, empty buffer",
     uses_layout=True,
     capabilities=(
-        Capability(name="priority", text="`update_priority(index, priority)` changes how often items are drawn."),
-        Capability(name="checkpoint", text="`dumps(path)` / `loads(path)` save and restore the buffer on disk."),
+        Capability(name="priority", text="`update_priority(index, priority)` changes how often items are drawn.", methods=("update_priority",)),
+        Capability(name="checkpoint", text="`dumps(path)` / `loads(path)` save and restore the buffer on disk.", methods=("dumps", "loads")),
         Capability(name="thread_safe", text="`extend` and `sample` may be called from several threads at once."),
         Capability(name="ragged", text="Items may differ in their 'T' dimension (lazy stacks / jagged tensors)."),
         Capability(name="cuda", text="Storage lives on a CUDA device; samples come back on it."),
-        Capability(name="read", text="`read(indices)` returns the items at storage indices (as `extend` returned them); since 1.1."),
-        Capability(name="remote_writers", text="`client()` returns a picklable handle to the same buffer that Ray tasks in the cluster the buffer lives in extend concurrently; since 1.2."),
+        Capability(name="read", text="`read(indices)` returns the items at storage indices (as `extend` returned them); since 1.1.", methods=("read",)),
+        Capability(name="remote_writers", text="`client()` returns a picklable handle to the same buffer that Ray tasks in the cluster the buffer lives in extend concurrently; since 1.2.", methods=("client",)),
     ),
     options=(
         Option(name="eviction", values=("fifo",), default="fifo", text="Which stored item a write replaces when the buffer is full."),

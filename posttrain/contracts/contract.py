@@ -36,6 +36,10 @@ class Capability(BaseModel):
 
     name: str
     text: str
+    methods: tuple[str, ...] = Field(
+        default=(),
+        description="Methods an implementation declaring it must have, checked before a run.",
+    )
 
 
 class Option(BaseModel):

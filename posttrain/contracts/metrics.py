@@ -75,7 +75,7 @@ METRICS = Contract(
         "(directory) -> {name: [(step, value), ...]}, reading through the backend's own reader"
     ),
     capabilities=(
-        Capability(name="flush", text="`flush()` makes everything logged so far readable by the backend's own reader."),
+        Capability(name="flush", text="`flush()` makes everything logged so far readable by the backend's own reader.", methods=("flush",)),
         Capability(name="cross_process", text="Several processes may log into one run."),
     ),
     requirements=(
