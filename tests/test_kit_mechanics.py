@@ -32,7 +32,8 @@ class _HangingSample(RingBuffer):
 
 class _Crashes(RingBuffer):
     def sample(self, batch_size: Any) -> Any:
-        return {}["no such key"]
+        nothing: dict[str, Any] = {}
+        return nothing["no such key"]
 
 
 HANGING = Implementation("buffer", _HangingSample, name="tests.HangingSample")
