@@ -164,3 +164,18 @@ def test_the_plugin_says_so_before_running(pytester: pytest.Pytester) -> None:
     res = pytester.runpytest_inprocess("--conformance-impl=tests.test_kit_mechanics:FALSE_CLAIM")
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     res.stderr.fnmatch_lines(["*capability 'read' declared, but _NoRead has no read()*"])
+
+
+def test_markdown_reports_escape_what_the_implementation_wrote() -> None:
+    from posttrain.conformance.matrix import render_markdown
+    from posttrain.conformance.outcome import Report, Result
+
+    evil = "x|y <script>alert(1)</script> [a](javascript:b)"
+    row = Result("BUF-013", "MUST", "empty sample raises", Status.FAIL, f"BUF-013: {evil}")
+    rep = Report(run={"implementation": evil, "contract": "buffer", "target": evil}, results=[row])
+    for md in (rep.to_markdown(), render_markdown({evil: rep})):
+        assert "<script>" not in md
+        assert "[a](javascript" not in md
+        assert "x\\|y \\<script\\>" in md
+    (line,) = [ln for ln in rep.to_markdown().splitlines() if ln.startswith("| BUF-013")]
+    assert line.count("|") - line.count("\\|") == 6  # five cells, whatever the message holds

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from posttrain.conformance.outcome import Report, Status, reports_json
+from posttrain.conformance.outcome import Report, Status, md_cell, reports_json
 from posttrain.conformance.runner import run
 from posttrain.conformance.target import discover
 from posttrain.contracts.implementation import Implementation
@@ -98,15 +98,15 @@ def render_markdown(reports: dict[str, Report]) -> str:
     for name, rep, verdict in _rows(reports):
         c = rep.counts()
         lines.append(
-            f"| {name} | {rep.run.get('contract')} v{rep.run.get('contract_version', '?')} | {c['PASS']} | {c['FAIL']} "
+            f"| {md_cell(name)} | {md_cell(rep.run.get('contract'))} v{md_cell(rep.run.get('contract_version', '?'))} | {c['PASS']} | {c['FAIL']} "
             f"| {c['ERROR']} | {c['NOT_APPLICABLE']} | {verdict} | {rep.run.get('duration_s', '')} |"
         )
     for contract, names in _by_contract(reports).items():
         lines += [
             "",
-            f"## {contract}",
+            f"## {md_cell(contract)}",
             "",
-            "| requirement | " + " | ".join(names) + " |",
+            "| requirement | " + " | ".join(md_cell(n) for n in names) + " |",
             "|---|" + "---|" * len(names),
         ]
         ids = [r.id for r in reports[names[0]].results]
@@ -119,7 +119,9 @@ def render_markdown(reports: dict[str, Report]) -> str:
                     + (f" ({r.level})" if r.status in (Status.FAIL, Status.ERROR) else "")
                 )
             lines.append(
-                f"| {rid} {reports[names[0]].results[i].title} | " + " | ".join(cells) + " |"
+                f"| {md_cell(rid)} {md_cell(reports[names[0]].results[i].title)} | "
+                + " | ".join(cells)
+                + " |"
             )
     failures = [
         (n, r)
@@ -130,10 +132,10 @@ def render_markdown(reports: dict[str, Report]) -> str:
     surprises = [(n, line) for n, rep in reports.items() for line in rep.surprises()]
     if surprises:
         lines += ["", "## Unexpected (failures that differ from the declared known failures)", ""]
-        lines += [f"- **{n}** {line}" for n, line in surprises]
+        lines += [f"- **{md_cell(n)}** {md_cell(line)}" for n, line in surprises]
     if failures:
         lines += ["", "## Failures", ""]
-        lines += [f"- **{n}** {r.message.splitlines()[0]}" for n, r in failures]
+        lines += [f"- **{md_cell(n)}** {md_cell(r.message.splitlines()[0])}" for n, r in failures]
     return "\n".join(lines) + "\n"
 
 

@@ -4,12 +4,38 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from posttrain.contracts.requirements import Level
 
-__all__ = ["REPORT_FORMAT", "Report", "Result", "Status", "report_schema", "reports_json"]
+__all__ = [
+    "REPORT_FORMAT",
+    "Report",
+    "Result",
+    "Status",
+    "md_cell",
+    "report_schema",
+    "reports_json",
+]
+
+# Characters that start Markdown formatting, links, HTML or a table cell inside running text.
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~&])")
+
+
+def md_cell(text: object) -> str:
+    r"""``text`` on one line with every character that Markdown would act on escaped.
+
+    Implementation names and messages come from the implementation under test: a ``|`` would
+    split a table row, ``<script>`` or ``[x](javascript:...)`` would render.
+
+    Example:
+        >>> print(md_cell("a|b <i>x</i> [y](z)"))
+        a\|b \<i\>x\</i\> \[y\](z)
+    """
+    return _MD_SPECIAL.sub(r"\\\1", " ".join(str(text).splitlines()))
+
 
 REPORT_FORMAT = "posttrain-conformance-report/1"
 """The ``format`` field of every JSON report file; its schema is ``specs/conformance-report-v1.schema.json``."""
@@ -164,12 +190,12 @@ class Report:
         run = self.run
         caps = ", ".join(run.get("capabilities", [])) or "none"
         lines = [
-            f"# Conformance: {run.get('implementation', '?')} — {run.get('contract', '?')} "
-            f"v{run.get('contract_version', '?')}",
+            f"# Conformance: {md_cell(run.get('implementation', '?'))} — "
+            f"{md_cell(run.get('contract', '?'))} v{md_cell(run.get('contract_version', '?'))}",
             "",
-            f"Target `{run.get('target', '?')}`; capabilities: {caps}; options: "
-            + ", ".join(f"{k}={v}" for k, v in run.get("options", {}).items())
-            + f"; seed {run.get('seed', '?')}.",
+            f"Target {md_cell(run.get('target', '?'))}; capabilities: {md_cell(caps)}; options: "
+            + md_cell(", ".join(f"{k}={v}" for k, v in run.get("options", {}).items()))
+            + f"; seed {md_cell(run.get('seed', '?'))}.",
             "",
             " · ".join(f"{k}: {v}" for k, v in self.counts().items()),
             "",
@@ -177,8 +203,10 @@ class Report:
             "|---|---|---|---|---|",
         ]
         for r in self.results:
-            msg = (r.message.splitlines()[0] if r.message else "").replace("|", "\\|")
-            lines.append(f"| {r.id} | {r.level} | {r.title} | {r.status.value} | {msg} |")
+            msg = md_cell(r.message.splitlines()[0] if r.message else "")
+            lines.append(
+                f"| {md_cell(r.id)} | {r.level} | {md_cell(r.title)} | {r.status.value} | {msg} |"
+            )
         return "\n".join(lines) + "\n"
 
 
