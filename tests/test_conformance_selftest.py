@@ -79,6 +79,36 @@ def test_extra_mutant_fails_with_its_requirement_id(req_id: str, impl: Implement
 
 
 @pytest.mark.parametrize(
+    ("req_id", "impl"),
+    [*weight_syncs.EXTRA_MUTANTS, *rollouts.EXTRA_MUTANTS, *sinks.EXTRA_MUTANTS],
+    ids=lambda x: x if isinstance(x, str) else x.name,
+)
+def test_contract_extra_mutant_fails_with_its_requirement_id(
+    req_id: str, impl: Implementation
+) -> None:
+    row = {r.id: r for r in run(impl).results}[req_id]
+    assert row.status in (Status.FAIL, Status.ERROR), f"{req_id} survived {impl.name}: {row}"
+    assert row.message.startswith(f"{req_id}: ")
+    assert "blocked by" not in row.message
+
+
+@pytest.mark.parametrize("impl", weight_syncs.CORRECT, ids=lambda i: i.name)
+def test_other_correct_designs_pass(impl: Implementation) -> None:
+    rep = run(impl)
+    assert rep.ok, [r.message for r in rep.results if r.status is not Status.PASS]
+
+
+@pytest.mark.parametrize("shift", sorted(rollouts.SHIFTED_MASKS))
+def test_roll_005_names_a_shifted_mask_as_the_cause(shift: int) -> None:
+    # Run alone: in a full run ROLL-001 fails first and ROLL-005 reports "blocked by".
+    session = Session(rollouts.SHIFTED_MASKS[shift])
+    row = session.run_one(session.contract.requirement("ROLL-005"))
+    assert row.status is Status.FAIL
+    assert f"the assistant mask is shifted by {shift:+d}" in row.message, row.message
+    assert "old weights" not in row.message
+
+
+@pytest.mark.parametrize(
     ("req_id", "impl"), generation.EXTRA_MUTANTS, ids=lambda x: x if isinstance(x, str) else x.name
 )
 def test_generation_extra_mutant_fails_with_its_requirement_id(

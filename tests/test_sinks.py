@@ -20,6 +20,7 @@ def test_wandb_sink_conforms() -> None:
         **{f"MET-00{i}": Status.PASS for i in (1, 2, 3, 4)},
         "MET-005": Status.NOT_APPLICABLE,  # W&B writes its .wandb log on its own schedule
         "MET-006": Status.NOT_APPLICABLE,  # one run per process (offline W&B has no shared run)
+        "MET-007": Status.PASS,  # no step: the name's next step, not W&B's or MLflow's 0
     }
 
 
@@ -27,6 +28,7 @@ def test_mlflow_sink_conforms_but_clips_infinities() -> None:
     rep = run(MLFLOW_SINK)
     status = {r.id: r.status for r in rep.results}
     assert status["MET-001"] is status["MET-002"] is status["MET-003"] is Status.PASS
+    assert status["MET-007"] is Status.PASS  # MLflow itself would store a missing step as 0
     assert status["MET-004"] is Status.FAIL  # SHOULD: MLflow stores +-inf as +-1.797e308
     assert rep.ok  # a SHOULD failure does not fail the run
     assert rep.surprises() == []  # declared: known_failures={"MET-004"}
@@ -57,14 +59,18 @@ def test_wandb_sink_refuses_reserved_names_and_keeps_what_it_had(tmp_path: Path,
     assert read_wandb(tmp_path) == {"loss/total": [(3, 1.0)]}
 
 
-def test_wandb_sink_after_close_refuses_and_step_none_is_zero(tmp_path: Path) -> None:
+def test_wandb_sink_after_close_refuses_and_step_none_is_the_next_step(tmp_path: Path) -> None:
     sink = WandbSink(tmp_path)
-    sink.log_scalar("optim/lr", 1e-3)
+    sink.log_scalar("optim/lr", 1e-3)  # the name's first value: step 0
+    sink.log_scalar("optim/lr", 2e-3, step=4)
+    sink.log_scalar("optim/lr", 3e-3)  # one past its highest step
+    with pytest.raises(ValueError, match="expected a catalogue name"):
+        sink.log_scalar("_hidden", 1.0)  # refused: the next step of nothing moves
     sink.close()
     sink.close()  # idempotent
     with pytest.raises(RuntimeError, match=r"log_scalar\('loss/total'\) after close"):
         sink.log_scalar("loss/total", 1.0, step=1)
-    assert read_wandb(tmp_path) == {"optim/lr": [(0, 1e-3)]}
+    assert read_wandb(tmp_path) == {"optim/lr": [(0, 1e-3), (4, 2e-3), (5, 3e-3)]}
 
 
 def test_wandb_sink_keeps_quiet_settings_and_refuses_what_it_fixes(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Metric sinks on real backends that TorchRL's loggers do not cover as a ``MetricSinkV1``.
 
-TorchRL's ``CSVLogger`` and ``TensorboardLogger`` conform as they are
-(``posttrain.adapters.torchrl.loggers``); posttrain's ``JsonlSink`` is the reference. MLflow is
+TorchRL's ``CSVLogger`` and ``TensorboardLogger`` conform as they are but for a value logged
+without a step (MET-007, published in ``posttrain.adapters.torchrl.deviations``;
+``posttrain.adapters.torchrl.loggers``); posttrain's ``JsonlSink`` is the reference. MLflow is
 added here through its client API (a local SQLite tracking store, one run per sink): TorchRL's
 ``MLFlowLogger`` drives MLflow's process-global active run, so two of them in one process
 collide. W&B is added through its offline mode (one run per sink, read back with W&B's own reader
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain._deps import optional_deps
-from posttrain.contracts.metrics import metric_point
+from posttrain.contracts.metrics import NextStep, metric_point
 
 __all__ = [
     "MlflowSink",
@@ -80,14 +81,16 @@ class MlflowSink:
         )
         self.run_id: str = self.client.create_run(exp_id, run_name=run_name).info.run_id
         self._closed = False
+        self._steps = NextStep()
 
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
-        """One metric value at ``step`` (0 when none is given)."""
+        """One metric value at ``step`` (None: one past ``name``'s highest step so far)."""
         if self._closed:
             raise RuntimeError(
                 f"MlflowSink: log_scalar({name!r}) after close(): the run is finished"
             )
-        _, v, s = metric_point(name, value, step)
+        # MLflow itself would put a missing step at 0 (MET-007).
+        _, v, s = metric_point(name, value, step, steps=self._steps)
         self.client.log_metric(self.run_id, name, v, timestamp=int(time.time() * 1000), step=s)
 
     def log_hparams(self, params: dict[str, Any]) -> None:
@@ -220,19 +223,21 @@ class WandbSink:
         self.run.define_metric("*", step_metric=WANDB_STEP)
         self._row: dict[str, float] = {}
         self._closed = False
+        self._steps = NextStep()
 
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
-        """One value at ``step`` (0 when none is given)."""
+        """One value at ``step`` (None: one past ``name``'s highest step so far)."""
         if self._closed:
             raise RuntimeError(
                 f"WandbSink: log_scalar({name!r}) after close(): the run is finished"
             )
-        _, v, s = metric_point(name, value, step)
-        if name == WANDB_STEP or name.startswith("_"):
+        if isinstance(name, str) and (name == WANDB_STEP or name.startswith("_")):
             raise ValueError(
                 f"metric name {name!r}: W&B reserves names starting with '_' and "
                 f"{WANDB_STEP!r} holds the step; expected a catalogue name such as 'loss/total'"
             )
+        # After the name check: a refused call must not advance the name's next step.
+        _, v, s = metric_point(name, value, step, steps=self._steps)
         if self._row and (self._row[WANDB_STEP] != s or name in self._row):
             self._commit()
         self._row[name] = v

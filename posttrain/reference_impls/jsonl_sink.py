@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from posttrain.contracts.metrics import METRIC_NAME, metric_point
+from posttrain.contracts.metrics import METRIC_NAME, NextStep, metric_point
 
 __all__ = ["FILE_NAME", "JsonlSink", "read_jsonl"]
 
@@ -27,9 +27,10 @@ class JsonlSink:
         >>> d = tempfile.mkdtemp()
         >>> sink = JsonlSink(d)
         >>> sink.log_scalar("rollout/reward/mean", 0.5, step=3)
+        >>> sink.log_scalar("rollout/reward/mean", 0.25)  # no step: the next one
         >>> sink.close()
         >>> read_jsonl(d)
-        {'rollout/reward/mean': [(3, 0.5)]}
+        {'rollout/reward/mean': [(3, 0.5), (4, 0.25)]}
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -37,12 +38,13 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] | None = None
         self._lock = threading.Lock()
+        self._steps = NextStep()
 
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
-        """Record ``value`` for ``name`` at ``step`` (``None``: 0)."""
+        """Record ``value`` for ``name`` at ``step`` (None: one past ``name``'s highest step)."""
         if not isinstance(name, str) or not METRIC_NAME.match(name):
             raise ValueError(f"name: expected a match of {METRIC_NAME.pattern}, found {name!r}")
-        _, v, s = metric_point(name, value, step)
+        _, v, s = metric_point(name, value, step, steps=self._steps)
         line = json.dumps({"name": name, "step": s, "value": v}) + "\n"
         with self._lock:
             if self._file is None:

@@ -13,7 +13,7 @@ from tensordict import TensorDict
 from posttrain.contracts import LLM_LAYOUT_V1, Implementation
 from posttrain.reference_impls import HFRolloutSource
 
-__all__ = ["MUTANTS"]
+__all__ = ["EXTRA_MUTANTS", "MUTANTS", "SHIFTED_MASKS"]
 
 K = LLM_LAYOUT_V1.key
 
@@ -100,6 +100,44 @@ class OneGroupPerItem(_Edit):
         return batch
 
 
+class MissesLastToken(_Edit):
+    """The assistant mask stops one token short (the EOS or the last token of a cut response)."""
+
+    def edit(self, batch: TensorDict) -> TensorDict:
+        asst = batch.get(K("assistant_mask")).clone()
+        last = asst.shape[1] - 1 - asst.flip(1).int().argmax(1)
+        asst[torch.arange(asst.shape[0]), last] = False
+        batch.set(K("assistant_mask"), asst)
+        return batch
+
+
+class MaskOnPredictingPositions(_Edit):
+    """The mask shifted by -1: on the positions whose logits predict the generated tokens."""
+
+    def edit(self, batch: TensorDict) -> TensorDict:
+        asst = batch.get(K("assistant_mask"))
+        batch.set(K("assistant_mask"), torch.cat([asst[:, 1:], asst[:, :1] & False], dim=1))
+        return batch
+
+
+class MaskShiftedRight(_Edit):
+    """The mask shifted by +1: it misses the first generated token."""
+
+    def edit(self, batch: TensorDict) -> TensorDict:
+        asst = batch.get(K("assistant_mask"))
+        batch.set(K("assistant_mask"), torch.cat([asst[:, :1] & False, asst[:, :-1]], dim=1))
+        return batch
+
+
+class VersionPerBatch(HFRolloutSource):
+    """Counts batches as versions: the stamp rises with no new weights."""
+
+    def _generate(self) -> TensorDict:
+        out = super()._generate()
+        self._version += 1
+        return out
+
+
 def _impl(req: str, cls: type[HFRolloutSource], **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"log_probs", "groups"})
     return Implementation(
@@ -120,3 +158,17 @@ MUTANTS: dict[str, Implementation] = {
     "ROLL-010": _impl("ROLL-010", HFRolloutSource, capabilities={"ragged"}),
 }
 """Requirement id -> a rollout source that breaks exactly that requirement."""
+
+EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("ROLL-001", _impl("ROLL-001", MissesLastToken)),
+    ("ROLL-001", _impl("ROLL-001", MaskOnPredictingPositions)),
+    ("ROLL-001", _impl("ROLL-001", MaskShiftedRight)),
+    ("ROLL-003", _impl("ROLL-003", VersionPerBatch)),
+]
+"""Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
+
+SHIFTED_MASKS: dict[int, Implementation] = {
+    -1: _impl("ROLL-005", MaskOnPredictingPositions),
+    1: _impl("ROLL-005", MaskShiftedRight),
+}
+"""Shift -> a source whose mask is shifted so: ROLL-005 alone must name the shift as the cause."""

@@ -12,7 +12,7 @@ from posttrain.contracts import Implementation
 from posttrain.reference_impls import JsonlSink, read_jsonl
 from posttrain.reference_impls.jsonl_sink import FILE_NAME
 
-__all__ = ["MUTANTS"]
+__all__ = ["EXTRA_MUTANTS", "MUTANTS"]
 
 
 class RoundsValues(JsonlSink):
@@ -84,6 +84,34 @@ def read_newest_file(directory: str | os.PathLike[str]) -> dict[str, list[tuple[
     return read_jsonl(tmp)
 
 
+class NoStepAtZero(JsonlSink):
+    """A value without a step goes to step 0 (MLflow's and TensorBoard's default), silently."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        super().log_scalar(name, value, 0 if step is None else step)
+
+
+class NoStepCrashes(JsonlSink):
+    """``int(step)`` on the way in: ``step=None``, allowed by the Protocol, raises TypeError."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        super().log_scalar(name, value, int(step))  # type: ignore[arg-type]
+
+
+class NoStepCountsValues(JsonlSink):
+    """A value without a step goes to the count of the name's values (TorchRL's CSVLogger):
+    after step 5 it lands at step 1, back in time."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__(directory)
+        self._counts: dict[str, int] = {}
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        n = self._counts.get(name, 0)
+        self._counts[name] = n + 1
+        super().log_scalar(name, value, n if step is None else step)
+
+
 def _impl(req: str, cls: type[JsonlSink], reader: Any = read_jsonl, **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"flush"})
     name = f"mutant-{req}-{cls.__name__}"
@@ -97,5 +125,12 @@ MUTANTS: dict[str, Implementation] = {
     "MET-004": _impl("MET-004", DropsNonFinite),
     "MET-005": _impl("MET-005", BuffersUntilClose),
     "MET-006": _impl("MET-006", FilePerProcess, read_newest_file, capabilities={"cross_process"}),
+    "MET-007": _impl("MET-007", NoStepAtZero),
 }
 """Requirement id -> a sink that breaks exactly that requirement."""
+
+EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("MET-007", _impl("MET-007", NoStepCrashes)),
+    ("MET-007", _impl("MET-007", NoStepCountsValues)),
+]
+"""Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""

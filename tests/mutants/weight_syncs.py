@@ -10,7 +10,7 @@ import torch
 from posttrain.contracts import Implementation
 from posttrain.reference_impls import InProcessReceiver, InProcessSender
 
-__all__ = ["MUTANTS"]
+__all__ = ["CORRECT", "EXTRA_MUTANTS", "MUTANTS"]
 
 
 class SkipsLastTensor(InProcessReceiver):
@@ -106,6 +106,47 @@ class ClaimsAnotherProcess(InProcessReceiver):
         return dict(self.model.state_dict())
 
 
+class QueueReceiver(InProcessReceiver):
+    """A correct design: every send is queued and each receive applies the next in order."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self._queue: list[tuple[dict[str, torch.Tensor], int]] = []
+
+    def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        last = self._queue[-1][1] if self._queue else self._version
+        if version <= last:
+            raise ValueError(f"version: expected an int above {last}, found {version!r}")
+        self.check(weights)
+        self._queue.append(({n: t.detach().clone() for n, t in weights.items()}, version))
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if not self._queue:
+            return None
+        self._pending = self._queue.pop(0)
+        return super().receive(timeout)
+
+
+class NewestVersionOldestWeights(QueueReceiver):
+    """Drains the queue in one receive but applies its oldest weights under its newest version."""
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if not self._queue:
+            return None
+        newest = self._queue[-1][1]
+        self._pending = (self._queue[0][0], newest)
+        self._queue = []
+        return InProcessReceiver.receive(self, timeout)
+
+
+class VersionAtSend(InProcessReceiver):
+    """Adopts the version when the weights are sent, before receive() applies them."""
+
+    def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        super()._post(weights, version)
+        self._version = version
+
+
 def _factory(cls: type[InProcessReceiver]) -> Any:
     def make(model: torch.nn.Module) -> tuple[InProcessSender, InProcessReceiver]:
         r = cls(model)
@@ -131,3 +172,14 @@ MUTANTS: dict[str, Implementation] = {
     "WS-009": _impl("WS-009", InProcessReceiver, capabilities={"cuda"}),
 }
 """Requirement id -> a weight sync that breaks exactly that requirement."""
+
+EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("WS-002", _impl("WS-002", NewestVersionOldestWeights)),
+    ("WS-002", _impl("WS-002", VersionAtSend)),
+]
+"""Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
+
+CORRECT: list[Implementation] = [
+    Implementation("weight_sync", _factory(QueueReceiver), name="queue-semantics-weight-sync"),
+]
+"""Correct designs other than the reference's (latest-wins): each must pass every requirement."""

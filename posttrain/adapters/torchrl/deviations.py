@@ -540,5 +540,42 @@ rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
 assert rows == [{"loss": 0.25, "step": 3}, {"step": 0.5}], rows  # 0.5 became a step; step 7 is lost
 """,
     ),
+    Deviation(
+        ("MET-007",),
+        "CSVLogger",
+        "a value logged without a step goes to the count of the name's values so far, not one "
+        "past its highest step: after step 5 it lands at step 1, back in time",
+        """import pathlib
+import tempfile
+
+from torchrl.record.loggers.csv import CSVLogger
+
+d = tempfile.mkdtemp()
+logger = CSVLogger(exp_name="x", log_dir=d)
+logger.log_scalar("loss", 0.5, step=5)
+logger.log_scalar("loss", 0.25)  # no step: expected at 6
+(path,) = pathlib.Path(d).rglob("loss.csv")
+assert path.read_text().split() == ["5,0.5", "1,0.25"], path.read_text()  # step 1
+""",
+    ),
+    Deviation(
+        ("MET-007",),
+        "TensorboardLogger",
+        "every value logged without a step is stored at step 0 (SummaryWriter's default)",
+        """import tempfile
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torchrl.record.loggers.tensorboard import TensorboardLogger
+
+d = tempfile.mkdtemp()
+logger = TensorboardLogger(exp_name="x", log_dir=d)
+for value in (0.5, 0.25, 0.125):
+    logger.log_scalar("loss", value)  # no step: expected at 0, 1, 2
+logger.experiment.close()
+acc = EventAccumulator(logger.experiment.log_dir)
+acc.Reload()
+assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 0.5), (0, 0.25), (0, 0.125)]
+""",
+    ),
 )
 """Known deviations of TorchRL 0.14.1's loggers (run in a fresh interpreter: W&B is per process)."""

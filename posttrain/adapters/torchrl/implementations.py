@@ -226,6 +226,7 @@ CSV_LOGGER = Implementation(
     name="torchrl.CSVLogger",
     capabilities={"flush", "cross_process"},
     extras={"reader": read_torchrl_csv},
+    known_failures={"MET-007"},  # no step: the count of the name's values, not its next step
     description="TorchRL's CSVLogger, read back from its scalars/<name>.csv files.",
 )
 TENSORBOARD_LOGGER = Implementation(
@@ -234,6 +235,7 @@ TENSORBOARD_LOGGER = Implementation(
     name="torchrl.TensorboardLogger",
     capabilities={"flush", "cross_process"},
     extras={"reader": read_tensorboard},
+    known_failures={"MET-007"},  # no step: every such value at step 0
     description="TorchRL's TensorboardLogger, read back with TensorBoard's EventAccumulator.",
 )
 WANDB_LOGGER = Implementation(

@@ -147,3 +147,46 @@ def several_writers(ctx: Context) -> None:
     entries = [(f"worker/w{k}", float(s + 10 * k), s) for k in range(2) for s in range(3)]
     entries += [("worker/all", float(s + 10 * k), s + 10 * k) for k in range(2) for s in range(3)]
     _expect(got, entries, "two processes logging into one run")
+
+
+# Each name in its own group: TorchRL's WandbLogger keeps one step column per name prefix.
+_NO_STEP: list[tuple[str, float, int | None, int]] = [
+    # (name, value, step given, step expected)
+    ("nostep_a/x", 0.5, None, 0),
+    ("nostep_a/x", 1.5, None, 1),
+    ("nostep_a/x", 2.5, None, 2),
+    ("nostep_b/x", 0.25, 0, 0),
+    ("nostep_b/x", 0.75, 1, 1),
+    ("nostep_b/x", 1.25, None, 2),
+    ("nostep_c/x", 3.5, 5, 5),
+    ("nostep_c/x", 4.5, None, 6),
+]
+
+
+@requirement("MET-007")
+def no_step_is_the_next_step(ctx: Context) -> None:
+    with ctx.tmpdir() as d:
+        sink = ctx.make(d)
+        for name, value, step, _want in _NO_STEP:
+            try:
+                if step is None:
+                    sink.log_scalar(name, value)
+                else:
+                    sink.log_scalar(name, value, step=step)
+            except Exception as e:
+                raise _fail(
+                    f"log_scalar({name!r}, {value}{'' if step is None else f', step={step}'}) "
+                    f"raised {type(e).__name__}: {str(e)[:200]}; expected a value without a step "
+                    "recorded at the name's next step"
+                ) from None
+        _finish(sink)
+        got = _read(ctx, d)
+    for name, value, step, want in _NO_STEP:
+        vals = got.get(name, [])
+        if not any(s == want and _close(v, value) for s, v in vals):
+            given = "without a step" if step is None else f"at step {step}"
+            raise _fail(
+                f"{name!r}: {value} logged {given} after steps "
+                f"{[w for n, _v, _s, w in _NO_STEP if n == name and w < want]}, expected at step "
+                f"{want}, read back {vals}"
+            )

@@ -54,8 +54,62 @@ def _rows(batch: TensorDictBase) -> list[tuple[list[int], list[bool], list[bool]
     ]
 
 
+def _rows_or_none(batch: TensorDictBase) -> list[tuple[list[int], list[bool], list[bool]]] | None:
+    """``_rows`` of a batch that may break the layout (None when it cannot be read so)."""
+    try:
+        rows = _rows(batch)
+    except Exception:  # a missing key or a wrong shape: the layout check reports it
+        return None
+    ok = all(len(t) == len(a) == len(m) for t, a, m in rows)
+    return rows if ok else None
+
+
 def _responses(batch: TensorDictBase) -> list[list[int]]:
     return [[t for t, a in zip(toks, asst, strict=True) if a] for toks, _att, asst in _rows(batch)]
+
+
+def _generated(toks: list[int], att: list[bool]) -> list[int] | None:
+    """Positions of the generated tokens: the real tokens after the prompt they start with.
+
+    None when the real tokens start with none of the prompts (ROLL-002 reports that).
+    """
+    real = [j for j, a in enumerate(att) if a]
+    head = [toks[j] for j in real]
+    for p in PROMPTS:
+        if head[: len(p)] == p:
+            return real[len(p) :]
+    return None
+
+
+def _shift(generated: list[int], masked: list[int], width: int) -> int | None:
+    """By how many positions ``masked`` is ``generated`` moved (cut at the row's ends), or None."""
+    for k in (-1, 1, -2, 2):
+        if masked == [j + k for j in generated if 0 <= j + k < width]:
+            return k
+    return None
+
+
+def _spans(pos: list[int]) -> str:
+    return f"{pos[0]}..{pos[-1]}" if pos else "none"
+
+
+def _mask_problem(toks: list[int], att: list[bool], asst: list[bool]) -> str | None:
+    """How the assistant mask differs from the generated tokens, or None when it is exact."""
+    gen = _generated(toks, att)
+    if gen is None:
+        return None
+    masked = [j for j, a in enumerate(asst) if a]
+    if masked == gen:
+        return None
+    where = f"on positions {_spans(masked)}, the generated tokens at {_spans(gen)}"
+    k = _shift(gen, masked, len(asst))
+    if k is not None:
+        return f"the assistant mask is shifted by {k:+d} ({where})"
+    missed = [j for j in gen if j not in masked]
+    extra = [j for j in masked if j not in gen]
+    parts = [f"misses generated positions {missed[:10]}"] if missed else []
+    parts += [f"covers non-generated positions {extra[:10]}"] if extra else []
+    return f"the assistant mask {' and '.join(parts)} ({where})"
 
 
 def _first(it: Iterator[TensorDictBase], what: str) -> TensorDictBase:
@@ -86,6 +140,12 @@ def batches_meet_layout(ctx: Context) -> None:
             bad = validate(
                 batch, require=("policy_version",), deep=True, ragged="ragged" in ctx.capabilities
             )
+            rows = _rows(batch) if not bad else _rows_or_none(batch)
+            # A shifted mask also breaks the layout (onto padding); say what it is first.
+            for i, (toks, att, asst) in enumerate(rows or []):
+                problem = _mask_problem(toks, att, asst)
+                if problem is not None:
+                    raise _fail(f"batch {n}, item {i}: {problem}")
             if bad:
                 raise _fail(f"batch {n} breaks the LLM layout: " + "; ".join(str(v) for v in bad))
             for i, (_toks, att, asst) in enumerate(_rows(batch)):
@@ -125,15 +185,27 @@ def prompt_preserved(ctx: Context) -> None:
 @requirement("ROLL-003")
 def version_stamped(ctx: Context) -> None:
     _policy, src = _source(ctx)
+    seen: list[list[int]] = []
     try:
         want = src.policy_version
-        batch = _first(iter(src), "first batch")
+        it = iter(src)
+        # Three batches without an update: the stamp names the weights, which did not change.
+        for n in range(3):
+            batch = _first(it, f"batch {n}")
+            seen.append(sorted(_versions(batch)))
+            if seen[-1] != [int(want)]:
+                raise _fail(
+                    f"without update_policy_weights_, items of batch {n} carry policy_version "
+                    f"{seen[-1]} (batches so far: {seen}); the source's policy_version was {want} "
+                    "before the first"
+                )
+        now = src.policy_version
     finally:
         src.shutdown()
-    got = _versions(batch)
-    if got != {int(want)}:
+    if now != want:
         raise _fail(
-            f"items carry policy_version {sorted(got)}; the source's policy_version was {want}"
+            f"without update_policy_weights_, the source's policy_version went from {want} to "
+            f"{now} over {len(seen)} batches"
         )
 
 
@@ -167,14 +239,36 @@ def new_weights_used(ctx: Context) -> None:
         if all(all(t == FORCED for t in r) for r in old):
             raise _fail(f"suite error: the initial policy already emits only token {FORCED}")
         src.update_policy_weights_(forced_token_weights(policy, FORCED))
-        new = _responses(_first(it, "batch after the update"))
+        batch = _first(it, "batch after the update")
     finally:
         src.shutdown()
+    new = _responses(batch)
     wrong = [r for r in new if any(t != FORCED for t in r)]
     if wrong:
-        raise _fail(
-            f"after loading weights that always emit token {FORCED}, responses {wrong} contain other tokens: old weights still in use"
-        )
+        done = f"after loading weights that always emit token {FORCED}"
+        misplaced = _misplaced_mask(batch)
+        if misplaced is not None:
+            raise _fail(
+                f"{done}, the generated tokens are all {FORCED} but {misplaced}, so the "
+                f"masked responses {wrong[:4]} hold other tokens: the mask, not the weights"
+            )
+        raise _fail(f"{done}, responses {wrong} contain other tokens: old weights still in use")
+
+
+def _misplaced_mask(batch: TensorDictBase) -> str | None:
+    """When the new weights did generate only FORCED and the mask is off: where it is."""
+    rows = _rows_or_none(batch)
+    if not rows:
+        return None
+    first = None
+    for i, (toks, att, asst) in enumerate(rows):
+        gen = _generated(toks, att)
+        if gen is None or not gen or any(toks[j] != FORCED for j in gen):
+            return None
+        problem = _mask_problem(toks, att, asst)
+        if first is None and problem is not None:
+            first = f"item {i}: {problem}"
+    return first
 
 
 @requirement("ROLL-006")

@@ -88,13 +88,57 @@ def bit_exact_after_sync(ctx: Context) -> None:
     _expect_equal(model, source, "after send(version=1) and receive()")
 
 
+def _variant(weights: Weights, k: int) -> Weights:
+    """``weights`` with ``k`` added to every floating tensor: each version sends its own."""
+    return {n: t + k if t.is_floating_point() else t.clone() for n, t in weights.items()}
+
+
+def _held(model: Any, sent: dict[int, Weights]) -> str:
+    """Which of ``sent``'s versions the model's weights are, in words."""
+    for v, w in sent.items():
+        if not _diff(model, w):
+            return f"the weights of version {v}"
+    return "weights of none of them"
+
+
 @requirement("WS-002")
 def version_propagates(ctx: Context) -> None:
-    sender, receiver, _model, source = _setup(ctx)
+    sender, receiver, model, source = _setup(ctx)
+    # Distinct weights per version: a receiver reporting one version while holding another's
+    # weights is caught only if the two differ.
+    sent: dict[int, Weights] = {0: {n: t.detach().clone() for n, t in model.state_dict().items()}}
+    for v in (1, 2, 5, 6, 7):
+        sent[v] = _variant(source, v)
+
+    def send(v: int) -> None:
+        before = receiver.version
+        sender.send(sent[v], version=v)
+        if receiver.version != before:
+            raise _fail(
+                f"send(version={v}) changed receiver.version from {before!r} to "
+                f"{receiver.version!r} before any receive(); expected it unchanged until then"
+            )
+
+    def receive(what: str, allowed: tuple[int, ...]) -> int:
+        receiver.receive(timeout=10.0)
+        got = receiver.version
+        if got not in allowed:
+            want = " or ".join(map(str, allowed))
+            raise _fail(f"{what}, receiver.version is {got!r}; expected {want}")
+        if _diff(model, sent[got]):
+            raise _fail(
+                f"{what}, receiver.version is {got} but the model holds {_held(model, sent)}"
+            )
+        return int(got)
+
     for v in (1, 2, 5):
-        _sync(sender, receiver, source, v)
-        if receiver.version != v:
-            raise _fail(f"after syncing version {v}, receiver.version is {receiver.version!r}")
+        send(v)
+        receive(f"after send(version={v}) and receive()", (v,))
+    send(6)
+    send(7)
+    # Queue semantics apply 6 now and 7 at the next receive; latest-wins applies 7 at once.
+    if receive("after send(version=6), send(version=7) and one receive()", (6, 7)) == 6:
+        receive("after send(version=6), send(version=7) and two receive()s", (7,))
 
 
 @requirement("WS-003")
