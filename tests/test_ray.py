@@ -125,3 +125,14 @@ def test_validated_client_needs_the_schema_fixed_first() -> None:
 @pytest.mark.parametrize("deviation", RAY_DEVIATIONS, ids=lambda d: d.requirements[0])
 def test_each_published_ray_repro_still_reproduces(deviation: Deviation) -> None:
     exec(compile(deviation.repro, f"<repro {deviation.title}>", "exec"), {})
+
+
+def test_a_buffer_host_serves_the_contract_methods_only() -> None:
+    from posttrain.adapters.ray.buffer import BufferHost
+
+    host = BufferHost()
+    host.create("a", RingBuffer, (4,))
+    for method in ("__class__", "_buffers", "__reduce__", "capacity"):
+        with pytest.raises(ValueError, match=rf"'{method}': a buffer host serves only"):
+            host.call("a", method, ())
+    assert host.call("a", "__len__", ()) == 0

@@ -20,6 +20,22 @@ CALL_TIMEOUT_S = 120.0
 """How long a remote call may take before the client raises ``GetTimeoutError``."""
 
 
+SERVED_METHODS = frozenset(
+    {
+        "extend",
+        "sample",
+        "__len__",
+        "state_dict",
+        "load_state_dict",
+        "read",
+        "update_priority",
+        "dumps",
+        "loads",
+    }
+)
+"""What :meth:`BufferHost.call` dispatches: the buffer contract and its capabilities, nothing else."""
+
+
 class BufferHost:
     """The actor body: buffers by key, one call at a time.
 
@@ -48,7 +64,12 @@ class BufferHost:
         return [m for m in optional if callable(getattr(rb, m, None))]
 
     def call(self, key: str, method: str, args: tuple[Any, ...]) -> Any:
-        """``buffer.method(*args)`` on the buffer under ``key``."""
+        """``buffer.method(*args)`` on the buffer under ``key``: the contract's methods only."""
+        if method not in SERVED_METHODS:
+            raise ValueError(
+                f"method {method!r}: a buffer host serves only the buffer contract's methods "
+                f"({', '.join(sorted(SERVED_METHODS))})"
+            )
         try:
             rb = self._buffers[key]
         except KeyError:
