@@ -59,10 +59,12 @@ LOSS = Contract(
         "influence anything."
     ),
     protocol=LossModuleV1,
+    version="1.1",
     factory=(
         "factory(policy, **overrides) -> LossModuleV1  # policy: an HF-style causal LM the suite "
-        "supplies; overrides only in LOSS-008; seq_mean_token_sum_norm reads "
-        "Implementation.extras['t_norm']"
+        "supplies; overrides only in LOSS-008 (a declared option's name, a misspelt keyword); "
+        "seq_mean_token_sum_norm reads Implementation.extras['t_norm'], capability clip "
+        "extras['clip_epsilon'] (and 'dual_clip')"
     ),
     uses_layout=True,
     capabilities=(
@@ -70,6 +72,7 @@ LOSS = Contract(
         Capability(name="per_token_advantage", text="Accepts advantages of shape [B, T] as well as [B]."),
         Capability(name="ragged", text="Accepts ragged batches (lazy stacks / jagged tensors)."),
         Capability(name="diagnostics", text="Returns `clip_fraction`, `kl_approx` and `entropy` alongside the loss terms."),
+        Capability(name="clip", text="Clips the ratio r = exp(logp - sample_log_probs) PPO-style: per token max(-A·r, -A·clip(r, 1 - ε_low, 1 + ε_high)), and with dual clip c > 1 its min with -A·c where A < 0. The bounds are declared in `Implementation.extras`: `clip_epsilon` (ε, or the pair (ε_low, ε_high)) and, for dual clip, `dual_clip` (c)."),
     ),
     options=(
         Option(name="aggregation", values=AGGREGATIONS, default="token_mean", text="How per-token terms are reduced to a scalar (see the weights above)."),
@@ -91,8 +94,8 @@ LOSS = Contract(
             text="`loss(td)` MUST NOT add, remove or change any entry of `td`.", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-008", level=_M, title="unknown options rejected",
             text="Constructing a loss with an unknown option value or keyword argument MUST raise an error naming it."),
-        Requirement(id="LOSS-009", level=_M, title="bad layout rejected",
-            text="A batch missing a required field or with a wrong dtype MUST raise an error naming the key."),
+        Requirement(id="LOSS-009", level=_M, title="bad layout rejected", tightened=("1.1",),
+            text="A batch missing a required field or with a wrong dtype (any other dtype for an integer or bool field: tokens, and masks, which are never taken as weights; a non-floating dtype for a float field) MUST raise an error naming the key; a float field in another floating dtype (float64, bfloat16, float16) is not a wrong dtype: the loss either refuses it naming the key or computes in its own precision and gives the outputs of the same values in the layout dtype."),
         Requirement(id="LOSS-010", level=_M, title="KL to reference", capability="kl_to_ref",
             text="With reference log-probs equal to the policy's own, `loss_kl_to_ref` MUST be zero; it MUST become positive when they differ on assistant tokens, stay zero when they differ elsewhere only, and stay the same when padding columns are appended (it is reduced over assistant tokens, not positions).", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-011", level=_M, title="per-token advantages", capability="per_token_advantage",
@@ -101,5 +104,9 @@ LOSS = Contract(
             text="`clip_fraction`, `kl_approx` and `entropy` MUST be averaged over assistant-masked tokens only (prompt and padding excluded) — at ratio 1 `clip_fraction` and `kl_approx` are 0, when every assistant token is clipped `clip_fraction` is 1, and `entropy` is the token mean of the full-vocabulary (or sampled) entropy.", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-013", level=_M, title="ragged equals padded", capability="ragged",
             text="A ragged batch MUST give the same outputs as its right-padded form.", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-014", level=_M, title="clipped surrogate", capability="clip", since="1.1",
+            text="At ratios on both sides of the declared clip bounds and advantages A of both signs, `loss_objective` MUST equal the sum over tokens of the aggregation's weight w times the declared clipped surrogate, and its gradient with respect to each token's log-prob MUST be -A·r·w where the unclipped term is the active one and 0 where a clipped one is (r > 1 + ε_high with A > 0, r < 1 - ε_low with A < 0, r > c with A < 0 under dual clip c).", depends_on=("LOSS-003",)),
+        Requirement(id="LOSS-015", level=_M, title="mis-shaped fields rejected", since="1.1",
+            text="A batch whose advantage or log-probs it reads have a shape outside the layout's (an advantage [B, 1] or [B, T - 1], log-probs one position short or long of the tokens) MUST raise an error naming the key: nothing is broadcast, padded or cut into place."),
     ),
 )  # fmt: skip

@@ -33,7 +33,11 @@ LAYOUT_REQUIREMENTS: tuple[Requirement, ...] = (
         id="LAY-002",
         level=Level.MUST,
         title="exact dtype",
-        text="Each field MUST have exactly its layout dtype (masks are bool); nothing is cast.",
+        text="Each field MUST have exactly its layout dtype (masks are bool); `check` casts "
+        "nothing. Every consumer refuses an integer or bool field (tokens, masks, ids) in any "
+        "other dtype; a consumer that casts float fields to its own precision MAY accept them "
+        "in any floating dtype (float64, bfloat16, float16: `any_float=True`) and MUST then "
+        "compute as with the same values in the layout dtype.",
     ),
     Requirement(
         id="LAY-003",

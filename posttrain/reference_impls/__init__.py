@@ -64,16 +64,24 @@ RING_BUFFER = Implementation(
 """The reference buffer's declaration (entry point ``reference-buffer``)."""
 
 
+_CLIP = (0.2, 0.28)  # DAPO's clip-higher: asymmetric, so the suite tells the two bounds apart
+
+
 def _pg_loss(aggregation: str) -> Implementation:
     return Implementation(
         "loss",
         partial(
-            PolicyGradientLoss, aggregation=aggregation, kl_coef=0.05, entropy_coef=0.01, t_norm=16
+            PolicyGradientLoss,
+            aggregation=aggregation,
+            clip_epsilon=_CLIP,
+            kl_coef=0.05,
+            entropy_coef=0.01,
+            t_norm=16,
         ),
         name=f"posttrain.PolicyGradientLoss[{aggregation}]",
-        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics"},
+        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "clip"},
         options={"aggregation": aggregation},
-        extras={"t_norm": 16},
+        extras={"t_norm": 16, "clip_epsilon": _CLIP},
         description="Reference clipped policy-gradient loss with k3 KL to reference and entropy.",
     )
 

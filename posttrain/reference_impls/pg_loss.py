@@ -29,7 +29,9 @@ class PolicyGradientLoss(torch.nn.Module):
     Everything is computed only where the assistant mask is True (position 0, which no logit
     predicts, is excluded too); values elsewhere, NaN included, are replaced before any
     arithmetic so they cannot leak into outputs or gradients. Options are keyword-only and
-    validated: an unknown aggregation or a misspelt keyword raises.
+    validated: an unknown aggregation or a misspelt keyword raises. Float fields may come in
+    any floating dtype and are cast to the policy's precision; integer and bool fields must
+    have exactly their layout dtype (the layout's rule for a consumer that casts).
 
     Returns ``loss_objective`` (the policy-gradient term), ``loss_kl_to_ref`` (``kl_coef`` times k3 KL
     to the reference, if ``kl_coef > 0``), ``loss_entropy`` (``-entropy_coef`` times entropy, if
@@ -109,9 +111,21 @@ class PolicyGradientLoss(torch.nn.Module):
         assert self.t_norm is not None
         return m / (b * self.t_norm)
 
+    def _surrogate(
+        self, adv: torch.Tensor, ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token PPO loss max(-A r, -A clip(r)) and where the clipped term is the active one."""
+        low, high = self.clip
+        pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)
+        clipped = pg2 > pg1
+        return torch.where(clipped, pg2, pg1), clipped
+
     def forward(self, td: TensorDictBase) -> TensorDict:
         """Compute the loss terms and diagnostics for ``td`` (never mutated)."""
-        check(td, self.layout, require=self._require, context=type(self).__name__)
+        # Float fields in any floating dtype (bf16 log-probs from a bf16 model, float64
+        # advantages) are cast to the policy's precision below; integer and bool fields must
+        # be exact (a float mask is refused, not used as weights).
+        check(td, self.layout, require=self._require, any_float=True, context=type(self).__name__)
         if td.batch_size.numel() == 0:
             raise ValueError(
                 f"td: expected at least one item, found batch size {list(td.batch_size)}"
@@ -123,23 +137,20 @@ class PolicyGradientLoss(torch.nn.Module):
         mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
         logits = self.policy(input_ids=tokens, attention_mask=attn.long()).logits
         logp = torch.where(mask, token_log_probs(logits, tokens), 0.0)
-        old = torch.where(mask, td.get(k("sample_log_probs")), 0.0)
-        adv = td.get(k("advantage"))
+        old = torch.where(mask, td.get(k("sample_log_probs")).to(logp.dtype), 0.0)
+        adv = td.get(k("advantage")).to(logp.dtype)
         adv = adv[:, None].expand_as(logp) if adv.ndim == 1 else adv
         adv = torch.where(mask, adv, 0.0)
 
         log_ratio = logp - old
         ratio = torch.where(mask, log_ratio.exp(), 1.0)
-        low, high = self.clip
-        clipped = ratio.clamp(1 - low, 1 + high)
-        pg1, pg2 = -adv * ratio, -adv * clipped
-        per_token = torch.where(pg2 > pg1, pg2, pg1)
+        per_token, active = self._surrogate(adv, ratio)
         w = self._weights(mask)
         out: dict[str, torch.Tensor] = {"loss_objective": (per_token * w).sum()}
 
         tm = mask.float() / mask.float().sum().clamp_min(1)  # token-mean weights for diagnostics
         if self.kl_coef > 0:
-            ref = torch.where(mask, td.get(k("ref_log_probs")), 0.0)
+            ref = torch.where(mask, td.get(k("ref_log_probs")).to(logp.dtype), 0.0)
             d = ref - logp
             k3 = torch.where(mask, d.exp() - d - 1, 0.0)
             out["loss_kl_to_ref"] = self.kl_coef * (k3 * w).sum()
@@ -148,8 +159,7 @@ class PolicyGradientLoss(torch.nn.Module):
         if self.entropy_coef > 0:
             out["loss_entropy"] = -self.entropy_coef * (torch.where(mask, ent, 0.0) * w).sum()
         with torch.no_grad():
-            active = (pg2 > pg1) & mask
-            out["clip_fraction"] = (active.float() * tm).sum()
+            out["clip_fraction"] = ((active & mask).float() * tm).sum()
             d_old = old - logp
             out["kl_approx"] = (torch.where(mask, d_old.exp() - d_old - 1, 0.0) * tm).sum()
             out["entropy"] = (torch.where(mask, ent, 0.0) * tm).sum()

@@ -16,7 +16,7 @@ from tensordict import TensorDict, TensorDictBase
 from posttrain.contracts import AGGREGATIONS, LLM_LAYOUT_V1, Implementation
 from posttrain.reference_impls import PolicyGradientLoss
 
-__all__ = ["EXTRA_MUTANTS", "MUTANTS"]
+__all__ = ["DUAL_CLIP", "EXTRA_MUTANTS", "MUTANTS"]
 
 K = LLM_LAYOUT_V1.key
 ASST, ATT, SLP, RLP, ADV = (
@@ -151,6 +151,160 @@ class DilutedDiagnostics(_Edit):  # TorchRL: averaged over every attended positi
         return out
 
 
+class NoClip(PolicyGradientLoss):
+    """The plain importance-weighted objective: the declared clip bounds are never applied."""
+
+    def _surrogate(
+        self, adv: torch.Tensor, ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return -adv * ratio, torch.zeros_like(ratio, dtype=torch.bool)
+
+
+class MaxInsteadOfMin(PolicyGradientLoss):
+    """Takes the max of the clipped and unclipped objectives (the min of the losses)."""
+
+    def _surrogate(
+        self, adv: torch.Tensor, ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        low, high = self.clip
+        pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)
+        return torch.minimum(pg1, pg2), pg2 < pg1
+
+
+class SymmetricClip(PolicyGradientLoss):
+    """Clips with ε_low on both sides although (ε_low, ε_high) is declared: no clip-higher."""
+
+    def _surrogate(
+        self, adv: torch.Tensor, ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        low = self.clip[0]
+        pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - low, 1 + low)
+        return torch.where(pg2 > pg1, pg2, pg1), pg2 > pg1
+
+
+class DualClipLoss(PolicyGradientLoss):
+    """A correct dual-clip PPO loss (Ye et al. 2020; NeMo-RL's ``ratio_clip_c``): where the
+    advantage is negative the per-token loss is also capped at -A·c. Not a mutant: the suite
+    must pass it, and :class:`IgnoresDualClip` is its broken twin."""
+
+    def __init__(self, policy: Any, *, dual_clip: float = 3.0, **kwargs: Any) -> None:
+        super().__init__(policy, **kwargs)
+        self.dual_clip = float(dual_clip)
+
+    def _surrogate(
+        self, adv: torch.Tensor, ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        per_token, clipped = super()._surrogate(adv, ratio)
+        cap = -adv * self.dual_clip
+        capped = (adv < 0) & (cap < per_token)
+        return torch.where(capped, cap, per_token), clipped | capped
+
+
+class IgnoresDualClip(DualClipLoss):
+    """Declares dual clip c but applies the ordinary clip only."""
+
+    def _surrogate(
+        self, adv: torch.Tensor, ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return PolicyGradientLoss._surrogate(self, adv, ratio)
+
+
+class MasksAsWeights(_Edit):
+    """Takes a float or integer mask as weights (its non-zero entries as True) instead of
+    refusing it: a NeMo-RL-style token_mask passes silently."""
+
+    def pre(self, td: TensorDictBase) -> TensorDictBase:
+        td = td.clone()
+        for key in (ASST, ATT):
+            m = td.get(key)
+            if m.dtype != torch.bool:
+                td.set(key, m != 0)
+        return td
+
+
+class RatioInDataDtype(PolicyGradientLoss):
+    """Accepts bf16/fp16 log-probs but computes in the batch's precision instead of its own:
+    the policy's logits are rounded to that dtype (an autocast keyed on the data), so the
+    ratio is off by up to ~0.4%."""
+
+    def forward(self, td: TensorDictBase) -> TensorDict:
+        slp = td.get(SLP, None)
+        if slp is not None and slp.dtype in (torch.bfloat16, torch.float16):
+            policy = self.policy
+            self.policy = _Rounded(policy, slp.dtype)
+            try:
+                return super().forward(td)
+            finally:
+                self.policy = policy
+        return super().forward(td)
+
+
+class _Rounded(torch.nn.Module):
+    """The policy with its logits rounded through ``dtype``."""
+
+    def __init__(self, policy: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inner, self.dtype = policy, dtype
+
+    def forward(self, **kw: Any) -> Any:
+        out = self.inner(**kw)
+        out.logits = out.logits.to(self.dtype).float()
+        return out
+
+
+class BroadcastsAdvantage(_Edit):
+    """Lets any advantage that broadcasts through: [B, 1] is expanded along T, a per-token
+    advantage shorter than T is taken as covering the last positions (left-padded)."""
+
+    def pre(self, td: TensorDictBase) -> TensorDictBase:
+        t = td.get(K("tokens")).shape[-1]
+        adv = td.get(ADV, None)
+        if adv is None or adv.ndim != 2 or adv.shape[-1] == t:
+            return td
+        td = td.clone()
+        if adv.shape[-1] == 1:
+            adv = adv.expand(-1, t)
+        elif adv.shape[-1] < t:
+            adv = torch.nn.functional.pad(adv, (t - adv.shape[-1], 0))
+        td.set(ADV, adv.contiguous(), inplace=False)
+        return td
+
+
+class AlignsLogProbs(_Edit):
+    """Takes log-probs of another length as right-aligned with the tokens: a [B, T - 1]
+    next-token tensor is left-padded, a longer one cut to its last T (all silently off by one)."""
+
+    def pre(self, td: TensorDictBase) -> TensorDictBase:
+        t = td.get(K("tokens")).shape[-1]
+        td = td.clone()
+        for key in (SLP, RLP):
+            v = td.get(key, None)
+            if v is None or v.ndim != 2 or v.shape[-1] == t:
+                continue
+            if v.shape[-1] < t:
+                v = torch.nn.functional.pad(v, (t - v.shape[-1], 0), value=float("nan"))
+            else:
+                v = v[:, -t:]
+            td.set(key, v.contiguous(), inplace=False)
+        return td
+
+
+_CLIP = (0.2, 0.28)
+
+
+def _clip_impl(req: str, cls: type, **extras: Any) -> Implementation:
+    """A mutant declaring capability clip with asymmetric bounds (and dual clip if given)."""
+    kw: dict[str, Any] = {"dual_clip": extras["dual_clip"]} if "dual_clip" in extras else {}
+    return Implementation(
+        "loss",
+        partial(cls, aggregation="seq_mean_token_mean", clip_epsilon=_CLIP, kl_coef=0.05, **kw),
+        name=f"mutant-{req}-{cls.__name__}",
+        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "clip"},
+        options={"aggregation": "seq_mean_token_mean"},
+        extras={"clip_epsilon": _CLIP, **extras},
+    )
+
+
 def _impl(req: str, cls: type, agg: str = "seq_mean_token_mean", **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"kl_to_ref", "per_token_advantage", "diagnostics"})
     factory = (
@@ -177,10 +331,34 @@ MUTANTS: dict[str, Implementation] = {
     "LOSS-011": _impl("LOSS-011", SumsTokenAdvantages),
     "LOSS-012": _impl("LOSS-012", DilutedDiagnostics),
     "LOSS-013": _impl("LOSS-013", PolicyGradientLoss, capabilities={"ragged"}),
+    "LOSS-014": _clip_impl("LOSS-014", NoClip),
+    "LOSS-015": _impl("LOSS-015", BroadcastsAdvantage),
 }
 """Requirement id -> a loss that breaks exactly that requirement."""
 
 EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-010", _impl("LOSS-010", KlOverPositions)),
+    ("LOSS-009", _impl("LOSS-009", MasksAsWeights)),
+    ("LOSS-009", _impl("LOSS-009", RatioInDataDtype)),
+    ("LOSS-014", _clip_impl("LOSS-014", MaxInsteadOfMin)),
+    ("LOSS-014", _clip_impl("LOSS-014", SymmetricClip)),
+    ("LOSS-014", _clip_impl("LOSS-014", IgnoresDualClip, dual_clip=3.0)),
+    ("LOSS-015", _impl("LOSS-015", AlignsLogProbs)),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
+
+DUAL_CLIP = Implementation(
+    "loss",
+    partial(
+        DualClipLoss,
+        aggregation="seq_mean_token_mean",
+        clip_epsilon=_CLIP,
+        kl_coef=0.05,
+        dual_clip=3.0,
+    ),
+    name="DualClipLoss (correct)",
+    capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "clip"},
+    options={"aggregation": "seq_mean_token_mean"},
+    extras={"clip_epsilon": _CLIP, "dual_clip": 3.0},
+)
+"""Not a mutant: a correct dual-clip loss, which must pass every requirement."""

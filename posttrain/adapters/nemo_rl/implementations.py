@@ -18,8 +18,9 @@ def _loss(aggregation: str) -> Implementation:
         name=f"NeMo-RL LossFunction both ways [{aggregation}]",
         # NeMo-RL's LossFunction returns one scalar with its KL term inside: no separate
         # loss_kl_to_ref to check (tests/test_nemo_loss.py checks the KL through the total).
-        capabilities={"per_token_advantage", "ragged"},
+        capabilities={"per_token_advantage", "ragged", "clip"},
         options={"aggregation": aggregation},
+        extras={"clip_epsilon": 0.2},  # PolicyGradientLoss's default, NeMo-RL's ratio_clip
         description="posttrain's PolicyGradientLoss (NeMo-RL's default clip and k3 KL) wrapped "
         "as a NeMo-RL LossFunction (ContractAsNemoLoss), wrapped back as a LossModuleV1 "
         "(NemoLossModule): both directions and the global-count normalization under test.",

@@ -179,7 +179,7 @@ for name in ("entropy", "clip_fraction", "kl_approx"):
     Deviation(
         ("LOSS-009",),
         "GRPOLoss (and DAPO, CISPOLoss)",
-        "behaviour log-probs of the wrong dtype (float64) are accepted silently",
+        "a mask of the wrong dtype is not refused by name: a float assistant mask fails on '~' naming no key, an int64 attention mask is accepted",
         """from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
 from posttrain.conformance.data import llm_batch
 from posttrain.conformance.policy import tiny_causal_lm
@@ -188,8 +188,33 @@ import torch
 
 loss = GRPOLoss(transformers_actor(tiny_causal_lm()), masking_strategy="rlhf")
 td = llm_batch(4, 10, vocab_size=64)
-td.set(("log_probs", "full"), td.get(("log_probs", "full")).double())
-out = loss(to_torchrl_layout(td))  # accepted: no error names the key or the dtype
+bad = td.clone()
+bad.set(("masks", "all_assistant_mask"), td.get(("masks", "all_assistant_mask")).float())
+try:
+    loss(to_torchrl_layout(bad))
+    raise SystemExit("a float assistant mask was accepted: a different deviation")
+except TypeError as e:
+    assert "assistant" not in str(e)  # "~ (operator.invert) is only implemented on integer ..."
+bad = td.clone()
+bad.set(("masks", "all_attention_mask"), td.get(("masks", "all_attention_mask")).long())
+out = loss(to_torchrl_layout(bad))  # accepted: no error names the key or the dtype
+assert torch.isfinite(out.loss_objective).all()
+""",
+    ),
+    Deviation(
+        ("LOSS-015",),
+        "GRPOLoss (and DAPO, CISPOLoss)",
+        "an advantage of shape [B, 1] (TorchRL's [B, 1, 1]) is broadcast along the tokens instead of refused",
+        """from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
+from posttrain.conformance.data import llm_batch
+from posttrain.conformance.policy import tiny_causal_lm
+from torchrl.objectives.llm import GRPOLoss
+import torch
+
+loss = GRPOLoss(transformers_actor(tiny_causal_lm()), masking_strategy="rlhf")
+td = llm_batch(4, 10, vocab_size=64)
+td.set("advantage", td.get("advantage")[:, None])  # [B, 1]: neither [B] nor [B, T]
+out = loss(to_torchrl_layout(td))  # accepted: broadcast to every token, no error names the key
 assert torch.isfinite(out.loss_objective).all()
 """,
     ),

@@ -133,8 +133,8 @@ def _factory(
 # docs/reports/): a raw row failing anything else, or no longer failing one of these, makes
 # `make report` fail.
 _ATOMICITY = frozenset({"BUF-009", "BUF-010", "BUF-011", "BUF-012"})
-_RAW_LOSS_TOKEN_MEAN = frozenset({"LOSS-005", "LOSS-008", "LOSS-009", "LOSS-012"})
-_RAW_LOSS_PROMPT_MEAN = frozenset({"LOSS-001", "LOSS-008", "LOSS-009"})
+_RAW_LOSS_TOKEN_MEAN = frozenset({"LOSS-005", "LOSS-008", "LOSS-009", "LOSS-012", "LOSS-015"})
+_RAW_LOSS_PROMPT_MEAN = frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"})
 _RAW_WEIGHT_SYNC = frozenset({"WS-004", "WS-005", "WS-006"})
 
 
@@ -252,19 +252,30 @@ WANDB_LOGGER = Implementation(
 
 
 _KL_COEFF = 0.1
+_DAPO_CLIP = (0.2, 0.28)
 
 
 def _loss(cls_name: str, aggregation: str, *, adapted: bool, kl: bool = False) -> Implementation:
     torchrl_name = {"token_mean": "token_mean", "seq_mean_token_mean": "prompt_mean"}[aggregation]
     wrapper = "ContractLoss(" if adapted else ""
-    extra = {"kl_to_ref_coeff": _KL_COEFF} if kl else {}
+    extra: dict[str, Any] = {"kl_to_ref_coeff": _KL_COEFF} if kl else {}
     shown = f", kl_to_ref_coeff={_KL_COEFF}" if kl else ""
+    # GRPOLoss and DAPO clip PPO-style (GRPOLoss's default 0.2; DAPO with its paper's
+    # clip-higher pair); CISPOLoss weights by the clipped ratio instead, a different objective.
+    clips: dict[str, float | tuple[float, float]] = {"GRPOLoss": 0.2, "DAPO": _DAPO_CLIP}
+    clip = clips.get(cls_name)
+    if cls_name == "DAPO":
+        extra["clip_epsilon"] = _DAPO_CLIP
+        shown += f", clip_epsilon={_DAPO_CLIP}"
     return Implementation(
         "loss",
         partial(make_loss(cls_name, adapted=adapted), aggregation=aggregation, **extra),
         name=f"{wrapper}{cls_name}(TransformersWrapper, aggregation={torchrl_name!r}{shown}){')' if adapted else ''}",
-        capabilities={"diagnostics"} | ({"kl_to_ref"} if kl else set()),
+        capabilities={"diagnostics"}
+        | ({"kl_to_ref"} if kl else set())
+        | ({"clip"} if clip is not None else set()),
         options={"aggregation": aggregation},
+        extras={} if clip is None else {"clip_epsilon": clip},
         description="TorchRL LLM loss around a TransformersWrapper of the suite's policy (masking_strategy='rlhf')."
         + ("" if adapted else " Raw: only the advantage is reshaped to TorchRL's [B, T, 1]."),
         known_failures=frozenset()

@@ -8,6 +8,7 @@ a closed form: minus the advantage times the aggregation's weight, for every tok
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -145,12 +146,15 @@ def _expected_weights(ctx: Context, mask: torch.Tensor) -> torch.Tensor:
     return m / (b * t_norm)
 
 
-@requirement("LOSS-003")
-def aggregation_weights(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    td = _batch(policy, ctx)
+def _logp_grads(policy: Any, loss: Any, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """``loss_objective`` and its gradient with respect to each token's log-prob, [B, T].
+
+    Read through a zero probe added to the policy's logits: for a term that sees the logits
+    only through log p(token_t), d/d logit(token_t) is d/d log p(token_t) times (1 - p).
+    """
     tokens = td.get(TOK)
-    probe = torch.zeros(B, T, V, requires_grad=True)
+    b, t = tokens.shape
+    probe = torch.zeros(b, t, V, requires_grad=True)
     head = policy.get_output_embeddings()
     handle = head.register_forward_hook(
         lambda _m, _i, out: out + probe if out.shape == probe.shape else out
@@ -167,7 +171,14 @@ def aggregation_weights(ctx: Context) -> None:
         p = torch.softmax(logits.float(), -1)
     g_tok = probe.grad[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
     p_tok = p[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    got = torch.cat([torch.zeros(B, 1), g_tok / (1 - p_tok)], dim=1)  # d loss / d log p(token_t)
+    return obj.detach(), torch.cat([torch.zeros(b, 1), g_tok / (1 - p_tok)], dim=1)
+
+
+@requirement("LOSS-003")
+def aggregation_weights(ctx: Context) -> None:
+    policy, loss = _setup(ctx)
+    td = _batch(policy, ctx)
+    _, got = _logp_grads(policy, loss, td)
     mask = td.get(ASST)
     want = -td.get(ADV)[:, None] * _expected_weights(ctx, mask)
     if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
@@ -273,14 +284,18 @@ def input_not_mutated(ctx: Context) -> None:
 @requirement("LOSS-008")
 def unknown_options_rejected(ctx: Context) -> None:
     policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    # Only a declared option is passed by its name: a factory that declares none need not take
+    # any keyword, and rejects this one by name like any other unknown keyword.
     attempts = [
-        ({"aggregation": "token_meen"}, "token_meen", "an unknown aggregation 'token_meen'"),
         (
-            {"aggregaton": ctx.options["aggregation"]},
-            "aggregaton",
-            "a misspelt keyword 'aggregaton'",
-        ),
+            {name: _unknown_value(name)},
+            _unknown_value(name),
+            f"an unknown {name} {_unknown_value(name)!r}",
+        )
+        for name in sorted(ctx.impl.options)
     ]
+    misspelt = {"aggregaton": ctx.options["aggregation"]}
+    attempts.append((misspelt, "aggregaton", "a misspelt keyword 'aggregaton'"))
     problems = []
     for kwargs, name, what in attempts:
         try:
@@ -296,24 +311,83 @@ def unknown_options_rejected(ctx: Context) -> None:
         raise _fail("; ".join(problems))
 
 
+def _unknown_value(option: str) -> str:
+    return "token_meen" if option == "aggregation" else f"no_such_{option}"
+
+
+_FIELD_OF = {TOK: "tokens", ATT: "attention_mask", ASST: "assistant_mask"}
+_FIELD_OF.update({SLP: "sample_log_probs", RLP: "ref_log_probs", ADV: "advantage"})
+
+
+def _names_key(message: str, key: tuple[str, ...]) -> bool:
+    """Whether ``message`` names ``key``: its field name or its most specific part, as a word
+    start (``'log_probs'`` must not be found inside ``'ref_log_probs'``)."""
+    words = {_FIELD_OF[key], max((p for p in key if p not in ("full", "next")), key=len)}
+    return any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(w)}", message) for w in words)
+
+
+def _must_refuse(loss: Any, td: TensorDictBase, key: tuple[str, ...], what: str) -> str | None:
+    """None if ``loss(td)`` raises naming ``key``, else what went wrong."""
+    try:
+        with torch.no_grad():
+            loss(td)
+    except Exception as e:
+        if _names_key(str(e), key):
+            return None
+        text = str(e).splitlines()[0] if str(e) else ""
+        return (
+            f"a batch with {what} raised {type(e).__name__} without naming {key_str(key)}: {text}"
+        )
+    return f"a batch with {what} was accepted"
+
+
+def _with(td: TensorDictBase, key: tuple[str, ...], value: torch.Tensor) -> TensorDictBase:
+    td.set(key, value, inplace=False)
+    return td
+
+
 @requirement("LOSS-009")
 def bad_layout_rejected(ctx: Context) -> None:
     policy, loss = _setup(ctx)
-    cases: list[tuple[Callable[[TensorDictBase], TensorDictBase], str, str]] = [
-        (lambda td: td.exclude(ADV), "advantage", "the advantage missing"),
-        (lambda td: td.set(SLP, td.get(SLP).double()), "log_probs", "float64 behaviour log-probs"),
+    td0 = _batch(policy, ctx)
+    asst, att = td0.get(ASST), td0.get(ATT)
+    refused: list[tuple[TensorDictBase, tuple[str, ...], str]] = [
+        (td0.clone().exclude(ADV), ADV, "the advantage missing"),
+        (td0.clone().exclude(SLP), SLP, "the behaviour log-probs missing"),
+        (_with(td0.clone(), ASST, asst.float()), ASST, "a float32 assistant mask (0/1)"),
+        (_with(td0.clone(), ASST, asst.long()), ASST, "an int64 assistant mask (0/1)"),
+        (_with(td0.clone(), ATT, att.to(torch.uint8)), ATT, "a uint8 attention mask (0/1)"),
     ]
-    for change, name, what in cases:
-        td = change(_batch(policy, ctx))
-        try:
-            loss(td)
-        except Exception as e:
-            if name not in str(e):
-                raise _fail(
-                    f"a batch with {what} raised {type(e).__name__} without naming {name!r}: {e}"
-                ) from None
-        else:
-            raise _fail(f"a batch with {what} was accepted")
+    for td, key, what in refused:
+        problem = _must_refuse(loss, td, key, what)
+        if problem is not None:
+            raise _fail(problem)
+    # Widened float fields: refused by name, or the outputs of the same values in float32.
+    with torch.no_grad():
+        for key in (SLP, ADV, RLP):
+            for dtype in (torch.float64, torch.bfloat16, torch.float16):
+                value = td0.get(key).to(dtype)
+                want = _scalars(loss(_with(td0.clone(), key, value.float())))
+                td = _with(td0.clone(), key, value)
+                try:
+                    got = _scalars(loss(td))
+                except Exception as e:
+                    if _names_key(str(e), key):
+                        continue
+                    raise _fail(
+                        f"a batch with {_dtype(dtype)} {key_str(key)} raised {type(e).__name__} "
+                        f"without naming the key (refuse it by name, or compute as with float32): "
+                        f"{str(e).splitlines()[0] if str(e) else ''}"
+                    ) from None
+                _same(
+                    want,
+                    got,
+                    f"{_dtype(dtype)} {key_str(key)} (against the same values in float32)",
+                )
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @requirement("LOSS-010")
@@ -434,3 +508,123 @@ def _trim(item: TensorDictBase, n: int) -> TensorDictBase:
     for key, v in leaves(item).items():
         out.set(key, v[:n] if v.ndim == 1 and v.shape[0] == T else v)
     return out
+
+
+def _clip_declaration(ctx: Context) -> tuple[float, float, float | None]:
+    """(ε_low, ε_high, dual-clip c or None) from ``Implementation.extras``."""
+    eps = ctx.impl.extras.get("clip_epsilon")
+    pair = (eps, eps) if isinstance(eps, int | float) else eps
+    if (
+        not isinstance(pair, tuple | list)
+        or len(pair) != 2
+        or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in pair)
+        or not (0 <= pair[0] < 1 and pair[1] >= 0)
+    ):
+        raise _fail(
+            "capability clip is declared but Implementation.extras['clip_epsilon'] is "
+            f"{eps!r}; expected a number or a (low, high) pair with 0 <= low < 1 and high >= 0"
+        )
+    dual = ctx.impl.extras.get("dual_clip")
+    if dual is not None and (
+        not isinstance(dual, int | float) or isinstance(dual, bool) or not dual > 1 + pair[1]
+    ):
+        raise _fail(
+            f"Implementation.extras['dual_clip'] is {dual!r}; expected a number c > 1 + ε_high"
+        )
+    return float(pair[0]), float(pair[1]), None if dual is None else float(dual)
+
+
+def _probe_ratios(lo: float, hi: float, dual: float | None) -> list[float]:
+    """Ratios well inside and on both sides of every bound, none within 1% of one."""
+    bounds = [lo, hi] + ([dual] if dual is not None else [])
+    cands = [lo * 0.5, lo * 0.97, lo * 1.03, 1.0, hi * 0.97, hi * 1.03, hi * 2.0]
+    if dual is not None:
+        cands += [dual * 0.97, dual * 1.03, dual * 2.0]
+    return sorted({r for r in cands if r > 0 and all(abs(r / b - 1) > 0.01 for b in bounds)})
+
+
+@requirement("LOSS-014")
+def clipped_surrogate(ctx: Context) -> None:
+    eps_low, eps_high, dual = _clip_declaration(ctx)
+    lo, hi = 1 - eps_low, 1 + eps_high
+    ratios = _probe_ratios(lo, hi, dual)
+    n, prompt, b = len(ratios), 3, 4
+    t = prompt + n + 2
+    policy, loss = _setup(ctx)
+    td = llm_batch(b, t, vocab_size=V, seed=ctx.seed * 7919 + 14)
+    # Every row covers every ratio (one per assistant token, shifted by row) and rows differ in
+    # length; advantages alternate in sign, so each ratio meets both signs.
+    pos = torch.arange(t).expand(b, t)
+    lengths = torch.tensor([t, t - 1, t - 2, t])[:b]
+    att = pos < lengths[:, None]
+    asst = att & (pos >= prompt)
+    td.set(ATT, att)
+    td.set(ASST, asst)
+    r = torch.ones(b, t, dtype=torch.float64)
+    for i in range(b):
+        for j, p in enumerate(asst[i].nonzero().flatten().tolist()):
+            r[i, p] = ratios[(j + i) % n]
+    g = torch.Generator().manual_seed(ctx.seed + 14)
+    adv = (0.5 + torch.rand(b, generator=g)) * torch.tensor([1.0, -1.0] * (b // 2))
+    td.set(ADV, adv)
+    logp = _own_log_probs(policy, td)
+    slp = torch.where(asst, logp - r.log().float(), float("nan"))
+    td.set(SLP, slp)
+    td.set(RLP, torch.where(asst, logp, float("nan")))
+    # The expected figures, in float64 from the ratios the loss will see (the float32 behaviour
+    # log-probs against the same forward pass), away from every bound by 1% or more.
+    with torch.no_grad():
+        ratio = torch.where(asst, (logp.double() - slp.double()).exp(), 1.0)
+        a = adv.double()[:, None].expand(b, t)
+        unclipped, clipped = -a * ratio, -a * ratio.clamp(lo, hi)
+        per_token = torch.maximum(unclipped, clipped)
+        active = unclipped >= clipped
+        if dual is not None:
+            cap = -a * dual
+            dual_on = (a < 0) & (cap < per_token)
+            per_token = torch.where(dual_on, cap, per_token)
+            active &= ~dual_on
+        w = _expected_weights(ctx, asst).double()
+        want_value = float((per_token * w).where(asst, 0.0).sum())
+        want = torch.where(asst & active, -a * ratio * w, 0.0)
+    value, got = _logp_grads(policy, loss, td)
+    bad = ~torch.isclose(got.double(), want, atol=1e-6, rtol=1e-4)
+    if bool(bad.any()):
+        i, p = divmod(int(((got.double() - want).abs() * bad).argmax()), t)
+        unclipped_side = bool(active[i, p])
+        term = "the unclipped term is" if unclipped_side else "a clipped term is"
+        raise _fail(
+            f"clip bounds [{lo:.4g}, {hi:.4g}]{'' if dual is None else f', dual clip {dual:.4g}'}: "
+            f"at ratio {float(ratio[i, p]):.4g} with advantage {float(adv[i]):+.3g} (row {i}, "
+            f"position {p}; {term} active), d loss_objective / d logp is "
+            f"{float(got[i, p]):.6g}, expected {float(want[i, p]):.6g}"
+            f"{' (-A x r x weight)' if unclipped_side else ''}; "
+            f"{int(bad.sum())} of {int(asst.sum())} assistant tokens differ"
+        )
+    if not math.isclose(float(value), want_value, rel_tol=1e-4, abs_tol=1e-6):
+        raise _fail(
+            f"clip bounds [{lo:.4g}, {hi:.4g}]: loss_objective is {float(value):.6g} at ratios "
+            f"{', '.join(f'{x:.3g}' for x in ratios)} with advantages of both signs, expected "
+            f"{want_value:.6g} (the weighted sum of max(-A r, -A clip(r)))"
+        )
+
+
+@requirement("LOSS-015")
+def mis_shaped_fields_rejected(ctx: Context) -> None:
+    policy, loss = _setup(ctx)
+    td0 = _batch(policy, ctx)
+    adv, slp = td0.get(ADV), td0.get(SLP)
+    nan = torch.full((B, 1), float("nan"))
+    cases = [
+        (ADV, adv[:, None], "an advantage of shape [B, 1]"),
+        (ADV, adv[:, None].expand(B, T - 1).clone(), "an advantage of shape [B, T - 1]"),
+        (SLP, slp[:, 1:], "behaviour log-probs one position short ([B, T - 1], next-token)"),
+        (SLP, torch.cat([slp, nan], 1), "behaviour log-probs one position long ([B, T + 1])"),
+    ]
+    if "kl_to_ref" in ctx.capabilities:
+        rlp = td0.get(RLP)
+        cases.append((RLP, rlp[:, 1:], "reference log-probs one position short ([B, T - 1])"))
+    for key, value, what in cases:
+        problem = _must_refuse(loss, _with(td0.clone(), key, value), key, what)
+        if problem is not None:
+            raise _fail(problem)
