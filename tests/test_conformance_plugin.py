@@ -20,7 +20,7 @@ def test_reference_passes_from_an_empty_directory(pytester: pytest.Pytester) -> 
     assert res.ret == 0
     res.stdout.fnmatch_lines(
         [
-            "posttrain conformance: posttrain.RingBuffer (*) against buffer v1.2; capabilities: checkpoint, read, thread_safe*",
+            "posttrain conformance: posttrain.RingBuffer (*) against buffer v1.3; capabilities: checkpoint, read, thread_safe*",
             "BUF-009   MUST   PASS           missing key rejected atomically",
             "*18 PASS, 0 FAIL, 0 ERROR, 5 NOT_APPLICABLE; verdict: conforms*",
         ]
@@ -30,7 +30,7 @@ def test_reference_passes_from_an_empty_directory(pytester: pytest.Pytester) -> 
     (rep,) = data["reports"]
     assert rep["verdict"] == "conforms"
     assert rep["run"]["implementation"] == "posttrain.RingBuffer"
-    assert rep["run"]["contract_version"] == "1.2"
+    assert rep["run"]["contract_version"] == "1.3"
     assert {"torch", "tensordict", "posttrain"} <= set(rep["run"]["versions"])
     rows = {r["id"]: r for r in rep["results"]}
     assert rows["BUF-020"]["status"] == "NOT_APPLICABLE"
@@ -102,7 +102,7 @@ def test_list_prints_the_catalogue(pytester: pytest.Pytester) -> None:
     assert res.ret == 0
     res.stdout.fnmatch_lines(
         [
-            "buffer v1.2 — Replay buffer",
+            "buffer v1.3 — Replay buffer",
             "  BUF-001 MUST   extend returns indices",
             "  BUF-017 MUST   priorities steer sampling [capability priority]",
         ]

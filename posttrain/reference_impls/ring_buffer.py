@@ -150,6 +150,8 @@ class RingBuffer:
             else:
                 leaves = self._schema.check(data, context)
             n = int(data.batch_size[0])
+            if n == 0:  # a no-op (BUF-015): the epoch under way must go on, not restart
+                return torch.empty(0, dtype=torch.int64)
             assert self._rows is not None
             assert self._dst is not None
             cursor, cap = self._cursor, self.capacity

@@ -17,10 +17,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain.contracts import Implementation
+from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
 from posttrain.reference_impls.ring_buffer import _tensordict
 
-__all__ = ["MUTANTS"]
+__all__ = ["EXTRA_MUTANTS", "MUTANTS", "PRIORITIZED_RING", "PrioritizedRing"]
 
 
 def _leaf_keys(td: TensorDictBase) -> set[tuple[str, ...]]:
@@ -307,11 +308,238 @@ class ReadsUnwrittenSlots(RingBuffer):
         return _tensordict(self._nested(self._views(rows)), int(idx.shape[0]), self.device)
 
 
+class ReturnsAgePositions(RingBuffer):
+    """Writes like the ring, but returns each item's position by age (0 = the oldest), as a
+    list-backed buffer that drops its head and appends would: the write indices until the
+    ring is full, then the newest positions, not the slots written."""
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        n = super().extend(data).numel()
+        return torch.arange(len(self) - min(n, len(self)), len(self), dtype=torch.int64)
+
+
+class PrioritizedRing(RingBuffer):
+    """The ring with per-slot priorities (a new item gets 1.0); draws proportional to them.
+
+    A correct priority design, so that BUF-017 runs on one that passes.
+
+    Example:
+        >>> rb = PrioritizedRing(4)
+        >>> idx = rb.extend(TensorDict({"x": torch.arange(4)}, batch_size=[4]))
+        >>> rb.update_priority(idx[:3], torch.zeros(3))
+        >>> set(rb.sample(20)["x"].tolist())
+        {3}
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._prio = torch.ones(capacity, dtype=torch.float64)
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        with self._lock:
+            idx = super().extend(data)
+            self._prio[idx] = 1.0
+            return idx
+
+    def _slots(self, index: torch.Tensor) -> torch.Tensor:
+        return index
+
+    def update_priority(self, index: Any, priority: Any, /) -> None:
+        with self._lock:
+            idx = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+            pr = torch.as_tensor(priority, dtype=torch.float64).reshape(-1).expand(idx.shape[0])
+            self._prio[self._slots(idx)] = pr
+
+    def sample(self, batch_size: int, /) -> TensorDict:
+        with self._lock:
+            if self._len == 0 or self._rows is None:
+                raise RuntimeError("cannot sample from an empty buffer: extend it first")
+            idx = torch.multinomial(
+                self._prio[: self._len], batch_size, replacement=True, generator=self._gen
+            )
+            rows = self._rows.index_select(0, idx)
+        return _tensordict(self._nested(self._views(rows)), batch_size, self.device)
+
+
+class PrioritiesByAge(PrioritizedRing):
+    """Reads the index given to update_priority as an age (0 = the oldest), as priorities kept
+    in a deque beside the items would: right until the ring wraps, then the priority steers
+    another item than the one extend wrote at that index."""
+
+    def _slots(self, index: torch.Tensor) -> torch.Tensor:
+        if len(self) < self.capacity:
+            return index
+        return (index + self._cursor) % self.capacity  # the oldest item sits at the cursor
+
+
+class KeepsCallerTensors(RingBuffer):
+    """Keeps each item as a view of the batch given to extend (a list-backed buffer that
+    skips the copy) and samples from those: a caller reusing its tensors changes the items."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._refs: dict[int, TensorDictBase] = {}
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        idx = super().extend(data)
+        for j, i in enumerate(idx.tolist()):
+            self._refs[i] = data[j]  # a view of the caller's row
+        return idx
+
+    def sample(self, batch_size: int, /) -> TensorDict:
+        if not self._refs or len(self._refs) < len(self):  # empty, or restored from a state
+            return super().sample(batch_size)
+        idx = torch.randint(len(self), (batch_size,), generator=self._gen).tolist()
+        out: TensorDict = torch.stack([self._refs[i] for i in idx])
+        return out
+
+
+class LiveStateDict(RingBuffer):
+    """state_dict hands out a view of the live rows instead of a copy: a snapshot taken before
+    more extends changes with them."""
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        if self._rows is not None:
+            sd["rows"] = self._rows[: self._len]
+        return sd
+
+
+_REQUIRED = {LLM_LAYOUT_V1.key(f.name) for f in LLM_LAYOUT_V1.fields if f.required}
+
+
+class ChecksRequiredKeysOnly(RingBuffer):
+    """Checks only the layout's required fields: a batch lacking an optional one (advantage,
+    reward, ...) is written with that column left as the slots held it, so the new items read
+    the evicted (or never written) items' values."""
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        if self._columns is not None and self._rows is not None:
+            missing = [k for k in self._columns if k not in _leaf_keys(data)]
+            if missing and not set(missing) & _REQUIRED:
+                n = int(data.batch_size[0])
+                slots = (torch.arange(n) + self._cursor) % self.capacity
+                old = self._views(self._rows.index_select(0, slots))
+                data = data.clone(False)
+                for k in missing:
+                    data.set(k, old[k].clone())
+        return super().extend(data)
+
+
+class UncheckedListBuffer:
+    """A ring of item TensorDicts with no schema check, stacked on sample: a batch lacking a
+    key goes in, and the kit's own sample afterwards fails inside ``torch.stack``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: list[TensorDictBase] = []
+        self._cursor = 0
+        self._gen = torch.Generator().manual_seed(0)
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        idx = []
+        for row in data.clone().unbind(0):
+            if len(self._items) < self.capacity:
+                self._items.append(row)
+            else:
+                self._items[self._cursor] = row
+            idx.append(self._cursor)
+            self._cursor = (self._cursor + 1) % self.capacity
+        return torch.tensor(idx, dtype=torch.int64)
+
+    def sample(self, batch_size: int, /) -> TensorDictBase:
+        if not self._items:
+            raise RuntimeError("sample: the buffer is empty")
+        idx = torch.randint(len(self._items), (batch_size,), generator=self._gen).tolist()
+        out: TensorDictBase = torch.stack([self._items[i] for i in idx])
+        return out
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"items": [x.clone() for x in self._items], "cursor": self._cursor}
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
+        self._items = [x.clone() for x in state_dict["items"]]
+        self._cursor = state_dict["cursor"]
+
+
+class EmptySampleIndexError(RingBuffer):
+    """No emptiness check: sample on an empty buffer fails deep in torch with an IndexError
+    that says nothing of the buffer ("index 0 is out of bounds for dimension 0 with size 0")."""
+
+    def sample(self, batch_size: int, /) -> TensorDict:
+        if len(self) == 0:
+            torch.empty(0)[torch.zeros(batch_size, dtype=torch.int64)]
+        return super().sample(batch_size)
+
+
+class UnlockedEviction(RingBuffer):
+    """Takes the lock only while the ring is filling: once full, an extend reads the write
+    position, copies (the window is widened to 2 ms, as a large batch's copy takes), then
+    bumps it, so concurrent extends that evict write over each other and return one index
+    for two items. Without eviction under concurrency (BUF-019 before 1.3) it passes."""
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        n = int(data.batch_size[0])
+        if self._schema is None or n == 0 or self._len < self.capacity or n > self.capacity:
+            return super().extend(data)
+        leaves = self._schema.check(data, "UnlockedEviction.extend")
+        cursor = self._cursor
+        time.sleep(0.002)
+        idx = (torch.arange(n, dtype=torch.int64) + cursor) % self.capacity
+        for k, dst in self._dst_items:
+            dst[idx] = leaves[k]
+        self._cursor = (cursor + n) % self.capacity
+        self._write_count += n
+        return idx
+
+
+class EmptyExtendRestartsEpoch(RingBuffer):
+    """Without replacement, an extend of 0 items starts a new epoch (RingBuffer did until
+    buffer 1.3): items drawn before it may repeat before the others were drawn once."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity, sampling="without_replacement")
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        idx = super().extend(data)
+        if idx.numel() == 0:
+            self._epoch = []
+        return idx
+
+
 EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("BUF-020", _impl("BUF-020", _densifies_later_batches, capabilities={"ragged"})),
     ("BUF-022", _impl("BUF-022", ReadsUnwrittenSlots, capabilities={"read"})),
+    # buffer 1.3: bugs found in independently written buffers the kit had passed
+    ("BUF-001", _impl("BUF-001", ReturnsAgePositions)),
+    ("BUF-017", _impl("BUF-017", PrioritiesByAge, capabilities={"priority"})),
+    ("BUF-006", _impl("BUF-006", KeepsCallerTensors)),
+    ("BUF-014", _impl("BUF-014", LiveStateDict)),
+    ("BUF-009", _impl("BUF-009", ChecksRequiredKeysOnly)),
+    ("BUF-009", _impl("BUF-009", UncheckedListBuffer, capabilities=set())),
+    ("BUF-013", _impl("BUF-013", EmptySampleIndexError)),
+    ("BUF-019", _impl("BUF-019", UnlockedEviction)),
+    (
+        "BUF-015",
+        _impl(
+            "BUF-015",
+            EmptyExtendRestartsEpoch,
+            options={"sampling": "without_replacement"},
+        ),
+    ),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
+
+PRIORITIZED_RING = Implementation(
+    "buffer",
+    PrioritizedRing,
+    name="tests.PrioritizedRing",
+    capabilities={"priority", "checkpoint", "thread_safe", "read"},
+)
+"""A correct priority design (none ships here): BUF-017 must pass it."""
 
 READ_THEN_WRITE = _impl("BUF-023", _read_then_write, capabilities={"remote_writers"})
 """BUF-023's second mutant (run by tests/test_ray.py, which owns the Ray cluster)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
@@ -52,6 +53,7 @@ class ValidatedReplayBuffer:
         self.ragged = ragged
         self._schema: ItemSchema | None = None
         self._lock = threading.Lock()
+        self._copy_in = _keeps_references(rb)
 
     def extend(self, data: TensorDictBase, /) -> torch.Tensor:
         """Check ``data`` against the stored schema, then extend the wrapped buffer."""
@@ -66,6 +68,8 @@ class ValidatedReplayBuffer:
             else:
                 schema = self._schema
                 schema.check(data)
+            if self._copy_in:  # a list storage keeps the caller's rows: copy them (BUF-006)
+                data = data.clone()
             idx: torch.Tensor = self.rb.extend(data)
             self._schema = schema
             return idx
@@ -104,9 +108,13 @@ class ValidatedReplayBuffer:
         return len(self.rb)
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped buffer's state plus the stored schema."""
+        """A copy of the wrapped buffer's state, plus the stored schema.
+
+        TorchRL's tensor storages return their live tensors (as ``nn.Module.state_dict``
+        does): a snapshot would change with every later write (BUF-014).
+        """
         return {
-            "rb": self.rb.state_dict(),
+            "rb": _copied(self.rb.state_dict()),
             "schema": None if self._schema is None else self._schema.to_state(),
         }
 
@@ -189,6 +197,33 @@ class ValidatedReplayBuffer:
 
     def __repr__(self) -> str:
         return f"ValidatedReplayBuffer({self.rb!r})"
+
+
+def _keeps_references(rb: Any) -> bool:
+    """Whether ``rb`` stores the caller's rows as given (TorchRL's list storages do)."""
+    try:
+        from torchrl.data import ListStorage
+    except ImportError:  # pragma: no cover - only without the extra
+        return False
+    try:
+        storage = rb.storage
+    except Exception:  # a served buffer's storage lives elsewhere: what it gets is a copy
+        return False
+    return isinstance(storage, ListStorage)
+
+
+def _copied(state: Any) -> Any:
+    """``state`` with every tensor and TensorDict in it copied (containers rebuilt)."""
+    if isinstance(state, torch.Tensor | TensorDictBase):
+        return state.clone()
+    if isinstance(state, dict):
+        out = copy.copy(state)  # keeps what rides on the dict (an OrderedDict's _metadata)
+        for k, v in state.items():
+            out[k] = _copied(v)
+        return out
+    if isinstance(state, list | tuple) and type(state) in (list, tuple):
+        return type(state)(_copied(v) for v in state)
+    return state
 
 
 def _schema_from_state(state: Any, where: str) -> ItemSchema | None:

@@ -122,6 +122,33 @@ except NotImplementedError as e:
     assert "ListStorage" in str(e)
 """,
     ),
+    Deviation(
+        ("BUF-006",),
+        "ReplayBuffer / LazyStackStorage (ListStorage)",
+        "extend keeps the caller's tensors (views of its rows): writing into the batch afterwards changes the stored items",
+        """import torch
+from tensordict import TensorDict
+from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
+
+rb = TensorDictReplayBuffer(storage=LazyStackStorage(8))
+batch = TensorDict({"a": torch.arange(4.0)}, batch_size=[4])
+rb.extend(batch)
+batch["a"].fill_(99.0)  # the caller reuses its tensor
+assert rb[torch.arange(4)]["a"].tolist() == [99.0] * 4  # the buffer's items changed with it
+""",
+    ),
+    Deviation(
+        ("BUF-014",),
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
+        "state_dict() returns the live storage tensors: a snapshot changes with every later extend",
+        _HEAD
+        + """snapshot = rb.state_dict()  # [1, 1] in "a"
+rb.extend(TensorDict({"a": torch.full((8,), 5.0), "b": torch.ones(8)}, batch_size=[8]))
+fresh = TensorDictReplayBuffer(storage=LazyTensorStorage(8))
+fresh.load_state_dict(snapshot)
+assert fresh[torch.arange(2)]["a"].tolist() == [5.0, 5.0]  # the later write, not the snapshot's
+""",
+    ),
 )
 """Known deviations of TorchRL 0.14.1's buffers, found by the buffer suite."""
 

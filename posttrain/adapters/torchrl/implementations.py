@@ -159,7 +159,9 @@ def _impl(
         if adapted
         else _ATOMICITY
         | ({"BUF-004"} if without_replacement else set())  # sample(n) returns the epoch's rest
-        | ({"BUF-018"} if kind == "stack" else set()),  # ListStorage refuses dumps/loads
+        | ({"BUF-018"} if kind == "stack" else set())  # ListStorage refuses dumps/loads
+        # buffer 1.3: ListStorage keeps the caller's rows; tensor storages' state_dict is live
+        | ({"BUF-006"} if kind == "stack" else {"BUF-014"}),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
@@ -9,7 +11,7 @@ from posttrain.conformance.context import ConformanceError
 from posttrain.conformance.data import item_uids
 from posttrain.contracts.layout import key_str, norm_key
 
-__all__ = ["Table", "bits_equal", "leaves"]
+__all__ = ["Table", "bits_equal", "id_list", "leaves"]
 
 
 def leaves(td: TensorDictBase) -> dict[tuple[str, ...], torch.Tensor]:
@@ -25,6 +27,19 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.bool:
         return torch.equal(a, b)
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def id_list(ids: Iterable[int], limit: int = 10) -> str:
+    """``ids`` as a list for a message, cut after ``limit`` entries ("... and N more").
+
+    Example:
+        >>> id_list(range(3)), id_list(range(14))
+        ('[0, 1, 2]', '[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ... and 4 more]')
+    """
+    xs = list(ids)
+    if len(xs) <= limit:
+        return str(xs)
+    return "[" + ", ".join(map(str, xs[:limit])) + f", ... and {len(xs) - limit} more]"
 
 
 def _items(td: TensorDictBase) -> list[TensorDictBase]:
@@ -61,7 +76,7 @@ class Table:
                     "was never written" if uid not in self.items else "was evicted or is not stored"
                 )
                 raise ConformanceError(
-                    f"sampled item with uid {uid} {state}; stored uids: {sorted(allowed)}"
+                    f"sampled item with uid {uid} {state}; stored uids: {id_list(sorted(allowed))}"
                 )
             want = leaves(self.items[uid])
             got = leaves(item)

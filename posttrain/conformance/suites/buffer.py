@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import io
 import itertools
+import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from posttrain._deps import optional_deps
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
 from posttrain.conformance.data import item_uids, llm_batch, ragged_llm_batch
 from posttrain.conformance.registry import requirement
-from posttrain.conformance.suites._compare import Table, leaves
+from posttrain.conformance.suites._compare import Table, id_list, leaves
 from posttrain.contracts.layout import LLM_LAYOUT_V1, key_str
 
 CAP = 8
@@ -76,13 +78,33 @@ class _Run:
         return seen
 
     def expect_stored(self, what: str) -> None:
-        got = self.stored()
+        try:
+            got = self.stored()
+        except ConformanceError as e:
+            raise _fail(f"{what}: {e}") from None
         want = set(self.fifo)
         if got != want:
             raise _fail(
-                f"{what}: buffer holds uids {sorted(got)}, expected {sorted(want)} "
-                f"(missing {sorted(want - got)}, unexpected {sorted(got - want)})"
+                f"{what}: buffer holds uids {id_list(sorted(got))}, expected "
+                f"{id_list(sorted(want))} (missing {id_list(sorted(want - got))}, unexpected "
+                f"{id_list(sorted(got - want))})"
             )
+
+    def holds_fifo(self) -> bool:
+        """Whether sampling finds exactly the FIFO model's items (uids only, never raising).
+
+        Lets a check tell its own requirement's failure from a wrong eviction order, which
+        BUF-003 reports: anything unexpected, an exception included, answers False.
+        """
+        want, seen = set(self.fifo), set()
+        try:
+            for _ in range(60):
+                seen.update(item_uids(self.rb.sample(len(want))))
+                if seen >= want:
+                    break
+        except Exception:  # a sample the kit cannot read is not this check's to report
+            return False
+        return seen == want
 
 
 def _indices(idx: Any, n: int, what: str) -> list[int]:
@@ -100,17 +122,33 @@ def _indices(idx: Any, n: int, what: str) -> list[int]:
 @requirement("BUF-001")
 def extend_returns_indices(ctx: Context) -> None:
     r = _Run(ctx)
-    a = _indices(r.write(3), 3, "first extend of 3 items")
-    b = _indices(r.write(4), 4, "second extend of 4 items")
-    if len(set(a + b)) != 7:
-        raise _fail(
-            f"7 items written below capacity {CAP} got indices {a} and {b}: not all distinct"
-        )
-    if any(not 0 <= i < CAP for i in a + b):
-        raise _fail(f"indices {a + b} fall outside [0, capacity={CAP})")
-    c = _indices(r.write(3), 3, "extend that wraps around")
-    if len(set(c)) != 3:
-        raise _fail(f"3 items written in one extend got indices {c}: not distinct")
+    # uid -> the index extend returned for it, for every item the FIFO model says is stored
+    where: dict[int, int] = {}
+    for k, n in enumerate((3, 4, 3, 5, CAP, 2), 1):  # fills, wraps, replaces all, wraps again
+        what = f"extend #{k} of {n} items into capacity {CAP}"
+        td = r.batch(n)
+        before = list(r.fifo)
+        idx = _indices(r.put(td), n, what)
+        if len(set(idx)) != n:
+            raise _fail(f"{what} returned indices {idx}: not distinct")
+        if any(not 0 <= i < CAP for i in idx):
+            raise _fail(f"{what} returned indices {idx}: outside [0, capacity={CAP})")
+        kept = set(r.fifo)
+        survivors = [u for u in before if u in kept]
+        clash = sorted(u for u in survivors if where[u] in idx)
+        # Two stored items cannot sit at one index: an extend must write where nothing stored
+        # remains, and once full exactly where the items it evicts were. Blamed on the indices
+        # only when the contents are the FIFO model's; a wrong eviction is BUF-003's to report.
+        if clash and r.holds_fifo():
+            evicted = [where[u] for u in before if u not in kept]
+            raise _fail(
+                f"{what} returned indices {idx}, but {[where[u] for u in clash]} are the indices "
+                f"earlier extends returned for uids {clash}, still stored; the items it evicted "
+                f"were at {evicted}: the indices do not address the items written"
+            )
+        if clash:
+            return  # the contents left the FIFO model: BUF-003 says how
+        where = {u: where[u] for u in survivors} | dict(zip(item_uids(td), idx, strict=True))
 
 
 @requirement("BUF-002")
@@ -215,6 +253,12 @@ def sample_schema(ctx: Context) -> None:
         raise _fail("sample does not match the stored schema: " + "; ".join(problems))
 
 
+def _scribble(td: TensorDictBase) -> None:
+    """Overwrite every tensor of ``td`` in place (uids included), as a caller reusing it would."""
+    for v in leaves(td).values():
+        v.fill_(True if v.dtype == torch.bool else 99)
+
+
 @requirement("BUF-006")
 def sample_holds_stored_items(ctx: Context) -> None:
     r = _Run(ctx)
@@ -222,6 +266,12 @@ def sample_holds_stored_items(ctx: Context) -> None:
     r.expect_stored("after writing 6 items")
     r.write(6)
     r.expect_stored(f"after writing 12 items into capacity {CAP}")
+    # A written item is what the batch held at the extend call: a buffer keeping references
+    # to the caller's tensors hands back whatever the caller writes into them later.
+    last = r.batch(5)
+    r.put(last)
+    _scribble(last)
+    r.expect_stored("after an extend of 5 items, then filling that batch's tensors with 99")
 
 
 @requirement("BUF-007")
@@ -241,57 +291,116 @@ def sampling_with_replacement(ctx: Context) -> None:
 def sample_is_a_copy(ctx: Context) -> None:
     r = _Run(ctx)
     r.write(4)
-    s = r.rb.sample(4)
-    for v in leaves(s).values():
-        v.fill_(True if v.dtype == torch.bool else 99)
+    _scribble(r.rb.sample(4))
     r.expect_stored("after filling a sample's tensors in place with 99")
 
 
-def _rejects(ctx: Context, make_bad: Any, what: str, key_name: str) -> None:
-    """A bad extend must raise naming the key, and leave everything exactly as before."""
+_BadCase = tuple[Callable[[TensorDictBase], TensorDictBase], str, tuple[str, ...]]
+"""A bad batch for ``_rejects``: (make it from a good one, what it gets wrong, names the error
+must contain)."""
+
+
+def _short_err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _rejects(ctx: Context, cases: list[_BadCase]) -> None:
+    """Each bad extend must raise naming the key, and leave everything exactly as before.
+
+    The cases go to one buffer in turn, and an untouched twin says where the next write must
+    land. A case that was accepted ends the run: what it did to len, contents and the next
+    write is reported, including exceptions the kit's own later calls then raise.
+    """
     r, twin = _Run(ctx), _Run(ctx)
     for run in (r, twin):
         run.write(6)
-    bad = make_bad(r.batch(3))
     before = len(r.rb)
     problems: list[str] = []
-    try:
-        r.rb.extend(bad)
-    except Exception as e:  # any exception type; the message must name the key
-        if key_name not in str(e):
-            problems.append(
-                f"raised {type(e).__name__} without naming {key_name!r}: {str(e)[:200]}"
-            )
-    else:
-        problems.append("was accepted")
-    if len(r.rb) != before:
-        problems.append(f"len went from {before} to {len(r.rb)}")
+    for make_bad, what, names in cases:
+        bad = make_bad(r.batch(3))
+        accepted = False
+        try:
+            r.rb.extend(bad)
+        except Exception as e:  # any exception type; the message must name the key
+            if not all(name in str(e) for name in names):
+                named = " and ".join(repr(name) for name in names)
+                problems.append(
+                    f"extend with {what}: raised {type(e).__name__} without naming {named}: "
+                    f"{str(e)[:200]}"
+                )
+        else:
+            accepted = True
+            problems.append(f"extend with {what}: was accepted")
+        if len(r.rb) != before:
+            problems.append(f"len went from {before} to {len(r.rb)}")
+            break  # the buffer changed: later cases would only report that again
+        if accepted:
+            break
     try:
         r.expect_stored("contents")
     except ConformanceError as e:
         problems.append(str(e))
+    except Exception as e:  # the kit's own sample, after a bad batch went in: still a FAIL
+        problems.append(f"then sample raised {_short_err(e)}")
     twin.next_uid = r.next_uid
     nxt = r.batch(4)
-    a, b = r.rb.extend(nxt).tolist(), twin.rb.extend(nxt).tolist()
-    if a != b:
-        problems.append(f"the next extend wrote at {a}; an untouched buffer writes at {b}")
+    try:
+        a = r.rb.extend(nxt).tolist()
+    except Exception as e:
+        problems.append(f"then the next (good) extend raised {_short_err(e)}")
+    else:
+        b = twin.rb.extend(nxt).tolist()
+        if a != b:
+            problems.append(f"the next extend wrote at {a}; an untouched buffer writes at {b}")
     if problems:
-        raise _fail(f"extend with {what}: " + "; ".join(problems))
+        if not problems[0].startswith("extend with"):  # every bad extend raised, naming its key
+            head = (
+                f"extend with {cases[0][1]}"
+                if len(cases) == 1
+                else f"{len(cases)} extends, each with one stored key missing, all raised"
+            )
+            raise _fail(f"{head}: " + "; ".join(problems))
+        raise _fail("; ".join(problems))
+
+
+def _naming(key: tuple[str, ...], stored: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """The parts of ``key`` an error must contain to name it among ``stored``: its shortest
+    suffix no other stored key ends with (``('log_probs', 'full')``: both parts, since
+    ``('tokens', 'full')`` ends with ``'full'`` too)."""
+    for m in range(1, len(key) + 1):
+        if sum(1 for k in stored if k[-m:] == key[-m:]) == 1:
+            return key[-m:]
+    return key
 
 
 @requirement("BUF-009")
 def missing_key_rejected(ctx: Context) -> None:
-    key = LLM_LAYOUT_V1.key("attention_mask")
-    _rejects(ctx, lambda td: td.exclude(key), f"key {key_str(key)} missing", key[-1])
+    # Every stored key in turn, optional fields included: a buffer checking only the fields it
+    # needs writes the new items with the evicted items' values for the missing one.
+    first = LLM_LAYOUT_V1.key("attention_mask")
+    stored = list(leaves(llm_batch(1, T)))
+    cases: list[_BadCase] = [
+        (
+            lambda td, key=key: td.exclude(key),  # type: ignore[misc]
+            f"key {key_str(key)} missing",
+            _naming(key, stored),
+        )
+        for key in [first, *(k for k in stored if k != first)]
+    ]
+    _rejects(ctx, cases)
 
 
 @requirement("BUF-010")
 def extra_key_rejected(ctx: Context) -> None:
     _rejects(
         ctx,
-        lambda td: td.set(("extra", "surprise_key"), torch.zeros(td.batch_size[0])),
-        "an extra key ('extra', 'surprise_key')",
-        "surprise_key",
+        [
+            (
+                lambda td: td.set(("extra", "surprise_key"), torch.zeros(td.batch_size[0])),
+                "an extra key ('extra', 'surprise_key')",
+                ("surprise_key",),
+            )
+        ],
     )
 
 
@@ -302,7 +411,7 @@ def wrong_dtype_rejected(ctx: Context) -> None:
     def bad(td: TensorDictBase) -> TensorDictBase:
         return td.set(key, td.get(key).double())
 
-    _rejects(ctx, bad, f"key {key_str(key)} as float64 instead of float32", key[-1])
+    _rejects(ctx, [(bad, f"key {key_str(key)} as float64 instead of float32", (key[-1],))])
 
 
 @requirement("BUF-012")
@@ -313,7 +422,16 @@ def wrong_shape_rejected(ctx: Context) -> None:
         v = td.get(key)
         return td.set(key, torch.cat([v, v[:, :1]], dim=1), inplace=False)
 
-    _rejects(ctx, bad, f"key {key_str(key)} of item shape [{T + 1}] instead of [{T}]", "tokens")
+    _rejects(
+        ctx, [(bad, f"key {key_str(key)} of item shape [{T + 1}] instead of [{T}]", ("tokens",))]
+    )
+
+
+# What BUF-013 takes for a clear error: the message says the buffer is empty. An exception
+# from deep inside (torch's "index 0 is out of bounds for dimension 0 with size 0") does not.
+_SAYS_EMPTY = re.compile(
+    r"empty|\bno items?\b|nothing (is )?stored|\blen(gth)?\b\D{0,12}\b0\b|\b0 items\b", re.I
+)
 
 
 @requirement("BUF-013")
@@ -321,51 +439,100 @@ def empty_sample_raises(ctx: Context) -> None:
     rb = ctx.make(CAP)
     try:
         s = rb.sample(2)
-    except Exception:
-        return
+    except Exception as e:
+        if _SAYS_EMPTY.search(str(e)):
+            return
+        raise _fail(
+            f"sample(2) on an empty buffer raised {_short_err(e)}: the message does not say "
+            "the buffer is empty (expected words such as 'empty', 'no items' or 'len 0')"
+        ) from None
     raise _fail(f"sample(2) on an empty buffer returned {type(s).__name__} instead of raising")
 
 
-def _roundtrip(ctx: Context, save_load: Any, what: str) -> None:
+def _restored(ctx: Context, src: _Run, fifo: list[int], load: Any, what: str) -> _Run:
+    """A fresh buffer ``load`` fills, checked to hold exactly ``fifo`` (src's items)."""
+    fresh = _Run(ctx)
+    load(fresh.rb)
+    fresh.table, fresh.fifo, fresh.next_uid = src.table, list(fifo), src.next_uid
+    if len(fresh.rb) != len(fifo):
+        raise _fail(f"{what}: restored len is {len(fresh.rb)}, expected {len(fifo)}")
+    fresh.expect_stored(f"{what}: restored buffer")
+    return fresh
+
+
+def _roundtrip(ctx: Context, save: Any, load: Any, what: str) -> None:
+    """``save(src)`` into something ``load(snapshot, dst)`` restores in a fresh buffer: contents
+    and the next write position must be the original's; then the original moves on (CAP more
+    items, every slot overwritten) and the same snapshot, restored again, must still give the
+    contents and write position of the moment it was taken."""
     r = _Run(ctx)
     for n in (5, 6):  # wraps around: the write position is not trivially len
         r.write(n)
-    fresh = _Run(ctx)
-    save_load(r.rb, fresh.rb)
-    fresh.table, fresh.fifo, fresh.next_uid = r.table, list(r.fifo), r.next_uid
-    if len(fresh.rb) != len(r.rb):
-        raise _fail(f"{what}: restored len is {len(fresh.rb)}, original {len(r.rb)}")
-    fresh.expect_stored(f"{what}: restored buffer")
+    snapshot, fifo = save(r.rb), list(r.fifo)
+    fresh = _restored(ctx, r, fifo, lambda rb: load(snapshot, rb), what)
     nxt = r.batch(3)
     a = fresh.put(nxt).tolist()
-    b = r.rb.extend(nxt).tolist()
+    b = r.put(nxt).tolist()
     if a != b:
         raise _fail(
             f"{what}: the restored buffer's next extend wrote at {a}; the original writes at {b}"
         )
     fresh.expect_stored(f"{what}: restored buffer after one more extend")
+    r.write(CAP)
+    what = f"{what}, restored after the original was extended by {3 + CAP} more items"
+    late = _restored(ctx, r, fifo, lambda rb: load(snapshot, rb), what)
+    c = late.put(nxt).tolist()
+    if c != b:
+        raise _fail(
+            f"{what}: its next extend wrote at {c}; the original wrote at {b} after the snapshot"
+        )
 
 
 @requirement("BUF-014")
 def state_roundtrip(ctx: Context) -> None:
-    def via_state_dict(src: Any, dst: Any) -> None:
+    # The object state_dict() returned, kept as a caller keeps it: not a serialized copy, so a
+    # snapshot that is a view of the live storage shows (it changes with the later writes).
+    # A copy through torch.save on each load checks that the state also survives serialization.
+    def via_state_dict(state: Any, dst: Any) -> None:
         buf = io.BytesIO()
-        torch.save(src.state_dict(), buf)
+        torch.save(state, buf)
         buf.seek(0)
         dst.load_state_dict(torch.load(buf, weights_only=False))
 
-    _roundtrip(ctx, via_state_dict, "state_dict/load_state_dict")
+    _roundtrip(ctx, lambda rb: rb.state_dict(), via_state_dict, "state_dict/load_state_dict")
 
 
 @requirement("BUF-015")
 def empty_extend(ctx: Context) -> None:
-    r = _Run(ctx)
-    r.write(3)
+    r, twin = _Run(ctx), _Run(ctx)
+    r.write(6)
+    twin.write(6)
+    drawn: list[int] = []
+    epochs = ctx.options["sampling"] == "without_replacement"
+    if epochs:
+        drawn += r.table.check_sample(r.rb.sample(2), set(r.fifo))
     idx = r.rb.extend(llm_batch(0, T))
     if not isinstance(idx, torch.Tensor) or idx.numel() != 0:
         raise _fail(f"extend of 0 items returned {idx!r}, expected an empty index tensor")
-    if len(r.rb) != 3:
-        raise _fail(f"extend of 0 items changed len from 3 to {len(r.rb)}")
+    if len(r.rb) != 6:
+        raise _fail(f"extend of 0 items changed len from 6 to {len(r.rb)}")
+    if epochs:  # a no-op leaves the sampler alone too: the epoch under way goes on
+        for _ in range(2):
+            drawn += r.table.check_sample(r.rb.sample(2), set(r.fifo))
+        if sorted(drawn) != sorted(r.fifo):
+            raise _fail(
+                f"samples of 2, 2 and 2 from 6 items, an extend of 0 items after the first, drew "
+                f"uids {drawn}: the epoch must still visit each of {sorted(r.fifo)} once"
+            )
+    r.expect_stored("after an extend of 0 items")
+    twin.next_uid = r.next_uid
+    nxt = r.batch(4)
+    a, b = r.rb.extend(nxt).tolist(), twin.rb.extend(nxt).tolist()
+    if a != b:
+        raise _fail(
+            f"after an extend of 0 items the next extend wrote at {a}; "
+            f"a buffer without it writes at {b}"
+        )
 
 
 @requirement("BUF-016")
@@ -388,55 +555,118 @@ def epochs_without_replacement(ctx: Context) -> None:
 @requirement("BUF-017")
 def priorities_steer_sampling(ctx: Context) -> None:
     r = _Run(ctx)
-    idx = r.write(2)
-    r.rb.update_priority(idx, torch.tensor([10.0, 1.0]))
+    first = _indices(r.write(5), 5, "extend of 5 items")
+    second = _indices(r.write(6), 6, f"extend of 6 more into capacity {CAP}")
+    # After a wrap, by the indices the extends returned: a priority must land on the item
+    # written there, not on a slot by position or age.
+    where = dict(zip(r.fifo, first[3:] + second, strict=True))
+    hi_uid, lo_uid = r.fifo[2], r.fifo[3]  # the second extend's first two items
+    prio = {where[hi_uid]: 10.0, where[lo_uid]: 1.0}
+    ask = sorted(where.values(), key=lambda i: (i * 7919) % 101)  # a scrambled order
+    r.rb.update_priority(
+        torch.tensor(ask, dtype=torch.int64), torch.tensor([prio.get(i, 0.0) for i in ask])
+    )
     uids = item_uids(r.rb.sample(2000))
-    hi, lo = uids.count(r.fifo[0]), uids.count(r.fifo[1])
+    said = (
+        f"priorities 10 and 1 for uids {hi_uid} and {lo_uid} at indices {where[hi_uid]} and "
+        f"{where[lo_uid]}, 0 for the other 6 stored items, by the indices extend returned"
+    )
+    zero = sorted({u for u in uids if u not in (hi_uid, lo_uid)})
+    if zero:
+        n = sum(uids.count(u) for u in zero)
+        raise _fail(f"{said}: 2000 draws drew zero-priority uids {id_list(zero)} ({n} times)")
+    hi, lo = uids.count(hi_uid), uids.count(lo_uid)
     if hi < 3 * max(lo, 1):
         raise _fail(
-            f"priorities 10 and 1: drawn {hi} and {lo} times in 2000 draws; expected at least 3x as often"
+            f"{said}: drawn {hi} and {lo} times in 2000 draws; expected at least 3x as often"
         )
 
 
 @requirement("BUF-018")
 def dumps_loads_roundtrip(ctx: Context) -> None:
-    def via_disk(src: Any, dst: Any) -> None:
-        with ctx.tmpdir() as d:
+    with ctx.tmpdir() as d:
+
+        def save(src: Any) -> Any:
             src.dumps(d / "buffer")
-            dst.loads(d / "buffer")
+            return d / "buffer"
 
-    _roundtrip(ctx, via_disk, "dumps/loads")
+        _roundtrip(ctx, save, lambda path, dst: dst.loads(path), "dumps/loads")
 
 
-@requirement("BUF-019")
-def thread_safety(ctx: Context) -> None:
-    writers, per_writer, n = 4, 10, 2
+class _Write:
+    """One extend of BUF-019: who made it, when (it took effect in between), what it got."""
+
+    def __init__(self, writer: int, uids: list[int], t0: float, t1: float, idx: list[int]):
+        self.writer, self.uids, self.t0, self.t1, self.idx = writer, uids, t0, t1, idx
+
+
+def _clashes(log: list[_Write], capacity: int) -> list[str]:
+    """Indices two extends returned that no order of the extends explains.
+
+    Extend B may write at an index extend A's k-th item got only if B ran after A and evicted
+    that item: at least ``capacity`` items written from it on, B's included. Between A and B
+    can only come extends that overlap the span from A's start to B's end, so with fewer
+    than that, B wrote over an item still stored (or both read one write position).
+    """
+
+    def evicts(a: _Write, k: int, b: _Write) -> bool:
+        if a.t0 >= b.t1:  # b returned before a began: b cannot come after a
+            return False
+        between = sum(
+            len(x.uids) for x in log if x is not a and x is not b and x.t1 > a.t0 and x.t0 < b.t1
+        )
+        return len(a.uids) - 1 - k + between + len(b.uids) >= capacity
+
+    by_index: dict[int, list[tuple[_Write, int]]] = {}
+    for w in log:
+        for k, i in enumerate(w.idx):
+            by_index.setdefault(i, []).append((w, k))
+    out: list[str] = []
+    for i, uses in sorted(by_index.items()):
+        for (a, k), (b, j) in itertools.combinations(uses, 2):
+            if a is b:
+                out.append(f"one extend returned index {i} twice ({a.idx})")
+            elif not evicts(a, k, b) and not evicts(b, j, a):
+                out.append(f"index {i} for uids {a.uids[k]} and {b.uids[j]}")
+    return out
+
+
+def _concurrent_writes(ctx: Context, capacity: int, per_writer: int) -> None:
+    writers, n = 4, 2
     total = writers * per_writer * n
-    r = _Run(ctx, capacity=total)
+    what = f"4 writers x {per_writer} extends of {n} into capacity {capacity}"
+    r = _Run(ctx, capacity=capacity)
     batches = [[r.batch(n) for _ in range(per_writer)] for _ in range(writers)]
     for bs in batches:
         for b in bs:
             r.table.add(b)
     errors: list[str] = []
+    log: list[_Write] = []
     done = threading.Event()
+    start = threading.Barrier(writers)  # so that the writes really overlap
 
-    def write(bs: list[TensorDictBase]) -> None:
+    def write(w: int, bs: list[TensorDictBase]) -> None:
         try:
+            start.wait(timeout=30)
             for b in bs:
-                r.rb.extend(b)
+                uids = item_uids(b)
+                t0 = time.perf_counter()
+                idx = r.rb.extend(b)
+                t1 = time.perf_counter()
+                log.append(_Write(w, uids, t0, t1, [int(i) for i in idx.tolist()]))
         except Exception as e:
-            errors.append(f"writer raised {type(e).__name__}: {e}")
+            errors.append(f"writer raised {_short_err(e)}")
 
     def read() -> None:
         try:
             while not done.is_set():
-                n = min(4, len(r.rb))  # len only grows here; never ask beyond it
-                if n:
-                    r.table.check_sample(r.rb.sample(n), set(r.table.items))
+                k = min(4, len(r.rb))  # len only grows here; never ask beyond it
+                if k:
+                    r.table.check_sample(r.rb.sample(k), set(r.table.items))
         except Exception as e:
-            errors.append(f"reader raised {type(e).__name__}: {e}")
+            errors.append(f"reader raised {_short_err(e)}")
 
-    ws = [threading.Thread(target=write, args=(bs,)) for bs in batches]
+    ws = [threading.Thread(target=write, args=(w, bs)) for w, bs in enumerate(batches)]
     rs = [threading.Thread(target=read) for _ in range(4)]
     for t in ws + rs:
         t.start()
@@ -446,13 +676,46 @@ def thread_safety(ctx: Context) -> None:
     for t in rs:
         t.join(timeout=60)
     if errors:
-        raise _fail("; ".join(errors[:3]))
-    if len(r.rb) != total:
+        raise _fail(f"{what}: " + "; ".join(errors[:3]))
+    want = min(total, capacity)
+    if len(r.rb) != want:
+        raise _fail(f"{what}: len is {len(r.rb)}, expected {want}")
+    clashes = _clashes(log, capacity)
+    if clashes:
         raise _fail(
-            f"4 writers x {per_writer} extends of {n}: len is {len(r.rb)}, expected {total}"
+            f"{what}: extends returned one index for two items that must both have been "
+            f"stored: {'; '.join(clashes[:5])}"
+            + (f" ... and {len(clashes) - 5} more" if len(clashes) > 5 else "")
         )
-    r.fifo = list(r.table.items)
-    r.expect_stored("after concurrent writes")
+    if total <= capacity:
+        r.fifo = list(r.table.items)
+        r.expect_stored(f"{what}: after the concurrent writes")
+        return
+    # With eviction the survivors are the last `capacity` items of some order of the writes
+    # that keeps each writer's own order: per writer, a suffix of what it wrote.
+    seen: set[int] = set()
+    for _ in range(60):
+        seen.update(r.table.check_sample(r.rb.sample(want), set(r.table.items)))
+        if len(seen) >= want:
+            break
+    if len(seen) != want:
+        raise _fail(f"{what}: sampling found {len(seen)} distinct items, len is {want}")
+    for w, bs in enumerate(batches):
+        mine = [u for b in bs for u in item_uids(b)]
+        kept = [u in seen for u in mine]
+        if kept != sorted(kept):  # a False after a True: an older item outlived a newer one
+            first = kept.index(True)
+            lost = [u for u, k in zip(mine[first:], kept[first:], strict=True) if not k]
+            raise _fail(
+                f"{what}: writer {w}'s items {id_list(lost)} are gone while its older uid "
+                f"{mine[first]} is stored: writes were lost, not evicted oldest first"
+            )
+
+
+@requirement("BUF-019")
+def thread_safety(ctx: Context) -> None:
+    _concurrent_writes(ctx, capacity=80, per_writer=10)  # no eviction: every item kept
+    _concurrent_writes(ctx, capacity=32, per_writer=10)  # 48 of the 80 writes evict
 
 
 @requirement("BUF-020")
@@ -633,8 +896,8 @@ def many_producers(ctx: Context) -> None:
     if len(set(idx)) != len(idx) or any(not 0 <= i < r.capacity for i in idx):
         dup = sorted(i for i in set(idx) if idx.count(i) > 1)
         problems.append(
-            f"{total} items written below capacity {r.capacity} got indices {sorted(idx)} "
-            f"(repeated: {dup}): writes landed on each other"
+            f"{total} items written below capacity {r.capacity} got indices "
+            f"{id_list(sorted(idx))} (repeated: {id_list(dup)}): writes landed on each other"
         )
     if len(r.rb) != total:
         problems.append(
