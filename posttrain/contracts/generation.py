@@ -111,6 +111,7 @@ _M, _S = Level.MUST, Level.SHOULD
 
 GENERATION = Contract(
     id="generation",
+    version="1.1",
     title="Generation server",
     purpose=(
         "Serves generation requests pushed by many callers: batches them, generates with the "
@@ -127,27 +128,27 @@ GENERATION = Contract(
         Capability(name="processes", text="Clients may live in other processes than the server."),
     ),
     options=(
-        Option(name="on_shutdown", values=("drain", "fail"), default="fail", text="What `shutdown` does with requests still pending: serve them, or fail their futures."),
+        Option(name="on_shutdown", values=("drain", "fail"), default="fail", text="What `shutdown` does with requests still pending: serve them, or fail their futures (an exception set, or the future cancelled as `ThreadPoolExecutor.shutdown(cancel_futures=True)` does)."),
     ),
     requirements=(
         Requirement(id="GEN-001", level=_M, title="response layout",
             text="A response MUST hold `('tokens', 'response')` int64 [R] with 1 <= R <= max_new_tokens, `('log_probs', 'response')` float32 [R] and `policy_version` int64 []."),
         Requirement(id="GEN-002", level=_M, title="own response",
-            text="With many clients in concurrent threads submitting distinct prompts, every caller MUST receive the response to its own prompt, never another's.", depends_on=("GEN-001",)),
+            text="With many clients in concurrent threads submitting distinct prompts, every caller MUST receive the response to its own prompt, never another's (nor that of another request in flight on its own client).", tightened=("1.1",), depends_on=("GEN-001",)),
         Requirement(id="GEN-003", level=_M, title="batching does not change results",
-            text="A request served alone and the same request served inside a batch MUST give the same tokens (greedy) and log-probs within 1e-4.", depends_on=("GEN-001",)),
+            text="A request served alone and the same request served inside a batch MUST give the same tokens (greedy) and log-probs within 1e-4 (a response that ends at EOS ends there, whatever the other rows of its batch generate).", tightened=("1.1",), depends_on=("GEN-001",)),
         Requirement(id="GEN-004", level=_M, title="behaviour log-probs",
             text="`('log_probs', 'response')` MUST equal the serving weights' log-probs of the response tokens within 1e-4.", depends_on=("GEN-001",)),
         Requirement(id="GEN-005", level=_M, title="version stamped",
-            text="Every response MUST carry the `policy_version` of the weights that produced it, and `policy_version` MUST rise with every update.", depends_on=("GEN-001",)),
+            text="Every response MUST carry the `policy_version` of the weights that produced it (all its tokens and log-probs, also for a batch in flight while an update arrives), and `policy_version` MUST rise with every update.", tightened=("1.1",), depends_on=("GEN-001",)),
         Requirement(id="GEN-006", level=_M, title="new weights used",
-            text="After `update_policy_weights_` returns, every later request MUST be served by the new weights (checked through the generated tokens).", depends_on=("GEN-005",)),
+            text="After `update_policy_weights_` returns, every later request MUST be served by the new weights: its tokens and log-probs are theirs (given as an argument, or, with no argument, the policy's own as changed in place).", tightened=("1.1",), depends_on=("GEN-001",)),
         Requirement(id="GEN-007", level=_M, title="bad request isolated",
             text="A request with a missing key or a wrong dtype MUST fail its own future with an error naming the key, while concurrent and later valid requests are served.", depends_on=("GEN-001",)),
         Requirement(id="GEN-008", level=_M, title="shutdown",
-            text="`shutdown` MUST return within its timeout with requests still pending, leave no pending future unresolved (each served or failed, as the `on_shutdown` option says), and be idempotent.", depends_on=("GEN-001",)),
+            text="`shutdown` MUST return within its timeout with requests still pending, leave no pending future unresolved (each served or failed, as the `on_shutdown` option says; a cancelled future counts as failed), and be idempotent.", depends_on=("GEN-001",)),
         Requirement(id="GEN-009", level=_M, title="closed server refuses",
-            text="A request submitted after `shutdown` MUST raise (or fail its future) with a clear error instead of hanging.", depends_on=("GEN-008",)),
+            text="A request submitted after `shutdown`, through any client (also one obtained before), MUST raise, or fail its future with a clear error or cancel it, instead of hanging.", tightened=("1.1",), depends_on=("GEN-008",)),
         Requirement(id="GEN-010", level=_S, title="statistics",
             text="After serving, `stats()` SHOULD report finite, non-negative `queue_wait_s`, `batch_size` and `forward_s`.", depends_on=("GEN-001",)),
         Requirement(id="GEN-011", level=_M, title="clients in other processes", capability="processes",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import torch
@@ -14,7 +16,7 @@ from posttrain.contracts.generation import RESPONSE_LOG_PROBS_KEY, request_probl
 from posttrain.reference_impls import ThreadGenerationServer
 from posttrain.reference_impls.generation_server import _Request
 
-__all__ = ["MUTANTS"]
+__all__ = ["EXTRA_MUTANTS", "MUTANTS"]
 
 
 class Float64LogProbs(ThreadGenerationServer):
@@ -165,6 +167,180 @@ class PadsPastEos(ThreadGenerationServer):
         return out
 
 
+class ScoresWithAStaleCopy(ThreadGenerationServer):
+    """Generates with the served policy but scores with a copy made at start, never updated."""
+
+    def __init__(self, policy: Any, **kw: Any) -> None:
+        super().__init__(policy, **kw)
+        self._scorer = copy.deepcopy(policy)
+
+    def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for p, (t, _) in zip(prompts, super()._generate(prompts), strict=True):
+            full = torch.cat([p, t])[None]
+            lp = self._scorer(input_ids=full).logits[0, :-1].float().log_softmax(-1)
+            out.append((t, lp[p.numel() - 1 :].gather(-1, t[:, None])[:, 0]))
+        return out
+
+
+class KeepsPrefixCacheAcrossUpdates(ThreadGenerationServer):
+    """Caches each prompt's KV (prefix caching) and never clears it when weights change.
+
+    Decodes greedily from the cached prefix, log-probs from the decoding's own logits.
+    """
+
+    def __init__(self, policy: Any, **kw: Any) -> None:
+        super().__init__(policy, **kw)
+        self._prefix: dict[tuple[int, ...], Any] = {}
+
+    def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for p in prompts:
+            key = tuple(p.tolist())
+            if len(key) > 1 and key not in self._prefix:
+                self._prefix[key] = self.policy(
+                    input_ids=p[None, :-1], use_cache=True
+                ).past_key_values
+            past = copy.deepcopy(self._prefix[key]) if len(key) > 1 else None
+            step = p[None, -1:] if past is not None else p[None]
+            toks: list[int] = []
+            lps: list[torch.Tensor] = []
+            for _ in range(self.max_new_tokens):
+                res = self.policy(input_ids=step, cache=past, use_cache=True)
+                past = res.cache
+                lp = res.logits[0, -1].float().log_softmax(-1)
+                tok = int(lp.argmax())
+                toks.append(tok)
+                lps.append(lp[tok])
+                if tok == self.eos:
+                    break
+                step = torch.tensor([[tok]])
+            out.append((torch.tensor(toks, dtype=torch.int64), torch.stack(lps)))
+        return out
+
+
+class ServesAPrivateCopy(ThreadGenerationServer):
+    """Serves its own copy of the policy, as an inference engine does: weights given load into
+    it, but ``update_policy_weights_()`` only bumps the version, never re-reading the policy."""
+
+    def __init__(self, policy: Any, **kw: Any) -> None:
+        super().__init__(copy.deepcopy(policy), **kw)
+
+
+class LoadsWeightsMidBatch(ThreadGenerationServer):
+    """Loads new weights at once, without waiting for the batch in progress."""
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        if weights is not None:
+            self.policy.load_state_dict(dict(weights))
+        self._version += 1
+
+
+class StampsAtFanOut(ThreadGenerationServer):
+    """Bumps the version before loading (under the lock, after the batch in progress), and
+    reads it for the stamp when answers go out: a batch in flight gets the new version."""
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        self._version += 1
+        with self._weights_lock:
+            if weights is not None:
+                self.policy.load_state_dict(dict(weights))
+
+    def _run(self, batch: list[_Request]) -> None:
+        inner = [_Request(r.td, Future(), r.queued) for r in batch]
+        super()._run(inner)
+        version = torch.tensor(self._version, dtype=torch.int64)  # read after the forward
+        for r, i in zip(batch, inner, strict=True):
+            if not i.future.done() or not r.future.set_running_or_notify_cancel():
+                continue
+            error = i.future.exception()
+            if error is not None:
+                r.future.set_exception(error)
+            else:
+                r.future.set_result(i.future.result().set("policy_version", version.clone()))
+
+
+class PadsAfterEosInBatch(ThreadGenerationServer):
+    """Cuts each row at the batch's generated width, not at its EOS: a row that finished early
+    keeps the padding HF ``generate`` appends while the other rows go on."""
+
+    def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        n, width = len(prompts), max(int(p.numel()) for p in prompts)
+        ids = torch.full((n, width), self.pad, dtype=torch.int64)
+        mask = torch.zeros(n, width, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            ids[i, width - p.numel() :] = p
+            mask[i, width - p.numel() :] = 1
+        gen = self.policy.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=self.max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad,
+            eos_token_id=self.eos,
+        )
+        out = []
+        for i, p in enumerate(prompts):
+            t = gen[i, width:]
+            full = torch.cat([p, t])[None]
+            lp = self.policy(input_ids=full).logits[0, :-1].float().log_softmax(-1)
+            out.append((t.clone(), lp[p.numel() - 1 :].gather(-1, t[:, None])[:, 0]))
+        return out
+
+
+class _NewestFirstClient:
+    """Relays answers to its futures newest first: right with one request in flight."""
+
+    def __init__(self, server: ThreadGenerationServer) -> None:
+        self._server = server
+        self._lock = threading.Lock()
+        self._waiting: list[Future[Any]] = []
+
+    def submit(self, request: Any, /) -> Future[Any]:
+        out: Future[Any] = Future()
+        with self._lock:
+            self._waiting.append(out)
+
+        def relay(f: Future[Any]) -> None:
+            with self._lock:
+                target = self._waiting.pop()
+            with contextlib.suppress(InvalidStateError):
+                if f.cancelled():
+                    target.cancel()
+                elif (error := f.exception()) is not None:
+                    target.set_exception(error)
+                else:
+                    target.set_result(f.result())
+
+        self._server._submit(request).add_done_callback(relay)
+        return out
+
+
+class SwapsAnswersOnOneClient(ThreadGenerationServer):
+    """Its clients hand answers to their pending requests in the wrong order."""
+
+    def client(self) -> Any:
+        return _NewestFirstClient(self)
+
+
+class _QueueClient:
+    def __init__(self, server: ThreadGenerationServer) -> None:
+        self._queue = server._queue
+
+    def submit(self, request: Any, /) -> Future[Any]:
+        out: Future[Any] = Future()
+        self._queue.put(_Request(request, out))
+        return out
+
+
+class OldClientsKeepQueueing(ThreadGenerationServer):
+    """Refuses clients asked for after shutdown, but a client taken before it keeps queueing
+    requests that no worker will ever serve."""
+
+    def client(self) -> Any:
+        return super().client() if self._closed else _QueueClient(self)
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("options", {"on_shutdown": "fail"})
     return Implementation("generation", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -188,10 +364,21 @@ MUTANTS: dict[str, Implementation] = {
 
 EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("GEN-001", _impl("GEN-001", PadsPastEos)),
+    ("GEN-002", _impl("GEN-002", SwapsAnswersOnOneClient)),
+    ("GEN-003", _impl("GEN-003", PadsAfterEosInBatch)),
+    ("GEN-005", _impl("GEN-005", LoadsWeightsMidBatch)),
+    ("GEN-005", _impl("GEN-005", StampsAtFanOut)),
+    ("GEN-006", _impl("GEN-006", ScoresWithAStaleCopy)),
+    ("GEN-006", _impl("GEN-006", KeepsPrefixCacheAcrossUpdates)),
+    ("GEN-006", _impl("GEN-006", ServesAPrivateCopy)),
     ("GEN-007", _impl("GEN-007", BadRequestKillsServer)),
     ("GEN-008", _impl("GEN-008", HangsOnShutdown)),
+    ("GEN-009", _impl("GEN-009", OldClientsKeepQueueing)),
 ]
-"""The issue's named bugs beside the main mutants: a bad request that kills the server, a hang
-on shutdown."""
+"""Named bugs beside the main mutants: a bad request that kills the server, a hang on shutdown,
+answers swapped between one client's requests, padding after an EOS in a batch, a batch in
+flight stamped with the version of weights that did not produce it (or given new weights half
+way), stale weights behind an update (a scoring copy, a prefix cache, a private copy that the
+no-argument update never re-reads), and a client from before shutdown that still queues."""
 
 _ = RESPONSE_LOG_PROBS_KEY

@@ -429,6 +429,29 @@ policy = TensorDictModule(torch.nn.Linear(2, 1), in_keys=["x"], out_keys=["y"])
 
 GENERATION_DEVIATIONS: tuple[Deviation, ...] = (
     Deviation(
+        ("GEN-005",),
+        "InferenceServer (thread backend)",
+        "update_policy_weights_ bumps the version without the model lock, and a batch is stamped when its forward ends: a batch in flight during an update is stamped with the new version",
+        _SERVER
+        + """import threading
+
+entered, release = threading.Event(), threading.Event()
+
+def hold(module, args, output):  # the batch stays in the model until released
+    entered.set()
+    release.wait(10)
+
+policy.register_forward_hook(hold)
+server = InferenceServer(policy, transport="auto").start()
+inflight = server.client().submit(TensorDict({"x": torch.ones(2)}))
+assert entered.wait(10)  # computed by version 0's weights, not yet stamped
+server.update_policy_weights_()  # returns at once, the batch still in the model
+release.set()
+assert int(inflight.result(10)["policy_version"]) == 1  # stamped with the later version
+server.shutdown()
+""",
+    ),
+    Deviation(
         ("GEN-006",),
         "InferenceServer (thread backend)",
         "update_policy_weights_(model_id, weights) bumps the version but loads nothing",
