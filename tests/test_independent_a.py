@@ -44,6 +44,14 @@ KIT_DEFECTS = {
         "BUF-008 mutates the sample in a way that a lazy stack of the stored items does not "
         "propagate, so a sample aliasing storage passes"
     ),
+    "copy_pasted_key_name_keyed": (
+        "BUF-011 looks for the key's last component ('full') in the message, so an error "
+        "naming ('tokens', 'full') for a float64 ('log_probs', 'full') passes"
+    ),
+    "long_name_csv": (
+        "MET-002 logs only short names, so a sink that cannot store a name longer than a "
+        "file name (255 bytes) passes"
+    ),
     "upsert_sqlite": (
         "MET-001 never logs one name twice at one step, so a sink keeping only the last "
         "value per (name, step) passes"
@@ -176,6 +184,20 @@ def _bs_sample_mutation_is_inert(make: Callable[[int], Any]) -> bool:
     return sorted(stored["x"].tolist()) == [0, 1, 2, 3] and bool((stored["n", "y"] != 0).all())
 
 
+def _bs_dtype_error_names_the_key(make: Callable[[int], Any]) -> bool:
+    """BUF-011: the error for a float64 ('log_probs', 'full') names that key, not another."""
+    rb = make(4)
+    td = llm_batch(2, vocab_size=64)
+    rb.extend(td)
+    bad = td.clone()
+    bad.set(("log_probs", "full"), bad.get(("log_probs", "full")).double())
+    try:
+        rb.extend(bad)
+    except Exception as e:  # any error type is allowed; its text is judged
+        return "log_probs" in str(e)
+    return False
+
+
 BUFFER_WITNESSES = [
     (
         "live_state_keyed",
@@ -194,6 +216,12 @@ BUFFER_WITNESSES = [
         buffers.PositionPriorityListBuffer,
         buffers.ListFifoBuffer,
         _bs_zero_priority_never_drawn,
+    ),
+    (
+        "copy_pasted_key_name_keyed",
+        buffers.CopyPastedKeyNameKeyedBuffer,
+        buffers.KeyedArrayBuffer,
+        _bs_dtype_error_names_the_key,
     ),
     (
         "lazy_stack_list",
@@ -257,6 +285,14 @@ SINK_WITNESSES = [
         [("a/x", 1.0, 0), ("b/y", 2.0, 0)],
         True,
     ),
+    (
+        "long_name_csv",
+        sinks.LongNameCsvSink,
+        sinks.CsvPerMetricSink,
+        sinks.read_csv_dir,
+        [("/".join(f"segment_{i:02d}" for i in range(30)), 1.0, 0)],
+        False,
+    ),
 ]
 
 
@@ -276,7 +312,11 @@ def test_sink_witness(
     for name, v, step in calls:
         want.setdefault(name, []).append((step, v))
     assert _sink_points(correct, reader, tmp_path / "ok", calls, flush_only) == want
-    assert _sink_points(buggy, reader, tmp_path / "bug", calls, flush_only) != want
+    try:
+        got = _sink_points(buggy, reader, tmp_path / "bug", calls, flush_only)
+    except OSError:  # e.g. "File name too long": the point is not stored either
+        got = None
+    assert got != want
 
 
 def _loss_batch() -> TensorDict:

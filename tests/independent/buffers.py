@@ -521,6 +521,71 @@ class LazyStackListBuffer(ListFifoBuffer):
         return LazyStackedTensorDict.lazy_stack([self._slots[i] for i in idx], 0)
 
 
+class StaleKeyNameKeyedBuffer(KeyedArrayBuffer):
+    """BUG: the dtype check remembers *that* a column mismatched but names the loop variable
+    left over from the scan, i.e. the schema's last key, not the key whose dtype is wrong
+    (the error points the user at an innocent field).
+
+    Breaks BUF-011 ("extend with a wrong dtype MUST raise an error naming the key").
+    """
+
+    def _validate(self, leaves: dict[Key, torch.Tensor]) -> None:
+        assert self._schema is not None
+        _check(self._schema, leaves, dtypes=False)
+        mismatch = False
+        k: Key = ()
+        for k, (dtype, _shape) in self._schema.items():
+            if leaves[k].dtype != dtype:
+                mismatch = True
+        if mismatch:
+            raise TypeError(f"extend: key {_name(k)} has the wrong dtype")
+
+
+class CopyPastedKeyNameKeyedBuffer(KeyedArrayBuffer):
+    """BUG: the dtype error's text was copied from the token check and always names
+    ``('tokens', 'full')``, whichever key has the wrong dtype (a user chasing a float64
+    ``('log_probs', 'full')`` is sent to the token ids).
+
+    Breaks BUF-011 ("extend with a wrong dtype MUST raise an error naming the key").
+    """
+
+    def _validate(self, leaves: dict[Key, torch.Tensor]) -> None:
+        assert self._schema is not None
+        _check(self._schema, leaves, dtypes=False)
+        for k, (dtype, _shape) in self._schema.items():
+            if leaves[k].dtype != dtype:
+                raise TypeError(f"extend: key ('tokens', 'full') must have dtype {dtype}")
+
+
+# Correct designs that read the spec's latitude differently from the obvious one.
+
+
+class Int32IndexListBuffer(ListFifoBuffer):
+    """CORRECT: ``extend`` returns its storage indices as int32 (BUF-001 asks for "a 1-D
+    integer tensor"; a buffer indexing 32-bit storage may well return int32).
+    """
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        """Store every row; the slots written, as int32."""
+        return super().extend(data).to(torch.int32)
+
+
+class IndexKeyKeyedBuffer(KeyedArrayBuffer):
+    """CORRECT: a sample also carries the bookkeeping key ``index`` (the storage slot of each
+    item, as TorchRL's buffers add), which BUF-005 explicitly allows.
+    """
+
+    def sample(self, batch_size: int, /) -> Any:
+        """Items drawn without replacement, plus their storage slots under ``index``."""
+        n = _count(batch_size, "batch_size")
+        if self._size == 0:
+            raise RuntimeError("sample: the buffer is empty, nothing to draw")
+        idx = self._pick(n)
+        out = _assemble({k: col[idx] for k, col in self._cols.items()}, n)
+        out.set("index", idx.clone())
+        return out
+
+
 def make_list_fifo(capacity: int) -> ListFifoBuffer:
     """Factory for :class:`ListFifoBuffer`.
 
@@ -555,7 +620,23 @@ KEYED_ARRAY = Implementation(
     options={"sampling": "without_replacement"},
 )
 
-CORRECT_BUFFERS = {"list_fifo": LIST_FIFO, "keyed_array": KEYED_ARRAY}
+CORRECT_BUFFERS = {
+    "list_fifo": LIST_FIFO,
+    "keyed_array": KEYED_ARRAY,
+    "list_fifo_int32_indices": Implementation(
+        "buffer",
+        Int32IndexListBuffer,
+        name="independent.Int32IndexListBuffer",
+        capabilities={"priority", "thread_safe", "read"},
+    ),
+    "keyed_array_index_key": Implementation(
+        "buffer",
+        IndexKeyKeyedBuffer,
+        name="independent.IndexKeyKeyedBuffer",
+        capabilities={"checkpoint", "read"},
+        options={"sampling": "without_replacement"},
+    ),
+}
 
 # name -> (declaration, requirement the bug breaks)
 BUGGY_BUFFERS: dict[str, tuple[Implementation, str]] = {
@@ -598,6 +679,26 @@ BUGGY_BUFFERS: dict[str, tuple[Implementation, str]] = {
             options={"sampling": "without_replacement"},
         ),
         "BUF-016",
+    ),
+    "stale_key_name_keyed": (
+        Implementation(
+            "buffer",
+            StaleKeyNameKeyedBuffer,
+            name="independent.StaleKeyNameKeyedBuffer",
+            capabilities={"read"},
+            options={"sampling": "without_replacement"},
+        ),
+        "BUF-011",
+    ),
+    "copy_pasted_key_name_keyed": (
+        Implementation(
+            "buffer",
+            CopyPastedKeyNameKeyedBuffer,
+            name="independent.CopyPastedKeyNameKeyedBuffer",
+            capabilities={"read"},
+            options={"sampling": "without_replacement"},
+        ),
+        "BUF-011",
     ),
     "position_priority_list": (
         Implementation(

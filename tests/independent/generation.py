@@ -427,6 +427,35 @@ class CancelPoolServer:
         return _response(d, version)
 
 
+class _Reply:
+    """A handle with only what the Protocol names: ``result(timeout)``."""
+
+    def __init__(self, fut: cf.Future[TensorDict]) -> None:
+        self._fut = fut
+
+    def result(self, timeout: float | None = None) -> TensorDict:
+        return self._fut.result(timeout)
+
+
+class ResultOnlyServer(CancelPoolServer):
+    """:class:`CancelPoolServer` whose ``submit`` returns a minimal reply handle (as an RPC
+    stub or a Ray-style reference would): ``.result(timeout)`` gives the response or raises
+    the request's own error, and that is all the spec asks of it ("Future-like object:
+    ``.result(timeout)`` gives the response or raises the request's own error").
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> srv = ResultOnlyServer(tiny_causal_lm(), max_new_tokens=2)
+        >>> reply = srv.client().submit(TensorDict({PROMPT_KEY: torch.tensor([5])}, []))
+        >>> reply.result(timeout=30)[RESPONSE_KEY].shape
+        torch.Size([2])
+        >>> srv.shutdown()
+    """
+
+    def _submit(self, request: TensorDictBase) -> Any:
+        return _Reply(super()._submit(request))
+
+
 # --------------------------------------------------------------------------------------------
 # One-bug variants
 # --------------------------------------------------------------------------------------------
@@ -562,6 +591,7 @@ CORRECT_GENERATION: dict[str, Implementation] = {
     "cancel_pool": Implementation(
         "generation", _pool, name="independent.CancelPoolServer", options={"on_shutdown": "fail"}
     ),
+    "result_only_handles": _variant(ResultOnlyServer, "fail"),
 }
 
 # name -> (implementation, requirement id the bug breaks)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from posttrain.contracts import Implementation
@@ -400,6 +400,53 @@ class WrongSideClipLoss(MaskedClipLoss):
         return -torch.maximum(ratio * adv, clipped * adv)
 
 
+class CopyPastedKeyNameLoss(MaskedClipLoss):
+    """BUG: every dtype error names ``('tokens', 'full')`` (its text copied from the token
+    check), whichever field has the wrong dtype.
+
+    Breaks LOSS-009 ("... with a wrong dtype MUST raise an error naming the key").
+    """
+
+    def forward(self, td: TensorDictBase) -> dict[str, torch.Tensor]:
+        """Compute the loss; a dtype error is reported against the tokens."""
+        try:
+            return super().forward(td)
+        except TypeError as e:
+            raise TypeError("loss: key ('tokens', 'full') has the wrong dtype") from e
+
+
+# Correct designs that read the spec's latitude differently from the obvious one.
+
+
+class TensorDictOutLoopLoss(SeqLoopLoss):
+    """CORRECT: returns a TensorDict (batch size []) rather than a dict, as TorchRL's losses
+    do; LOSS-001 allows "a TensorDict or mapping".
+    """
+
+    def forward(self, td: TensorDictBase) -> Any:
+        """The loss terms of ``td`` in a TensorDict."""
+        return TensorDict(super().forward(td), batch_size=[])
+
+
+class TrlClipFractionLoss(MaskedClipLoss):
+    """CORRECT (TRL's reading): a token counts as clipped when the clip is *binding*, i.e. the
+    min() picked the clipped surrogate: ratio > 1+eps with a positive advantage, or ratio <
+    1-eps with a negative one. LOSS-012 says "when every assistant token is clipped
+    clip_fraction is 1" without defining "clipped"; under this reading it holds.
+    """
+
+    def _diagnostics(
+        self, b: _Batch, ratio: torch.Tensor, log_ratio: torch.Tensor, logp_v: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        out = super()._diagnostics(b, ratio, log_ratio, logp_v)
+        with torch.no_grad():
+            adv = b.adv_tokens()
+            eps = self.clip_eps
+            binding = ((ratio > 1.0 + eps) & (adv > 0)) | ((ratio < 1.0 - eps) & (adv < 0))
+            out["clip_fraction"] = (binding & b.mask).sum().float() / b.mask.sum().clamp(min=1)
+        return out
+
+
 _OPTIONS = {"aggregation", "clip_eps", "kl_coef"}
 
 
@@ -487,6 +534,8 @@ CORRECT_LOSSES = {
     "loop_seq_mean": _loop_impl("SeqLoopLoss"),
     "loop_token_sum": _loop_impl("SeqLoopLoss[sum]", agg="seq_mean_token_sum"),
     "loop_per_sequence_forward": _loop_impl("SeqLoopLoss[per-seq]", per_sequence_forward=True),
+    "loop_tensordict_output": _loop_impl("TensorDictOutLoopLoss", TensorDictOutLoopLoss),
+    "masked_trl_clip_fraction": _masked_impl("TrlClipFractionLoss", TrlClipFractionLoss),
 }
 
 BUGGY_LOSSES: dict[str, tuple[Implementation, str]] = {
@@ -494,6 +543,10 @@ BUGGY_LOSSES: dict[str, tuple[Implementation, str]] = {
     "prompt_kl": (_masked_impl("PromptKLLoss", PromptKLLoss), "LOSS-010"),
     "where_nan_grad": (_masked_impl("WhereNaNGradLoss", WhereNaNGradLoss), "LOSS-003"),
     "in_place_sanitize": (_masked_impl("InPlaceSanitizeLoss", InPlaceSanitizeLoss), "LOSS-007"),
+    "copy_pasted_key_name": (
+        _masked_impl("CopyPastedKeyNameLoss", CopyPastedKeyNameLoss),
+        "LOSS-009",
+    ),
     "misaligned_loop": (_loop_impl("MisalignedLoopLoss", MisalignedLoopLoss), "LOSS-003"),
     "wrong_side_clip": (_masked_impl("WrongSideClipLoss", WrongSideClipLoss), ""),
 }

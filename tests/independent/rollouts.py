@@ -283,6 +283,69 @@ class LazyGeneratorSource:
         return 0
 
 
+def left_padded_batch(
+    prompts: Sequence[Sequence[int]],
+    decoded: Sequence[Decoded],
+    version: int,
+    group_ids: Sequence[int] | None = None,
+) -> TensorDict:
+    """TRL's arrangement: prompts left-padded to the longest, then completions right-padded.
+
+    The spec's mapping table gives exactly this for TRL (``prompt_ids`` left-padded then
+    ``completion_ids`` right-padded); the attention mask marks the real tokens.
+
+    Example:
+        >>> td = left_padded_batch([[5, 6], [7]], [Decoded([9], [-0.5]), Decoded([3, 2], [-1.0, -2.0])], 0)
+        >>> td.get(("tokens", "full")).tolist()
+        [[5, 6, 9, 0], [0, 7, 3, 2]]
+        >>> td.get(("masks", "all_attention_mask")).tolist()
+        [[True, True, True, False], [False, True, True, True]]
+    """
+    p_len = max(len(p) for p in prompts)
+    r_len = max(len(d.tokens) for d in decoded)
+    b = len(prompts)
+    tokens = torch.zeros(b, p_len + r_len, dtype=torch.int64)
+    attn = torch.zeros(b, p_len + r_len, dtype=torch.bool)
+    asst = torch.zeros_like(attn)
+    lp = torch.zeros(b, p_len + r_len, dtype=torch.float32)
+    for i, (p, d) in enumerate(zip(prompts, decoded, strict=True)):
+        n = len(d.tokens)
+        tokens[i, p_len - len(p) : p_len] = torch.tensor(list(p), dtype=torch.int64)
+        tokens[i, p_len : p_len + n] = torch.tensor(d.tokens, dtype=torch.int64)
+        attn[i, p_len - len(p) : p_len + n] = True
+        asst[i, p_len : p_len + n] = True
+        lp[i, p_len : p_len + n] = torch.tensor(d.log_probs, dtype=torch.float32)
+    data: dict[Any, Any] = {
+        _K("tokens"): tokens,
+        _K("attention_mask"): attn,
+        _K("assistant_mask"): asst,
+        _K("sample_log_probs"): lp,
+        _K("policy_version"): torch.full((b,), version, dtype=torch.int64),
+    }
+    if group_ids is not None:
+        data[_K("group_id")] = torch.tensor(list(group_ids), dtype=torch.int64)
+    return TensorDict(data, batch_size=[b])
+
+
+class LeftPaddedSource(EagerPrefetchSource):
+    """:class:`EagerPrefetchSource` yielding TRL-arranged batches (see
+    :func:`left_padded_batch`): prompts left-padded, completions right-padded.
+
+    Example:
+        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> src = LeftPaddedSource(tiny_causal_lm(), [[5, 6], [7]], 1, max_new_tokens=1)
+        >>> next(iter(src)).get(("masks", "all_attention_mask"))[2].tolist()
+        [False, True, True]
+        >>> src.shutdown()
+    """
+
+    def _generate(self) -> TensorDict:
+        with self._lock:
+            version = self._version
+            decoded = greedy_decode(self._policy, self._prompts, self._max_new)
+        return left_padded_batch(self._prompts, decoded, version, self._groups)
+
+
 # --------------------------------------------------------------------------------------------
 # One-bug variants
 # --------------------------------------------------------------------------------------------
@@ -447,6 +510,7 @@ _LAZY_CAPS = {"ragged", "log_probs"}
 CORRECT_ROLLOUT: dict[str, Implementation] = {
     "eager_prefetch": _impl(EagerPrefetchSource, _PREFETCH_CAPS),
     "lazy_generator": _impl(LazyGeneratorSource, _LAZY_CAPS),
+    "left_padded": _impl(LeftPaddedSource, _PREFETCH_CAPS),
 }
 
 # name -> (implementation, requirement id the bug breaks)

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import math
 import operator
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import quote, unquote
+from urllib.parse import quote
+
+import torch
 
 from posttrain.contracts import Implementation
 
@@ -39,6 +43,7 @@ __all__ = [
 
 DB_NAME = "metrics.sqlite3"
 CSV_DIR = "scalars"
+MAX_STEM = 200  # bytes of a file name before ".csv": below the usual 255-byte limit
 Points = dict[str, list[tuple[int, float]]]
 
 
@@ -93,8 +98,18 @@ class SQLiteSink:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(d / DB_NAME, timeout=60.0, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute(self.SCHEMA)
+        # Switching to WAL takes an exclusive lock and SQLite may answer "database is locked"
+        # at once, without its busy handler, when another process opens the run meanwhile.
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                self._conn.execute(self.SCHEMA)
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
         self._pending: list[tuple[str, int, float | None, str]] = []
         self._counters: dict[str, int] = {}
 
@@ -160,10 +175,13 @@ def read_sqlite(directory: Any) -> Points:
 
 
 class CsvPerMetricSink:
-    """One ``scalars/<percent-encoded name>.csv`` per metric, rows ``step,value``.
+    """One ``scalars/<percent-encoded name>.csv`` per metric: a ``#name,<name>`` header row,
+    then rows ``step,value``.
 
-    Values are written with ``repr`` (shortest exact round trip, ``nan``/``inf`` included);
-    handles stay open and buffered until ``flush()`` or ``close()``.
+    The header carries the name, so a name too long for a file name (255 bytes) is stored
+    under a shortened, hashed file name and still reads back whole. Values are written with
+    ``repr`` (shortest exact round trip, ``nan``/``inf`` included); handles stay open and
+    buffered until ``flush()`` or ``close()``.
 
     Example:
         >>> import tempfile, pathlib
@@ -181,12 +199,20 @@ class CsvPerMetricSink:
         self._counters: dict[str, int] = {}
 
     def _file_name(self, name: str) -> str:
-        return quote(name, safe="") + ".csv"
+        q = quote(name, safe="")
+        if len(q) <= MAX_STEM:
+            return q + ".csv"
+        return q[: MAX_STEM - 41] + "~" + hashlib.sha1(name.encode()).hexdigest() + ".csv"
+
+    def _stored_name(self, name: str) -> str:
+        return name
 
     def _handle(self, name: str) -> TextIO:
         f = self._files.get(name)
         if f is None:
             f = open(self._dir / self._file_name(name), "a", newline="", encoding="utf-8")  # noqa: SIM115
+            if f.tell() == 0:
+                csv.writer(f).writerow(["#name", self._stored_name(name)])
             self._files[name] = f
         return f
 
@@ -230,9 +256,13 @@ def read_csv_dir(directory: Any) -> Points:
     for p in sorted(d.iterdir()):
         if p.suffix != ".csv":
             continue
-        name = unquote(p.name[: -len(".csv")])
         with open(p, newline="", encoding="utf-8") as f:
-            out[name] = [(int(step), float(value)) for step, value in csv.reader(f)]
+            rows = list(csv.reader(f))
+        if not rows:  # created, nothing flushed into it yet
+            continue
+        if rows[0][0] != "#name":
+            raise ValueError(f"{p}: no '#name' header row")
+        out[rows[0][1]] = [(int(step), float(value)) for step, value in rows[1:]]
     return out
 
 
@@ -249,7 +279,23 @@ class SanitisingCsvSink(CsvPerMetricSink):
     """
 
     def _file_name(self, name: str) -> str:
-        return name.replace("/", "_") + ".csv"
+        return self._stored_name(name) + ".csv"
+
+    def _stored_name(self, name: str) -> str:
+        return name.replace("/", "_")
+
+
+class LongNameCsvSink(CsvPerMetricSink):
+    """BUG: the file name is the whole percent-encoded metric name, so a name whose encoding
+    passes 255 bytes makes ``log_scalar`` raise ``OSError: File name too long`` (every
+    file-per-metric logger that names files after metrics meets this limit).
+
+    Breaks MET-002 ("Names matching ``^[a-z0-9_]+(/[a-z0-9_]+)*$`` MUST be stored unchanged":
+    the pattern has no length limit).
+    """
+
+    def _file_name(self, name: str) -> str:
+        return quote(name, safe="") + ".csv"
 
 
 class NaNToNullSQLiteSink(SQLiteSink):
@@ -345,6 +391,33 @@ class LastFileFlushCsvSink(CsvPerMetricSink):
             self._last_file.flush()
 
 
+# Correct designs that read the spec's latitude differently from the obvious one.
+
+
+def read_sqlite_by_step(directory: Any) -> Points:
+    """CORRECT reader for :class:`SQLiteSink` that lists each name's points by step (then
+    logging order), as dashboards plot them; the spec fixes no order within a name.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> read_sqlite_by_step(pathlib.Path(tempfile.mkdtemp()))
+        {}
+    """
+    return {n: sorted(p, key=lambda sv: sv[0]) for n, p in read_sqlite(directory).items()}
+
+
+class Float32CsvSink(CsvPerMetricSink):
+    """CORRECT: stores values as float32 (TensorBoard's scalar type); MET-001 allows float32
+    rounding, and NaN and infinities survive the cast.
+    """
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        """Append ``step,value`` with the value rounded to float32."""
+        n, v, s = _point(name, value, step, self._counters)
+        v32 = float(torch.tensor(v, dtype=torch.float32))
+        self._handle(n).write(f"{s},{v32!r}\n")
+
+
 SQLITE = Implementation(
     "metrics",
     SQLiteSink,
@@ -360,7 +433,24 @@ CSV_PER_METRIC = Implementation(
     extras={"reader": read_csv_dir},
 )
 
-CORRECT_SINKS = {"sqlite": SQLITE, "csv_per_metric": CSV_PER_METRIC}
+CORRECT_SINKS = {
+    "sqlite": SQLITE,
+    "csv_per_metric": CSV_PER_METRIC,
+    "sqlite_step_ordered_reader": Implementation(
+        "metrics",
+        SQLiteSink,
+        name="independent.SQLiteSink[by-step reader]",
+        capabilities={"flush"},
+        extras={"reader": read_sqlite_by_step},
+    ),
+    "csv_float32": Implementation(
+        "metrics",
+        Float32CsvSink,
+        name="independent.Float32CsvSink",
+        capabilities={"flush"},
+        extras={"reader": read_csv_dir},
+    ),
+}
 
 BUGGY_SINKS: dict[str, tuple[Implementation, str]] = {
     "sanitising_csv": (
@@ -368,6 +458,16 @@ BUGGY_SINKS: dict[str, tuple[Implementation, str]] = {
             "metrics",
             SanitisingCsvSink,
             name="independent.SanitisingCsvSink",
+            capabilities={"flush"},
+            extras={"reader": read_csv_dir},
+        ),
+        "MET-002",
+    ),
+    "long_name_csv": (
+        Implementation(
+            "metrics",
+            LongNameCsvSink,
+            name="independent.LongNameCsvSink",
             capabilities={"flush"},
             extras={"reader": read_csv_dir},
         ),

@@ -231,6 +231,40 @@ def mailbox_pair(model: torch.nn.Module) -> tuple[MailboxSender, MailboxReceiver
     return MailboxSender(rx, box), rx
 
 
+class _TrustingSender(QueueSender):
+    def _problem(self, weights: _Weights) -> str | None:
+        return None  # the receiver checks: a remote sender may not know the model
+
+
+class _CheckingReceiver(QueueReceiver):
+    def _apply(self, weights: dict[str, torch.Tensor]) -> None:
+        problem = weights_problem(self.model, weights)  # all of it, before the first write
+        if problem is not None:
+            raise WeightsRejected(problem)
+        super()._apply(weights)
+
+
+def receiver_checked_pair(model: torch.nn.Module) -> tuple[QueueSender, QueueReceiver]:
+    """Queue semantics with the check on the receiving side: ``send`` copies and queues
+    anything, ``receive`` checks the whole set against its model before writing, and raises
+    naming the tensor with model and version untouched (for transports whose sender cannot
+    see the receiver's model).
+
+    Example:
+        >>> m = torch.nn.Linear(2, 1)
+        >>> tx, rx = receiver_checked_pair(m)
+        >>> tx.send({"weight": torch.ones(1, 2)}, version=1)
+        >>> rx.receive(timeout=1.0)
+        Traceback (most recent call last):
+        ...
+        tests.independent.weight_syncs.WeightsRejected: weights: 'bias' is missing
+        >>> rx.version
+        0
+    """
+    rx = _CheckingReceiver(model)
+    return _TrustingSender(rx), rx
+
+
 # --------------------------------------------------------------------------------------------
 # One-bug variants
 # --------------------------------------------------------------------------------------------
@@ -418,6 +452,7 @@ def _impl(factory: Any) -> Implementation:
 CORRECT_WEIGHT_SYNC: dict[str, Implementation] = {
     "queue": _impl(queue_pair),
     "latest_wins": _impl(mailbox_pair),
+    "receiver_checked": _impl(receiver_checked_pair),
 }
 
 # name -> (implementation, requirement id the bug breaks)
