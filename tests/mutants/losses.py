@@ -223,33 +223,22 @@ class MasksAsWeights(_Edit):
 
 
 class RatioInDataDtype(PolicyGradientLoss):
-    """Accepts bf16/fp16 log-probs but computes in the batch's precision instead of its own:
-    the policy's logits are rounded to that dtype (an autocast keyed on the data), so the
-    ratio is off by up to ~0.4%."""
+    """Accepts bf16/fp16 behaviour log-probs but computes the surrogate in the batch's precision
+    instead of its own: the ratio is rounded to that dtype (off by up to 0.4% in bf16)."""
+
+    _data_dtype = torch.float32
 
     def forward(self, td: TensorDictBase) -> TensorDict:
         slp = td.get(SLP, None)
-        if slp is not None and slp.dtype in (torch.bfloat16, torch.float16):
-            policy = self.policy
-            self.policy = _Rounded(policy, slp.dtype)
-            try:
-                return super().forward(td)
-            finally:
-                self.policy = policy
+        self._data_dtype = slp.dtype if slp is not None else torch.float32
         return super().forward(td)
 
-
-class _Rounded(torch.nn.Module):
-    """The policy with its logits rounded through ``dtype``."""
-
-    def __init__(self, policy: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.inner, self.dtype = policy, dtype
-
-    def forward(self, **kw: Any) -> Any:
-        out = self.inner(**kw)
-        out.logits = out.logits.to(self.dtype).float()
-        return out
+    def _surrogate(
+        self, adv: torch.Tensor, ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._data_dtype in (torch.bfloat16, torch.float16):
+            ratio = ratio.to(self._data_dtype).to(ratio.dtype)
+        return super()._surrogate(adv, ratio)
 
 
 class BroadcastsAdvantage(_Edit):
