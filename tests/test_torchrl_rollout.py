@@ -35,7 +35,8 @@ def test_the_root_version_stamp_lags_an_update() -> None:
 
     impl = Implementation("rollout", root_stamped, name="root-stamped", capabilities={"ragged"})
     assert own_failures(impl) == {
-        "ROLL-004": "ROLL-004: stamps before the update [0], after [0]: they must rise"
+        "ROLL-004": "ROLL-004: stamps before the update [0], after [0]: they must rise "
+        "(see specs/rollout-v1.md#ROLL-004)"
     }
 
 

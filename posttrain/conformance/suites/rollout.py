@@ -140,7 +140,7 @@ def batches_meet_layout(ctx: Context) -> None:
             bad = validate(
                 batch, require=("policy_version",), deep=True, ragged="ragged" in ctx.capabilities
             )
-            rows = _rows(batch) if not bad else _rows_or_none(batch)
+            rows = _rows_or_none(batch)
             # A shifted mask also breaks the layout (onto padding); say what it is first.
             for i, (toks, att, asst) in enumerate(rows or []):
                 problem = _mask_problem(toks, att, asst)
@@ -148,7 +148,7 @@ def batches_meet_layout(ctx: Context) -> None:
                     raise _fail(f"batch {n}, item {i}: {problem}")
             if bad:
                 raise _fail(f"batch {n} breaks the LLM layout: " + "; ".join(str(v) for v in bad))
-            for i, (_toks, att, asst) in enumerate(_rows(batch)):
+            for i, (_toks, att, asst) in enumerate(rows if rows is not None else _rows(batch)):
                 first = asst.index(True) if True in asst else None
                 if first is None:
                     raise _fail(f"batch {n}, item {i}: no assistant token (nothing generated?)")
