@@ -10,6 +10,7 @@ reason starts with "kit defect", and a plain test next to it shows the bug is re
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
 from typing import Any
 
@@ -19,7 +20,7 @@ from tensordict import TensorDict
 
 from posttrain.conformance import Implementation, Report, Status, run
 from posttrain.conformance.policy import forced_token_weights, tiny_causal_lm
-from posttrain.contracts import LLM_LAYOUT_V1
+from posttrain.contracts import LLM_LAYOUT_V1, validate
 from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY
 from tests.independent import generation, rollouts, weight_syncs
 
@@ -39,6 +40,14 @@ BUGGY: dict[str, tuple[Implementation, str]] = {
 # Cases where the kit does not report the requirement the spec sentence says is broken. Each
 # has a test below showing, without the kit, that the implementation really breaks it.
 KIT_DEFECTS: dict[str, str] = {
+    "generation/result_only_handles": (
+        "kit defect: GEN-008's check calls .done() on what submit returned; the spec promises "
+        "only a Future-like object whose .result(timeout) gives the response or raises"
+    ),
+    "rollout/left_padded": (
+        "kit defect: ROLL-001 rejects left-padded prompts ('assistant tokens must follow a "
+        "prompt') that layout v1 allows, that the spec maps TRL to, and that validate() accepts"
+    ),
     "generation/pad_after_eos": (
         "kit defect: GEN-003's burst never has a row reach EOS before its batch-mates, so "
         "padding kept after EOS passes GEN-003 (caught only as GEN-006)"
@@ -77,7 +86,20 @@ def _own_failures(rep: Report) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("key", sorted(CORRECT))
+def _params(keys: list[str]) -> list[Any]:
+    return [
+        pytest.param(
+            k,
+            marks=[pytest.mark.xfail(strict=True, reason=KIT_DEFECTS[k])]
+            if k in KIT_DEFECTS
+            else [],
+            id=k,
+        )
+        for k in sorted(keys)
+    ]
+
+
+@pytest.mark.parametrize("key", _params(list(CORRECT)))
 def test_correct_implementation_conforms(key: str) -> None:
     rep = _report(key)
     bad = {r.id: r.message for r in rep.results if r.status in (Status.FAIL, Status.ERROR)}
@@ -85,17 +107,7 @@ def test_correct_implementation_conforms(key: str) -> None:
     assert rep.ok
 
 
-def _buggy_params() -> list[Any]:
-    out = []
-    for key in sorted(BUGGY):
-        marks = (
-            [pytest.mark.xfail(strict=True, reason=KIT_DEFECTS[key])] if key in KIT_DEFECTS else []
-        )
-        out.append(pytest.param(key, marks=marks, id=key))
-    return out
-
-
-@pytest.mark.parametrize("key", _buggy_params())
+@pytest.mark.parametrize("key", _params(list(BUGGY)))
 def test_buggy_variant_fails_its_requirement(key: str) -> None:
     expected = BUGGY[key][1]
     rep = _report(key)
@@ -223,3 +235,35 @@ def test_params_only_breaks_ws_001() -> None:
     tx2.send(w, version=1)
     rx2.receive(timeout=1.0)
     assert all(torch.equal(model2.state_dict()[k], w[k]) for k in w)
+
+
+def test_left_padded_batch_meets_layout_v1() -> None:
+    """The left-padded design's batch is valid layout v1 by the contracts' own validator, and
+    the real tokens before the first assistant token are exactly the prompt."""
+    k = LLM_LAYOUT_V1.key
+    prompts = [[5, 6, 7], [10, 11, 12, 13]]
+    src = rollouts.LeftPaddedSource(tiny_causal_lm(), prompts, 1, max_new_tokens=3)
+    batch = next(iter(src))
+    src.shutdown()
+    assert [str(v) for v in validate(batch, deep=True)] == []
+    for i, want in enumerate(p for p in prompts for _ in range(2)):
+        attn, asst = batch.get(k("attention_mask"))[i], batch.get(k("assistant_mask"))[i]
+        first = int(asst.nonzero()[0])
+        assert batch.get(k("tokens"))[i, :first][attn[:first]].tolist() == want
+
+
+def test_result_only_handle_answers_and_settles_on_shutdown() -> None:
+    """What GEN-008 needs, through ``.result(timeout)`` alone: after shutdown returns, every
+    handle answers at once, with a response or an error."""
+    srv = generation.ResultOnlyServer(tiny_causal_lm(), max_new_tokens=4)
+    replies = [
+        srv.client().submit(TensorDict({PROMPT_KEY: torch.tensor([5 + i, 6])}, []))
+        for i in range(16)
+    ]
+    srv.shutdown(timeout=5.0)
+    settled = 0
+    for r in replies:
+        with contextlib.suppress(cf.CancelledError, RuntimeError, TimeoutError):
+            r.result(timeout=0.5)
+        settled += 1
+    assert settled == 16
