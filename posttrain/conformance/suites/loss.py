@@ -2,7 +2,9 @@
 
 The suite supplies the policy (a tiny real Hugging Face causal LM) and builds batches whose
 behaviour log-probs are the policy's own (ratio 1), so the policy-gradient term's gradient has
-a closed form: minus the advantage times the aggregation's weight, for every token.
+a closed form: minus the advantage times the aggregation's weight, for every token. LOSS-014
+moves each token's ratio r off 1 by setting its behaviour log-prob to the policy's minus log r,
+and compares with the clipped surrogate computed here in float64.
 """
 
 from __future__ import annotations
