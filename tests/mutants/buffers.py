@@ -219,20 +219,21 @@ def _read_then_write(capacity: int) -> Any:
     from posttrain.adapters.ray import RemoteBuffer, serve_buffer
     from posttrain.adapters.ray.implementations import shared_host
 
-    # Defined here so that Ray pickles them by value into its workers and the actor.
+    # Defined here so that Ray pickles them by value into its workers and the actor. The host
+    # serves the contract's methods only: the position is read from state_dict() and given to
+    # extend as an extra argument.
     class PositionedRing(RingBuffer):
-        def cursor(self) -> int:
-            return self._cursor
-
-        def write_at(self, pos: int, data: TensorDictBase) -> torch.Tensor:
-            self._cursor = pos
-            return self.extend(data)
+        def extend(self, data: TensorDictBase, pos: int | None = None, /) -> torch.Tensor:
+            with self._lock:
+                if pos is not None:
+                    self._cursor = pos
+                return super().extend(data)
 
     class ReadThenWrite(RemoteBuffer):
         def extend(self, data: TensorDictBase, /) -> torch.Tensor:
-            pos = self._call("cursor")
+            pos = self._call("state_dict")["cursor"]
             time.sleep(0.05)
-            out: torch.Tensor = self._call("write_at", pos, data)
+            out: torch.Tensor = self._call("extend", data, pos)
             return out
 
         def client(self) -> RemoteBuffer:
