@@ -52,6 +52,23 @@ KIT_DEFECTS = {
         "MET-002 logs only short names, so a sink that cannot store a name longer than a "
         "file name (255 bytes) passes"
     ),
+    "casting": (
+        "LOSS-009 tries a wrong dtype on the masks only, so a loss that casts float64 "
+        "log-probs and advantages to float32 passes"
+    ),
+    "shifted_entropy": (
+        "LOSS-012 does not pin the entropy value to the assistant tokens' own distributions "
+        "(the spec's '(or sampled)' leaves it loose): entropy read one position late passes"
+    ),
+    "shifted_token_advantage": (
+        "LOSS-003 uses [B] advantages only, so a [B, T] advantage read one position late is "
+        "seen only through LOSS-004 (the value it drags in from the prompt), never as a "
+        "wrong gradient"
+    ),
+    "six_digit_csv": (
+        "MET-001's values are short decimals, so a sink keeping 6 significant digits "
+        "(coarser than float32) passes"
+    ),
     "upsert_sqlite": (
         "MET-001 never logs one name twice at one step, so a sink keeping only the last "
         "value per (name, step) passes"
@@ -286,6 +303,14 @@ SINK_WITNESSES = [
         True,
     ),
     (
+        "six_digit_csv",
+        sinks.SixDigitCsvSink,
+        sinks.CsvPerMetricSink,
+        sinks.read_csv_dir,
+        [("loss/total", 0.123456789, 0)],
+        False,
+    ),
+    (
         "long_name_csv",
         sinks.LongNameCsvSink,
         sinks.CsvPerMetricSink,
@@ -317,6 +342,16 @@ def test_sink_witness(
     except OSError:  # e.g. "File name too long": the point is not stored either
         got = None
     assert got != want
+
+
+def test_sink_witness_float32_rounding_is_kept_by_the_float32_sink(tmp_path: Path) -> None:
+    """The float32 design is within MET-001's allowance where the 6-digit one is not."""
+    got = _sink_points(
+        sinks.Float32CsvSink, sinks.read_csv_dir, tmp_path, [("a/b", 0.123456789, 0)], False
+    )
+    v = got["a/b"][0][1]
+    assert v == float(torch.tensor(0.123456789, dtype=torch.float32))
+    assert abs(v - 0.123456789) < 1e-8 < abs(float(f"{0.123456789:.6g}") - 0.123456789)
 
 
 def _loss_batch() -> TensorDict:
@@ -385,3 +420,67 @@ def test_buffers_have_their_own_rng() -> None:
         rb.extend(_items(8))
         rb.sample(16)
     assert (random.random(), torch.rand(1)) == before
+
+
+def test_loss_witness_casting_accepts_float64() -> None:
+    """LOSS-009: float64 behaviour log-probs must raise naming the key; the variant casts."""
+    policy = tiny_causal_lm(vocab_size=64)
+    td = _loss_batch()
+    td.set(("log_probs", "full"), td.get(("log_probs", "full")).double())
+    with pytest.raises(TypeError, match="log_probs"):
+        losses.MaskedClipLoss(policy)(td)
+    assert torch.isfinite(losses.CastingLoss(policy)(td)["loss_objective"])
+
+
+def test_loss_witness_shifted_entropy_is_not_the_assistant_tokens_entropy() -> None:
+    """LOSS-012: the diagnostic must be the mean entropy of the distributions the assistant
+    tokens were drawn from (logits at t-1); computed here independently of both designs."""
+    policy = tiny_causal_lm(vocab_size=64)
+    td = _loss_batch()
+    with torch.no_grad():
+        logits = policy(
+            input_ids=td.get(("tokens", "full")),
+            attention_mask=td.get(("masks", "all_attention_mask")).long(),
+        ).logits
+        lp = logits.log_softmax(-1)
+        h = -(lp.exp() * lp).sum(-1)  # h[:, t] is the entropy of the dist. of token t+1
+        m = td.get(("masks", "all_assistant_mask"))
+        want = float(h[:, :-1][m[:, 1:]].mean())
+    right = float(losses.MaskedClipLoss(policy, diagnostics=True)(td)["entropy"])
+    wrong = float(losses.ShiftedEntropyLoss(policy, diagnostics=True)(td)["entropy"])
+    assert math.isclose(right, want, rel_tol=1e-5)
+    assert not math.isclose(wrong, want, rel_tol=1e-2)
+
+
+class _ProbedPolicy:
+    """The policy with a zero tensor added to its logits, to read d loss / d logits."""
+
+    def __init__(self, policy: Any, shape: tuple[int, ...]) -> None:
+        self.policy = policy
+        self.probe = torch.zeros(shape, requires_grad=True)
+
+    def __call__(self, **kw: Any) -> Any:
+        out = self.policy(**kw)
+        out.logits = out.logits + self.probe
+        return out
+
+
+def test_loss_witness_shifted_token_advantage_moves_the_gradient() -> None:
+    """LOSS-003 with a [B, T] advantage non-zero at one assistant token j alone: the
+    gradient must reach only the logits that predict token j (position j-1)."""
+    policy = tiny_causal_lm(vocab_size=64)
+    td = _loss_batch()
+    m = td.get(("masks", "all_assistant_mask"))
+    row, j = 0, int(m[0].nonzero()[0])  # the first assistant token of row 0
+    adv = torch.zeros(m.shape)
+    adv[row, j] = 1.0
+    td.set("advantage", adv)
+    for cls, want_pos in ((losses.MaskedClipLoss, j - 1), (losses.ShiftedTokenAdvantageLoss, j)):
+        probed = _ProbedPolicy(policy, (*m.shape, 64))
+        cls(probed)(td)["loss_objective"].backward()
+        assert probed.probe.grad is not None
+        hit = probed.probe.grad.abs().sum(-1).nonzero().tolist()
+        if cls is losses.MaskedClipLoss:
+            assert hit == [[row, want_pos]], hit
+        else:
+            assert hit != [[row, j - 1]], hit

@@ -557,6 +557,23 @@ class CopyPastedKeyNameKeyedBuffer(KeyedArrayBuffer):
                 raise TypeError(f"extend: key ('tokens', 'full') must have dtype {dtype}")
 
 
+class KeepFirstOversizeKeyedBuffer(KeyedArrayBuffer):
+    """BUG: a batch longer than the buffer has its *first* ``capacity`` rows written (the
+    tail is dropped, "it would be overwritten anyway" reasoning applied to the wrong end),
+    while the write position still moves by N: the newest items of the batch are lost and
+    older ones kept.
+
+    Breaks BUF-003 ("When full, extend MUST overwrite the oldest stored items first").
+    """
+
+    def _write(self, leaves: dict[Key, torch.Tensor], dst: torch.Tensor, start: int) -> None:
+        m = dst.numel()
+        n = next(iter(leaves.values())).shape[0]
+        first = ((self._cursor + torch.arange(m)) % self.capacity) if n > self.capacity else dst
+        for k, col in self._cols.items():
+            col[first] = leaves[k][:m]
+
+
 # Correct designs that read the spec's latitude differently from the obvious one.
 
 
@@ -699,6 +716,16 @@ BUGGY_BUFFERS: dict[str, tuple[Implementation, str]] = {
             options={"sampling": "without_replacement"},
         ),
         "BUF-011",
+    ),
+    "keep_first_oversize_keyed": (
+        Implementation(
+            "buffer",
+            KeepFirstOversizeKeyedBuffer,
+            name="independent.KeepFirstOversizeKeyedBuffer",
+            capabilities={"read"},
+            options={"sampling": "without_replacement"},
+        ),
+        "BUF-003",
     ),
     "position_priority_list": (
         Implementation(

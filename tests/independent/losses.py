@@ -415,6 +415,63 @@ class CopyPastedKeyNameLoss(MaskedClipLoss):
             raise TypeError("loss: key ('tokens', 'full') has the wrong dtype") from e
 
 
+class ShiftedEntropyLoss(MaskedClipLoss):
+    """BUG: the entropy diagnostic of token t is read from the distribution at t (the one
+    predicting token t+1) instead of t-1, the shift the log-probs do get right.
+
+    Breaks LOSS-012 ("entropy is the token mean of the full-vocabulary entropy" over the
+    assistant tokens: of the distributions those tokens were drawn from).
+    """
+
+    def _diagnostics(
+        self, b: _Batch, ratio: torch.Tensor, log_ratio: torch.Tensor, logp_v: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        out = super()._diagnostics(b, ratio, log_ratio, logp_v)
+        with torch.no_grad():
+            ent_v = -(logp_v.exp() * logp_v).sum(-1)  # [B, T-1], index t-1 -> token t
+            ent = torch.cat([ent_v, torch.zeros_like(ent_v[:, :1])], dim=1)  # BUG: no shift
+            ent = torch.where(b.mask, ent, torch.zeros_like(ent))
+            out["entropy"] = ent.sum() / b.mask.sum().clamp(min=1)
+        return out
+
+
+class ShiftedTokenAdvantageLoss(MaskedClipLoss):
+    """BUG: a per-token advantage [B, T] is read one position late (token t gets the
+    advantage stored at t-1), as when token-level advantages are laid out like logits (t
+    predicts t+1) while log-probs follow the layout. An advantage constant along T hides it.
+
+    Breaks LOSS-003 (the gradient w.r.t. each token's log-prob MUST be minus *its* advantage
+    times the weight) for [B, T] advantages, which capability per_token_advantage accepts.
+    """
+
+    def forward(self, td: TensorDictBase) -> dict[str, torch.Tensor]:
+        """Compute the loss with [B, T] advantages shifted by one position."""
+        adv = td.get("advantage")
+        if isinstance(adv, torch.Tensor) and adv.dim() == 2:
+            td = td.clone(recurse=False)
+            td.set("advantage", torch.roll(adv, shifts=1, dims=1))
+        return super().forward(td)
+
+
+class CastingLoss(MaskedClipLoss):
+    """BUG: float fields of any floating dtype are cast to float32 instead of refused
+    (``.float()`` on the way in, as most trainers do), so a float64 or bfloat16 batch built
+    by a mismatched producer goes through silently.
+
+    Breaks LOSS-009 ("A batch ... with a wrong dtype MUST raise an error naming the key").
+    """
+
+    def forward(self, td: TensorDictBase) -> dict[str, torch.Tensor]:
+        """Cast floating fields to float32, then compute the loss."""
+        td = td.clone(recurse=False)
+        for key in (OLD, REF, ADV):
+            if key in td.keys(include_nested=True, leaves_only=True):
+                v = td.get(key)
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    td.set(key, v.float())
+        return super().forward(td)
+
+
 # Correct designs that read the spec's latitude differently from the obvious one.
 
 
@@ -547,6 +604,12 @@ BUGGY_LOSSES: dict[str, tuple[Implementation, str]] = {
         _masked_impl("CopyPastedKeyNameLoss", CopyPastedKeyNameLoss),
         "LOSS-009",
     ),
+    "shifted_entropy": (_masked_impl("ShiftedEntropyLoss", ShiftedEntropyLoss), "LOSS-012"),
+    "shifted_token_advantage": (
+        _masked_impl("ShiftedTokenAdvantageLoss", ShiftedTokenAdvantageLoss),
+        "LOSS-003",
+    ),
+    "casting": (_masked_impl("CastingLoss", CastingLoss), "LOSS-009"),
     "misaligned_loop": (_loop_impl("MisalignedLoopLoss", MisalignedLoopLoss), "LOSS-003"),
     "wrong_side_clip": (_masked_impl("WrongSideClipLoss", WrongSideClipLoss), ""),
 }

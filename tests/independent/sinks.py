@@ -23,6 +23,7 @@ import hashlib
 import math
 import operator
 import sqlite3
+import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -391,6 +392,52 @@ class LastFileFlushCsvSink(CsvPerMetricSink):
             self._last_file.flush()
 
 
+class InfToMaxSQLiteSink(SQLiteSink):
+    """BUG: infinities are stored as the largest finite double, as MLflow's SQL store does
+    since mlflow/mlflow#1573 ("replace the Infs with max / min float value"; the silent
+    change is reported in mlflow/mlflow#22826). NaN is kept.
+
+    Breaks MET-004 (SHOULD: "NaN and infinite values SHOULD be stored as such rather than
+    dropped or replaced").
+    """
+
+    def _row(self, name: str, step: int, v: float) -> tuple[str, int, float | None, str]:
+        if math.isinf(v):
+            return (name, step, math.copysign(sys.float_info.max, v), "num")
+        return super()._row(name, step, v)
+
+
+class SixDigitCsvSink(CsvPerMetricSink):
+    """BUG: values are written with ``%.6g`` (six significant digits, a common "compact"
+    log format), coarser than float32's ~7.2 digits.
+
+    Breaks MET-001 ("... same name, step and value (float32 rounding allowed)").
+    """
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        """Append ``step,value`` with six significant digits."""
+        n, v, s = _point(name, value, step, self._counters)
+        self._handle(n).write(f"{s},{v:.6g}\n")
+
+
+class TruncatingCsvSink(CsvPerMetricSink):
+    """BUG: each metric file is opened with mode "w": a second process (or a resumed run)
+    logging a name another one already wrote truncates that file, and the first writer's
+    points vanish (declares cross_process, as a logger that only tested disjoint names).
+
+    Breaks MET-006 ("Metrics logged from several processes into one run MUST all read back").
+    """
+
+    def _handle(self, name: str) -> TextIO:
+        f = self._files.get(name)
+        if f is None:
+            f = open(self._dir / self._file_name(name), "w", newline="", encoding="utf-8")  # noqa: SIM115
+            csv.writer(f).writerow(["#name", self._stored_name(name)])
+            f.flush()
+            self._files[name] = f
+        return f
+
+
 # Correct designs that read the spec's latitude differently from the obvious one.
 
 
@@ -482,6 +529,36 @@ BUGGY_SINKS: dict[str, tuple[Implementation, str]] = {
             extras={"reader": read_sqlite_null_as_zero},
         ),
         "MET-004",
+    ),
+    "inf_to_max_sqlite": (
+        Implementation(
+            "metrics",
+            InfToMaxSQLiteSink,
+            name="independent.InfToMaxSQLiteSink",
+            capabilities={"flush"},
+            extras={"reader": read_sqlite},
+        ),
+        "MET-004",
+    ),
+    "six_digit_csv": (
+        Implementation(
+            "metrics",
+            SixDigitCsvSink,
+            name="independent.SixDigitCsvSink",
+            capabilities={"flush"},
+            extras={"reader": read_csv_dir},
+        ),
+        "MET-001",
+    ),
+    "truncating_csv": (
+        Implementation(
+            "metrics",
+            TruncatingCsvSink,
+            name="independent.TruncatingCsvSink",
+            capabilities={"flush", "cross_process"},
+            extras={"reader": read_csv_dir},
+        ),
+        "MET-006",
     ),
     "upsert_sqlite": (
         Implementation(
