@@ -96,12 +96,12 @@ class _Hold:
         try:
             deadline = time.perf_counter() + WAIT
             while not self.entered.wait(0.01):
-                if future.done() or time.perf_counter() > deadline:
+                if _outcome(future) != "pending" or time.perf_counter() > deadline:
                     break
             with self._lock:
                 self._armed = False
             held = self.entered.is_set()
-            if not held and not future.done():
+            if not held and _outcome(future) == "pending":
                 raise _fail(f"prompt {prompt}: no response within {WAIT:.0f} s")
             yield future, held
         finally:
@@ -188,6 +188,19 @@ def _result(future: Any, what: str, wait: float = WAIT) -> TensorDictBase:
     except (TimeoutError, FuturesTimeout):
         raise _fail(f"{what}: no response within {wait:.0f} s") from None
     return out
+
+
+def _outcome(handle: Any) -> str:
+    """``"served"``, ``"failed"`` or ``"pending"``, read through ``.result(timeout)`` alone:
+    the Protocol promises nothing else of what ``submit`` returns. A cancelled future is a
+    settled failure."""
+    try:
+        handle.result(timeout=0)
+    except (TimeoutError, FuturesTimeout):
+        return "pending"
+    except (Exception, CancelledError):
+        return "failed"
+    return "served"
 
 
 def _check_layout(out: Any, what: str) -> None:
@@ -311,9 +324,12 @@ def own_response(ctx: Context) -> None:
 
 @requirement("GEN-003")
 def batching_does_not_change_results(ctx: Context) -> None:
+    # Alone on one server, in a batch on another: a response cache (legitimate for greedy
+    # decoding) cannot answer the batched run with what the alone run computed.
     with _server(ctx) as (_policy, server, _hold):
         client = server.client()
         alone = {tuple(p): _result(client.submit(_request(p)), f"{p} alone") for p in PROMPTS}
+    with _server(ctx) as (_policy, server, _hold):
         burst = [(p, server.client().submit(_request(p))) for p in PROMPTS * 4]  # batched
         for p, f in burst:
             want = alone[tuple(p)]
@@ -326,29 +342,32 @@ def batching_does_not_change_results(ctx: Context) -> None:
 
     # A row that ends at EOS in a batch whose other rows go on: nothing may follow its EOS.
     # A held batch makes the rows queue, so they are served together.
-    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
-    policy.load_state_dict(_next_token_weights(policy, EOS_TABLE))
-    eos = policy.config.eos_token_id
-    with _server(ctx, policy) as (_policy, server, hold):
+    def eos_policy() -> Any:
+        policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+        policy.load_state_dict(_next_token_weights(policy, EOS_TABLE))
+        return policy
+
+    eos = eos_policy().config.eos_token_id
+    with _server(ctx, eos_policy()) as (_policy, server, _hold):
         alone_eos = _result(server.client().submit(_request(EOS_PROMPT)), f"{EOS_PROMPT} alone")
+    with _server(ctx, eos_policy()) as (_policy, server, hold):
         with hold.batch(server, LONG_PROMPTS[0]) as (blocker, _held):
             rows = [(p, server.client().submit(_request(p))) for p in [EOS_PROMPT, *LONG_PROMPTS]]
         _result(blocker, f"prompt {LONG_PROMPTS[0]}")
         outs = {tuple(p): _result(f, f"{p} in a batch") for p, f in rows}
-        alone_toks = alone_eos.get(RESPONSE_KEY).tolist()
-        wrong = _mismatch(
-            outs[tuple(EOS_PROMPT)],
-            (alone_toks, alone_eos.get(RESPONSE_LOG_PROBS_KEY).float()),
+    alone_toks = alone_eos.get(RESPONSE_KEY).tolist()
+    wrong = _mismatch(
+        outs[tuple(EOS_PROMPT)], (alone_toks, alone_eos.get(RESPONSE_LOG_PROBS_KEY).float())
+    )
+    if wrong:
+        got = outs[tuple(EOS_PROMPT)].get(RESPONSE_KEY).tolist()
+        after = len(got) - got.index(eos) - 1 if eos in got else 0
+        longer = [outs[tuple(p)].get(RESPONSE_KEY).numel() for p in LONG_PROMPTS]
+        raise _fail(
+            f"prompt {EOS_PROMPT}, whose answer ends at EOS ({eos}), served alone gave "
+            f"{alone_toks}; batched with rows of {longer} tokens it gave {wrong} (alone)"
+            + (f": {after} tokens after EOS" if after else "")
         )
-        if wrong:
-            got = outs[tuple(EOS_PROMPT)].get(RESPONSE_KEY).tolist()
-            after = len(got) - got.index(eos) - 1 if eos in got else 0
-            longer = [outs[tuple(p)].get(RESPONSE_KEY).numel() for p in LONG_PROMPTS]
-            raise _fail(
-                f"prompt {EOS_PROMPT}, whose answer ends at EOS ({eos}), served alone gave "
-                f"{alone_toks}; batched with rows of {longer} tokens it gave {wrong} (alone)"
-                + (f": {after} tokens after EOS" if after else "")
-            )
 
 
 @requirement("GEN-004")
@@ -516,11 +535,6 @@ def bad_request_isolated(ctx: Context) -> None:
             raise _fail("after bad requests the server answers wrongly")
 
 
-def _failed(future: Any) -> bool:
-    # A cancelled future is settled and failed: .exception() would raise CancelledError.
-    return bool(future.cancelled()) or future.exception() is not None
-
-
 @requirement("GEN-008")
 def shutdown_resolves_everything(ctx: Context) -> None:
     policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
@@ -543,13 +557,14 @@ def shutdown_resolves_everything(ctx: Context) -> None:
             f"{5.0 + SHUTDOWN_GRACE:.0f} s (hangs)"
         )
     elapsed = time.perf_counter() - start
-    pending = [f for f in futures if not f.done()]
-    if pending:
+    outcomes = [_outcome(f) for f in futures]
+    if "pending" in outcomes:
         raise _fail(
-            f"after shutdown returned ({elapsed:.1f} s), {len(pending)} futures are still pending"
+            f"after shutdown returned ({elapsed:.1f} s), {outcomes.count('pending')} futures "
+            "are still pending"
         )
     mode = ctx.options.get("on_shutdown", "fail")
-    failed = sum(1 for f in futures if _failed(f))
+    failed = outcomes.count("failed")
     if mode == "drain" and failed:
         raise _fail(
             f"on_shutdown='drain' declared, but {failed} pending requests failed or were cancelled"
