@@ -587,6 +587,18 @@ class Int32IndexListBuffer(ListFifoBuffer):
         return super().extend(data).to(torch.int32)
 
 
+class LazyCopyListBuffer(ListFifoBuffer):
+    """CORRECT: ``sample`` returns a LazyStackedTensorDict of *copies* of the drawn items (a
+    TensorDict with batch size [n], as BUF-004 asks; TorchRL's ListStorage returns lazy
+    stacks too), so nothing written to it reaches storage.
+    """
+
+    def _stack(self, idx: list[int]) -> TensorDictBase:
+        if not idx:
+            return super()._stack(idx)
+        return LazyStackedTensorDict.lazy_stack([self._slots[i].clone() for i in idx], 0)
+
+
 class IndexKeyKeyedBuffer(KeyedArrayBuffer):
     """CORRECT: a sample also carries the bookkeeping key ``index`` (the storage slot of each
     item, as TorchRL's buffers add), which BUF-005 explicitly allows.
@@ -644,6 +656,12 @@ CORRECT_BUFFERS = {
         "buffer",
         Int32IndexListBuffer,
         name="independent.Int32IndexListBuffer",
+        capabilities={"priority", "thread_safe", "read"},
+    ),
+    "list_fifo_lazy_copy": Implementation(
+        "buffer",
+        LazyCopyListBuffer,
+        name="independent.LazyCopyListBuffer",
         capabilities={"priority", "thread_safe", "read"},
     ),
     "keyed_array_index_key": Implementation(
