@@ -71,6 +71,8 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     Yields an empty temporary directory beside ``path``; write the checkpoint's files into it.
     On a clean exit the manifest is added, everything is fsynced and the directory replaces
     ``path``; on an exception the temporary directory is removed and ``path`` is as before.
+    ``path`` must be new, empty or an earlier checkpoint: a directory of other files is refused
+    (:class:`CheckpointError`) rather than replaced.
 
     Example:
         >>> import tempfile
@@ -83,6 +85,14 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         {'state.bin': 3}
     """
     dest = Path(path)
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise CheckpointError(f"{dest}: exists and is not a directory; refusing to replace it")
+    if dest.is_dir() and any(dest.iterdir()) and not (dest / MANIFEST).is_file():
+        # The whole directory is replaced: never delete files a checkpoint did not write.
+        raise CheckpointError(
+            f"{dest}: holds files that are not a posttrain checkpoint (no {MANIFEST}); "
+            "refusing to replace them: give a new or empty directory"
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain._checkpoint import CheckpointError, atomic_dir, verify_dir
 from posttrain.contracts.buffer import sample_size, storage_indices
 from posttrain.contracts.layout import key_str
 from posttrain.contracts.schema import ItemSchema, batch_violations, leaf_items
@@ -19,6 +20,7 @@ from posttrain.contracts.validation import ContractViolation
 __all__ = ["RingBuffer"]
 
 _ALIGN = 8
+_STATE_FILE = "ring_buffer.pt"
 
 
 @dataclass(frozen=True)
@@ -280,13 +282,32 @@ class RingBuffer:
 
     # -- capability: checkpoint ----------------------------------------------------------
     def dumps(self, path: str | os.PathLike[str], /) -> None:
-        """Save the state under directory ``path`` (created if needed)."""
-        os.makedirs(path, exist_ok=True)
-        torch.save(self.state_dict(), os.path.join(path, "ring_buffer.pt"))
+        """Save the state as a checkpoint directory ``path``, written whole or not at all.
+
+        ``path`` holds ``ring_buffer.pt`` and a manifest of its size and SHA-256; it must be
+        new, empty or an earlier checkpoint (a directory of other files is refused).
+        """
+        state = self.state_dict()
+        with atomic_dir(path) as tmp:
+            torch.save(state, tmp / _STATE_FILE)
 
     def loads(self, path: str | os.PathLike[str], /) -> None:
-        """Restore what :meth:`dumps` saved under ``path``."""
-        self.load_state_dict(torch.load(os.path.join(path, "ring_buffer.pt"), weights_only=True))
+        """Restore what :meth:`dumps` saved under ``path``; refuse it whole if it was altered.
+
+        The manifest is checked before anything is read (``CheckpointError`` names a missing,
+        extra, truncated or altered file), the file is read with ``weights_only=True`` (no code
+        runs), and the state is checked whole before the buffer changes.
+        """
+        files = verify_dir(path)
+        if _STATE_FILE not in files:
+            raise CheckpointError(f"{path}: no {_STATE_FILE} in this checkpoint: {sorted(files)}")
+        try:
+            state = torch.load(os.path.join(path, _STATE_FILE), weights_only=True)
+        except Exception as e:  # an unpickler refusal or a corrupt archive, said as one error
+            raise CheckpointError(
+                f"{path}: {_STATE_FILE} could not be read as tensors and plain data: {e}"
+            ) from None
+        self.load_state_dict(state)
 
     def __repr__(self) -> str:
         keys = "" if self._columns is None else ", ".join(key_str(k) for k in self._columns)
