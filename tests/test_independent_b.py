@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import functools
+import time
 from typing import Any
 
 import pytest
@@ -40,17 +41,13 @@ BUGGY: dict[str, tuple[Implementation, str]] = {
 # Cases where the kit does not report the requirement the spec sentence says is broken. Each
 # has a test below showing, without the kit, that the implementation really breaks it.
 KIT_DEFECTS: dict[str, str] = {
-    "generation/result_only_handles": (
-        "kit defect: GEN-008's check calls .done() on what submit returned; the spec promises "
-        "only a Future-like object whose .result(timeout) gives the response or raises"
-    ),
     "rollout/left_padded": (
         "kit defect: ROLL-001 rejects left-padded prompts ('assistant tokens must follow a "
         "prompt') that layout v1 allows, that the spec maps TRL to, and that validate() accepts"
     ),
-    "generation/pad_after_eos": (
-        "kit defect: GEN-003's burst never has a row reach EOS before its batch-mates, so "
-        "padding kept after EOS passes GEN-003 (caught only as GEN-006)"
+    "generation/declared_fail_but_drains": (
+        "kit defect: GEN-008 checks the on_shutdown option only when 'drain' is declared; a "
+        "server declaring 'fail' that serves its pending requests passes"
     ),
     "rollout/stamp_at_yield": (
         "kit defect: ROLL-003 never compares a stamp with the weights that made the batch; "
@@ -116,9 +113,13 @@ def test_buggy_variant_fails_its_requirement(key: str) -> None:
 
 
 def test_every_buggy_variant_is_caught_somewhere() -> None:
-    """Whatever the id, the kit says no to every buggy variant, except those only EOS data or a
-    persistent buffer would show (see ``KIT_DEFECTS``)."""
-    missed = {"rollout/eos_as_pad", "weight_sync/params_only"}
+    """Whatever the id, the kit says no to every buggy variant, except those only EOS data, a
+    persistent buffer or a check of the 'fail' option would show (see ``KIT_DEFECTS``)."""
+    missed = {
+        "generation/declared_fail_but_drains",
+        "rollout/eos_as_pad",
+        "weight_sync/params_only",
+    }
     passed = sorted(k for k in BUGGY if not _own_failures(_report(k)))
     assert passed == sorted(missed)
 
@@ -267,3 +268,23 @@ def test_result_only_handle_answers_and_settles_on_shutdown() -> None:
             r.result(timeout=0.5)
         settled += 1
     assert settled == 16
+
+
+def test_declared_fail_but_drains_serves_pending_requests() -> None:
+    """Shown without the kit: requests pending at ``shutdown`` are served although the
+    declaration says they fail (the correct pool server cancels them)."""
+
+    def pending_answers(srv: Any) -> int:
+        slow = [
+            srv.client().submit(TensorDict({PROMPT_KEY: torch.tensor([5 + i, 6])}, []))
+            for i in range(24)
+        ]
+        srv.shutdown(timeout=10.0)
+        return sum(1 for f in slow if f.done() and not f.cancelled() and f.exception() is None)
+
+    model = tiny_causal_lm()
+    model.register_forward_pre_hook(lambda *_: time.sleep(0.01))  # keep requests queued
+    served_bug = pending_answers(generation.DrainingPoolServer(model, max_new_tokens=4))
+    served_ok = pending_answers(generation.CancelPoolServer(model, max_new_tokens=4))
+    assert served_bug == 24
+    assert served_ok < 24

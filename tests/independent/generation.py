@@ -564,6 +564,33 @@ class NoneNoBumpServer(DrainBatchingServer):
                 self._engine = self._new_engine(model, self._engine.version)
 
 
+class TemperatureLogProbsServer(DrainBatchingServer):
+    """BUG (breaks GEN-004): the log-probs returned are those of the sampling distribution
+    (logits divided by a temperature of 0.7), not the serving weights' own, the mismatch vLLM's
+    ``logprobs_mode`` ("raw" vs "processed") exists to settle; the tokens are still greedy."""
+
+    def _decode(self, engine: _Engine, prompts: list[tuple[int, ...]]) -> list[Decoded]:
+        out = super()._decode(engine, prompts)
+        return [Decoded(d.tokens, [x / 0.7 for x in d.log_probs]) for d in out]
+
+
+class DrainingPoolServer(CancelPoolServer):
+    """BUG (breaks GEN-008, "each served or failed, as the on_shutdown option says"): declared
+    ``on_shutdown="fail"`` but ``shutdown`` lets the executor finish every queued request
+    (``shutdown(wait=False)`` without ``cancel_futures``, then waits up to the timeout), so
+    pending requests are served, not failed, and a shutdown under load takes up to the whole
+    timeout instead of returning at once."""
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        self._closed.set()
+        self._pool.shutdown(wait=False)
+        with self._lock:
+            futs = list(self._futures)
+        _, late = cf.wait(futs, timeout=timeout)
+        for fut in late:
+            _settle(fut, error=TimeoutError("shutdown deadline passed during this request"))
+
+
 def _drain(policy: Any, *, max_new_tokens: int) -> DrainBatchingServer:
     return DrainBatchingServer(policy, max_new_tokens=max_new_tokens)
 
@@ -604,4 +631,6 @@ BUGGY_GENERATION: dict[str, tuple[Implementation, str]] = {
     "batch_poison": (_variant(BatchPoisonServer, "drain"), "GEN-007"),
     "accept_after_shutdown": (_variant(AcceptAfterShutdownServer, "drain"), "GEN-009"),
     "none_no_bump": (_variant(NoneNoBumpServer, "drain"), "GEN-005"),
+    "temperature_log_probs": (_variant(TemperatureLogProbsServer, "drain"), "GEN-004"),
+    "declared_fail_but_drains": (_variant(DrainingPoolServer, "fail"), "GEN-008"),
 }

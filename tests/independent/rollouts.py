@@ -495,6 +495,16 @@ class EosAsPadSource(EagerPrefetchSource):
         return batch
 
 
+class ShutdownOnceSource(LazyGeneratorSource):
+    """BUG (breaks ROLL-007): a second ``shutdown()`` raises ("already shut down") instead of
+    doing nothing, so a ``finally: src.shutdown()`` after an error path crashes."""
+
+    def shutdown(self) -> None:
+        if self._closed:
+            raise RuntimeError("shutdown: the source is already shut down")
+        super().shutdown()
+
+
 def _impl(cls: type[Any], caps: set[str]) -> Implementation:
     def factory(
         policy: Any, prompts: list[list[int]], total_batches: int | None, *, max_new_tokens: int
@@ -527,4 +537,5 @@ BUGGY_ROLLOUT: dict[str, tuple[Implementation, str]] = {
     "padded_ragged": (_impl(PaddedRaggedSource, _LAZY_CAPS), "ROLL-010"),
     "empty_after_shutdown": (_impl(EmptyAfterShutdownSource, _PREFETCH_CAPS), "ROLL-007"),
     "eos_as_pad": (_impl(EosAsPadSource, _PREFETCH_CAPS), "ROLL-001"),
+    "shutdown_once": (_impl(ShutdownOnceSource, _LAZY_CAPS), "ROLL-007"),
 }
