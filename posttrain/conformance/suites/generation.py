@@ -126,13 +126,6 @@ def _server(ctx: Context, policy: Any = None) -> Iterator[tuple[Any, Any, _Hold]
         t.join(5.0 + SHUTDOWN_GRACE)
 
 
-def _twin(policy: Any, seed: int) -> Any:
-    """A hook-free model with ``policy``'s weights: expected answers never touch the server's."""
-    twin = tiny_causal_lm(vocab_size=V, seed=seed)
-    twin.load_state_dict(policy.state_dict())
-    return twin
-
-
 def _next_token_weights(model: Any, table: dict[int, int]) -> dict[str, torch.Tensor]:
     """Weights under which the next token is ``table[last token]`` whatever came before.
 
