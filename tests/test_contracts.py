@@ -40,9 +40,16 @@ PREFIX = {
 def test_catalogue_integrity(cid: str) -> None:
     c = CONTRACTS[cid]
     assert c.major == 1
-    # Additive minor versions: every requirement says since when, never after the contract.
-    assert all(r.since <= c.version for r in c.requirements)
-    assert (c.version == "1.0") == all(r.since == "1.0" for r in c.requirements)
+
+    # Minor versions: every requirement says since when and which versions tightened its
+    # check, never after the contract; a version past 1.0 is explained by one of them.
+    def v(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split("."))
+
+    assert all(v(r.since) <= v(c.version) for r in c.requirements)
+    assert all(v(t) <= v(c.version) for r in c.requirements for t in r.tightened)
+    changed = {r.since for r in c.requirements} | {t for r in c.requirements for t in r.tightened}
+    assert c.version == max(changed, key=v)
     assert c.requirements
     ids = [r.id for r in c.requirements]
     assert all(i.startswith(PREFIX[cid] + "-") for i in ids)

@@ -106,7 +106,7 @@ LOSS = Contract(
             text="A ragged batch MUST give the same outputs as its right-padded form.", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-014", level=_M, title="clipped surrogate", capability="clip", since="1.1",
             text="At ratios on both sides of the declared clip bounds and advantages A of both signs, `loss_objective` MUST equal the sum over tokens of the aggregation's weight w times the declared clipped surrogate, and its gradient with respect to each token's log-prob MUST be -A·r·w where the unclipped term is the active one and 0 where a clipped one is (r > 1 + ε_high with A > 0, r < 1 - ε_low with A < 0, r > c with A < 0 under dual clip c).", depends_on=("LOSS-003",)),
-        Requirement(id="LOSS-015", level=_M, title="mis-shaped fields rejected", since="1.1",
-            text="A batch whose advantage or log-probs it reads have a shape outside the layout's (an advantage [B, 1] or [B, T - 1], log-probs one position short or long of the tokens) MUST raise an error naming the key: nothing is broadcast, padded or cut into place."),
+        Requirement(id="LOSS-015", level=_S, title="mis-shaped fields rejected", since="1.1",
+            text="A batch whose advantage or log-probs it reads have a shape outside the layout's (an advantage [B, 1] or [B, T - 1], log-probs one position short or long of the tokens) SHOULD raise an error naming the key: nothing is broadcast, padded or cut into place (a SHOULD until v2: no 1.0 sentence asked for it)."),
     ),
 )  # fmt: skip

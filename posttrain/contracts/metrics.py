@@ -136,7 +136,7 @@ METRICS = Contract(
             text="After `flush()`, everything logged so far MUST be readable without closing the sink.", depends_on=("MET-001",)),
         Requirement(id="MET-006", level=_M, title="several writers", capability="cross_process",
             text="Metrics logged from several processes into one run MUST all read back.", depends_on=("MET-001",)),
-        Requirement(id="MET-007", level=_M, title="no step: the next step", since="1.1",
-            text="A value logged without a step (`step=None`) MUST be recorded at the sink's next step for its name, one past the highest step logged for that name through the sink (0 for its first value), and read back there; it MUST NOT raise or fall back to step 0.", depends_on=("MET-001",)),
+        Requirement(id="MET-007", level=_S, title="no step: the next step", since="1.1",
+            text="A value logged without a step (`step=None`) SHOULD be recorded at the sink's next step for its name, one past the highest step logged for that name through the sink (0 for its first value), and read back there, not raise or fall back to step 0 (a SHOULD until v2: the 1.0 Protocol allowed `step=None` without saying what it means).", depends_on=("MET-001",)),
     ),
 )  # fmt: skip
