@@ -142,3 +142,9 @@ def test_dependants_of_a_failed_foundation_are_blocked() -> None:
 
 def test_every_contract_has_a_mutant_set() -> None:
     assert set(MUTANTS) == set(CONTRACTS)
+
+
+def test_the_docs_carry_the_current_mutation_table() -> None:
+    from tests.mutants import table
+
+    assert table.in_docs() == table.render().strip("\n"), "run: python -m tests.mutants.table"
