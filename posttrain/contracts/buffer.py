@@ -217,7 +217,7 @@ BUFFER = Contract(
         Requirement(id="BUF-013", level=_M, title="empty sample raises", tightened=("1.3",),
             text="`sample` on an empty buffer MUST raise a clear error rather than return garbage: one whose message says the buffer is empty (words such as 'empty', 'no items' or 'len 0')."),
         Requirement(id="BUF-014", level=_M, title="state round trip", tightened=("1.3",),
-            text="`load_state_dict(state_dict())` into a fresh buffer MUST reproduce contents and write position bit-exactly as they were when `state_dict()` was called (later writes to the original change neither), so the next `extend` writes where the original would have.", depends_on=("BUF-001",)),
+            text="`load_state_dict(state_dict())` into a fresh buffer MUST reproduce contents and write position bit-exactly as they were when `state_dict()` was called (later writes to the original change neither), so the next `extend` writes where the original would have; the state MUST survive `torch.save` and `torch.load(weights_only=True)` (tensors and plain data: a checkpoint that loads without running code).", depends_on=("BUF-001",)),
         Requirement(id="BUF-015", level=_S, title="empty extend", tightened=("1.3",),
             text="`extend` of a batch with N = 0 SHOULD be a no-op (contents, write position and the sampling order under way unchanged) that returns an empty index tensor.", depends_on=("BUF-001",)),
         Requirement(id="BUF-016", level=_M, title="epochs without replacement", option=("sampling", "without_replacement"),

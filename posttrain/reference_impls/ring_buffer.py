@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -304,8 +305,10 @@ class RingBuffer:
         try:
             state = torch.load(os.path.join(path, _STATE_FILE), weights_only=True)
         except Exception as e:  # an unpickler refusal or a corrupt archive, said as one error
+            what = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            why = f"it holds an instance of {what.group(1)}" if what else str(e).splitlines()[0]
             raise CheckpointError(
-                f"{path}: {_STATE_FILE} could not be read as tensors and plain data: {e}"
+                f"{path}: {_STATE_FILE} could not be read as tensors and plain data: {why}"
             ) from None
         self.load_state_dict(state)
 

@@ -544,3 +544,28 @@ PRIORITIZED_RING = Implementation(
 
 READ_THEN_WRITE = _impl("BUF-023", _read_then_write, capabilities={"remote_writers"})
 """BUF-023's second mutant (run by tests/test_ray.py, which owns the Ray cluster)."""
+
+
+class _Cursor:
+    """A write position wrapped in an object of the buffer's own: only a pickle load restores it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class PicklesItsState(RingBuffer):
+    """``state_dict()`` holds an object of its own class, so loading it runs code."""
+
+    def state_dict(self) -> dict[str, Any]:
+        st = super().state_dict()
+        st["cursor"] = _Cursor(st["cursor"])
+        return st
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
+        st = dict(state_dict)
+        if isinstance(st.get("cursor"), _Cursor):
+            st["cursor"] = st["cursor"].value
+        super().load_state_dict(st)
+
+
+EXTRA_MUTANTS.append(("BUF-014", _impl("BUF-014", PicklesItsState)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import pickle
 import re
 import threading
 import time
@@ -492,12 +493,22 @@ def _roundtrip(ctx: Context, save: Any, load: Any, what: str) -> None:
 def state_roundtrip(ctx: Context) -> None:
     # The object state_dict() returned, kept as a caller keeps it: not a serialized copy, so a
     # snapshot that is a view of the live storage shows (it changes with the later writes).
-    # A copy through torch.save on each load checks that the state also survives serialization.
+    # A copy through torch.save on each load checks that the state also survives serialization,
+    # read back as a checkpoint should be: weights_only, so the kit never runs the state's code.
     def via_state_dict(state: Any, dst: Any) -> None:
         buf = io.BytesIO()
         torch.save(state, buf)
         buf.seek(0)
-        dst.load_state_dict(torch.load(buf, weights_only=False))
+        try:
+            copy = torch.load(buf, weights_only=True)
+        except pickle.UnpicklingError as e:
+            what = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            raise _fail(
+                "state_dict() holds objects that torch.load(weights_only=True) refuses (only "
+                "tensors and plain data load without running code): "
+                + (f"an instance of {what.group(1)}" if what else str(e).splitlines()[0])
+            ) from None
+        dst.load_state_dict(copy)
 
     _roundtrip(ctx, lambda rb: rb.state_dict(), via_state_dict, "state_dict/load_state_dict")
 
