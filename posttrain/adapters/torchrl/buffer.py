@@ -157,7 +157,7 @@ class ValidatedReplayBuffer:
         schema = _schema_from_state(json.loads(schema_file.read_text()), str(schema_file))
         fallback = Path(path, _STATE_FILE)
         if fallback.exists():
-            self.rb.load_state_dict(torch.load(fallback, weights_only=False))
+            self.rb.load_state_dict(torch.load(fallback, weights_only=True))
         else:
             self.rb.loads(path)
         self._schema = schema
