@@ -52,10 +52,6 @@ KIT_DEFECTS = {
         "MET-002 logs only short names, so a sink that cannot store a name longer than a "
         "file name (255 bytes) passes"
     ),
-    "casting": (
-        "LOSS-009 tries a wrong dtype on the masks only, so a loss that casts float64 "
-        "log-probs and advantages to float32 passes"
-    ),
     "shifted_entropy": (
         "LOSS-012 does not pin the entropy value to the assistant tokens' own distributions "
         "(the spec's '(or sampled)' leaves it loose): entropy read one position late passes"
@@ -80,10 +76,6 @@ KIT_DEFECTS = {
     "last_file_flush_csv": (
         "MET-005 reads back one metric after flush(), so a flush of the last file written "
         "alone passes"
-    ),
-    "wrong_side_clip": (
-        "spec gap: no loss requirement speaks of the clipped objective away from ratio 1, so "
-        "max() in place of min() conforms"
     ),
 }
 
@@ -423,13 +415,17 @@ def test_buffers_have_their_own_rng() -> None:
 
 
 def test_loss_witness_casting_accepts_float64() -> None:
-    """LOSS-009: float64 behaviour log-probs must raise naming the key; the variant casts."""
+    """LOSS-009 (1.1): float64 log-probs are either refused naming the key (MaskedClipLoss)
+    or computed in the loss's precision with the outputs of the float32 batch (CastingLoss)."""
     policy = tiny_causal_lm(vocab_size=64)
     td = _loss_batch()
-    td.set(("log_probs", "full"), td.get(("log_probs", "full")).double())
+    wide = td.clone()
+    wide.set(("log_probs", "full"), wide.get(("log_probs", "full")).double())
     with pytest.raises(TypeError, match="log_probs"):
-        losses.MaskedClipLoss(policy)(td)
-    assert torch.isfinite(losses.CastingLoss(policy)(td)["loss_objective"])
+        losses.MaskedClipLoss(policy)(wide)
+    a = losses.CastingLoss(policy)(wide)
+    b = losses.CastingLoss(policy)(td)
+    assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 def test_loss_witness_shifted_entropy_is_not_the_assistant_tokens_entropy() -> None:

@@ -225,15 +225,25 @@ class ListFifoBuffer:
             self._max_prio = max(self._max_prio, p)
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the items, priorities, write slot, schema and RNG state."""
+        """Items (one stacked tensor per key), priorities, write slot, schema and RNG state:
+        tensors and plain data only, so ``torch.load(weights_only=True)`` reads it back."""
         with self._lock:
+            keys = list(self._schema or {})
             return {
                 "capacity": self.capacity,
-                "slots": [s.clone() for s in self._slots],
+                "keys": keys,
+                "columns": [torch.stack([s.get(k) for s in self._slots]) for k in keys]
+                if self._slots
+                else [],
                 "prio": list(self._prio),
                 "max_prio": self._max_prio,
                 "cursor": self._cursor,
-                "schema": None if self._schema is None else dict(self._schema),
+                "schema": None
+                if self._schema is None
+                else [
+                    (k, str(d).removeprefix("torch."), list(sh))
+                    for k, (d, sh) in self._schema.items()
+                ],
                 "rng": self._rng.getstate(),
             }
 
@@ -244,13 +254,23 @@ class ListFifoBuffer:
                 raise ValueError(
                     f"load_state_dict: capacity {state_dict['capacity']} != {self.capacity}"
                 )
-            self._slots = [s.clone() for s in state_dict["slots"]]
+            keys = [tuple(k) for k in state_dict["keys"]]
+            cols = dict(zip(keys, state_dict["columns"], strict=True))
+            n = len(state_dict["prio"])
+            self._slots = (
+                list(_assemble({k: v.clone() for k, v in cols.items()}, n).unbind(0)) if n else []
+            )
             self._prio = list(state_dict["prio"])
             self._max_prio = float(state_dict["max_prio"])
             self._cursor = int(state_dict["cursor"])
             schema = state_dict["schema"]
-            self._schema = None if schema is None else dict(schema)
-            self._rng.setstate(state_dict["rng"])
+            self._schema = (
+                None
+                if schema is None
+                else {tuple(k): (getattr(torch, d), tuple(sh)) for k, d, sh in schema}
+            )
+            version, internal, gauss = state_dict["rng"]
+            self._rng.setstate((version, tuple(internal), gauss))
 
 
 class KeyedArrayBuffer:

@@ -391,8 +391,8 @@ class WrongSideClipLoss(MaskedClipLoss):
     optimistic: large ratios are never clipped for positive advantages). At ratio 1 both
     surrogates and their gradients agree, so only a check away from ratio 1 can see it.
 
-    Breaks no requirement id of loss v1: no sentence speaks of the objective away from
-    ratio 1 (LOSS-003 is at ratio 1; LOSS-012 speaks of clip_fraction only). A spec gap.
+    Broke no requirement of loss 1.0 (no sentence spoke of the objective away from ratio 1:
+    a spec gap); breaks LOSS-014 (capability ``clip``, loss 1.1), which it declares.
     """
 
     def _surrogate(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
@@ -454,11 +454,10 @@ class ShiftedTokenAdvantageLoss(MaskedClipLoss):
 
 
 class CastingLoss(MaskedClipLoss):
-    """BUG: float fields of any floating dtype are cast to float32 instead of refused
-    (``.float()`` on the way in, as most trainers do), so a float64 or bfloat16 batch built
-    by a mismatched producer goes through silently.
-
-    Breaks LOSS-009 ("A batch ... with a wrong dtype MUST raise an error naming the key").
+    """Written as a BUG under loss 1.0 (float fields of any floating dtype cast to float32
+    instead of refused, ``.float()`` on the way in), it is CORRECT under loss 1.1: LOSS-009 now
+    says "a float field in another floating dtype ... is not a wrong dtype: the loss either
+    refuses it naming the key or computes in its own precision".
     """
 
     def forward(self, td: TensorDictBase) -> dict[str, torch.Tensor]:
@@ -546,7 +545,7 @@ def _loop(
     )
 
 
-_MASKED_CAPS = {"kl_to_ref", "diagnostics", "per_token_advantage"}
+_MASKED_CAPS = {"kl_to_ref", "diagnostics", "per_token_advantage", "clip"}
 
 
 def _masked_impl(
@@ -561,7 +560,7 @@ def _masked_impl(
         name=f"independent.{name}",
         capabilities=_MASKED_CAPS,
         options={"aggregation": agg},
-        extras={"t_norm": t_norm},
+        extras={"t_norm": t_norm, "clip_epsilon": 0.2},
     )
 
 
@@ -575,9 +574,9 @@ def _loop_impl(
         "loss",
         _loop(agg, cls, per_sequence_forward),
         name=f"independent.{name}",
-        capabilities={"per_token_advantage"},
+        capabilities={"per_token_advantage", "clip"},
         options={"aggregation": agg},
-        extras={"t_norm": T_NORM},
+        extras={"t_norm": T_NORM, "clip_epsilon": 0.2},
     )
 
 
@@ -593,6 +592,7 @@ CORRECT_LOSSES = {
     "loop_per_sequence_forward": _loop_impl("SeqLoopLoss[per-seq]", per_sequence_forward=True),
     "loop_tensordict_output": _loop_impl("TensorDictOutLoopLoss", TensorDictOutLoopLoss),
     "masked_trl_clip_fraction": _masked_impl("TrlClipFractionLoss", TrlClipFractionLoss),
+    "masked_casting_floats": _masked_impl("CastingLoss", CastingLoss),
 }
 
 BUGGY_LOSSES: dict[str, tuple[Implementation, str]] = {
@@ -609,7 +609,6 @@ BUGGY_LOSSES: dict[str, tuple[Implementation, str]] = {
         _masked_impl("ShiftedTokenAdvantageLoss", ShiftedTokenAdvantageLoss),
         "LOSS-003",
     ),
-    "casting": (_masked_impl("CastingLoss", CastingLoss), "LOSS-009"),
     "misaligned_loop": (_loop_impl("MisalignedLoopLoss", MisalignedLoopLoss), "LOSS-003"),
-    "wrong_side_clip": (_masked_impl("WrongSideClipLoss", WrongSideClipLoss), ""),
+    "wrong_side_clip": (_masked_impl("WrongSideClipLoss", WrongSideClipLoss), "LOSS-014"),
 }
