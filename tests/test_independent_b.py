@@ -124,14 +124,6 @@ def test_every_buggy_variant_is_caught_somewhere() -> None:
     assert passed == sorted(missed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "kit defect: WS-004/005/006 compare the version after a rejected send with the version "
-        "*sent* before, not the receiver's own; a receiver whose version never moves is "
-        "reported 'went from 1 to 0' though a rejected send left it unchanged"
-    ),
-)
 def test_rejections_not_blamed_for_a_version_that_never_moved() -> None:
     own = _own_failures(_report("weight_sync/version_not_bumped"))
     assert "WS-002" in own

@@ -160,6 +160,9 @@ def _rejects(
     name = name or _last(source)
     _sync(sender, receiver, source, 1)
     before = {n: t.clone() for n, t in model.state_dict().items()}
+    # The version the receiver itself reports, not the one sent: a receiver whose version is
+    # wrong after a good sync breaks WS-002, not this requirement.
+    version_before = receiver.version
     other = {n: t + 0.5 for n, t in source.items()}
     bad = change(other)
     problems: list[str] = []
@@ -183,8 +186,8 @@ def _rejects(
             problems.append(
                 f"the receiver's model changed ({len(changed)} tensors, e.g. {changed[:3]})"
             )
-        if version != 1:
-            problems.append(f"receiver.version went from 1 to {version!r}")
+        if version != version_before:
+            problems.append(f"receiver.version went from {version_before!r} to {version!r}")
     if problems:
         raise _fail(f"weights with {what}: " + "; ".join(problems))
 
