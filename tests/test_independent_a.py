@@ -40,14 +40,6 @@ KIT_DEFECTS = {
         "BUF-016 never extends between samples, so a round fixed when it began (new items "
         "wait while old ones repeat) passes"
     ),
-    "lazy_stack_list": (
-        "BUF-008 mutates the sample in a way that a lazy stack of the stored items does not "
-        "propagate, so a sample aliasing storage passes"
-    ),
-    "copy_pasted_key_name_keyed": (
-        "BUF-011 looks for the key's last component ('full') in the message, so an error "
-        "naming ('tokens', 'full') for a float64 ('log_probs', 'full') passes"
-    ),
     "long_name_csv": (
         "MET-002 logs only short names, so a sink that cannot store a name longer than a "
         "file name (255 bytes) passes"

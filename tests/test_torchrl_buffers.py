@@ -31,7 +31,7 @@ def test_raw_messages_are_precise() -> None:
     assert messages["BUF-009"].startswith(
         "BUF-009: extend with key ('masks', 'all_attention_mask') missing: was accepted; len went from 6 to 8"
     )
-    assert "raised RuntimeError without naming 'full'" in messages["BUF-011"]
+    assert "raised RuntimeError without naming 'log_probs' and 'full'" in messages["BUF-011"]
     assert (
         "the next extend wrote at [1, 2, 3, 4]; an untouched buffer writes at [6, 7, 0, 1]"
         in messages["BUF-012"]

@@ -83,6 +83,10 @@ class ValidatedReplayBuffer:
         """
         batch_size = sample_size(batch_size)
         out = self.rb.sample(batch_size)
+        if self._copy_in and isinstance(out, TensorDictBase):
+            # A list storage's sample is a lazy stack of the stored items themselves: writing
+            # into it would write into the buffer (BUF-008).
+            out = out.clone()
         got = int(out.batch_size[0]) if isinstance(out, TensorDictBase) else batch_size
         if got >= batch_size:
             return out
@@ -102,7 +106,8 @@ class ValidatedReplayBuffer:
 
         TorchRL's lazy storages hand back whatever memory sits at an index never written.
         """
-        return self.rb[storage_indices(indices, len(self.rb))]
+        out = self.rb[storage_indices(indices, len(self.rb))]
+        return out.clone() if self._copy_in and isinstance(out, TensorDictBase) else out
 
     def __len__(self) -> int:
         return len(self.rb)

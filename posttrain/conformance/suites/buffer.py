@@ -255,9 +255,11 @@ def sample_schema(ctx: Context) -> None:
 
 
 def _scribble(td: TensorDictBase) -> None:
-    """Overwrite every tensor of ``td`` in place (uids included), as a caller reusing it would."""
-    for v in leaves(td).values():
-        v.fill_(True if v.dtype == torch.bool else 99)
+    """Overwrite every tensor of ``td`` in place (uids included), as a caller reusing it would.
+
+    Through ``apply_``, which reaches the tensors a lazy stack holds (a stacked view of them
+    would be a copy, and filling it would reach nothing)."""
+    td.apply_(lambda v: v.fill_(True if v.dtype == torch.bool else 99))
 
 
 @requirement("BUF-006")
@@ -412,7 +414,10 @@ def wrong_dtype_rejected(ctx: Context) -> None:
     def bad(td: TensorDictBase) -> TensorDictBase:
         return td.set(key, td.get(key).double())
 
-    _rejects(ctx, [(bad, f"key {key_str(key)} as float64 instead of float32", (key[-1],))])
+    stored = list(leaves(llm_batch(1, T)))
+    _rejects(
+        ctx, [(bad, f"key {key_str(key)} as float64 instead of float32", _naming(key, stored))]
+    )
 
 
 @requirement("BUF-012")
@@ -423,9 +428,9 @@ def wrong_shape_rejected(ctx: Context) -> None:
         v = td.get(key)
         return td.set(key, torch.cat([v, v[:, :1]], dim=1), inplace=False)
 
-    _rejects(
-        ctx, [(bad, f"key {key_str(key)} of item shape [{T + 1}] instead of [{T}]", ("tokens",))]
-    )
+    stored = list(leaves(llm_batch(1, T)))
+    what = f"key {key_str(key)} of item shape [{T + 1}] instead of [{T}]"
+    _rejects(ctx, [(bad, what, _naming(key, stored))])
 
 
 # What BUF-013 takes for a clear error: the message says the buffer is empty. An exception
