@@ -53,10 +53,6 @@ KIT_DEFECTS = {
         "seen only through LOSS-004 (the value it drags in from the prompt), never as a "
         "wrong gradient"
     ),
-    "six_digit_csv": (
-        "MET-001's values are short decimals, so a sink keeping 6 significant digits "
-        "(coarser than float32) passes"
-    ),
     "upsert_sqlite": (
         "MET-001 never logs one name twice at one step, so a sink keeping only the last "
         "value per (name, step) passes"

@@ -124,7 +124,7 @@ METRICS = Contract(
         Capability(name="cross_process", text="Several processes may log into one run."),
     ),
     requirements=(
-        Requirement(id="MET-001", level=_M, title="read back exactly",
+        Requirement(id="MET-001", level=_M, title="read back exactly", tightened=("1.1",),
             text="Every logged (name, step, value) MUST read back from the backend with the same name, step and value (float32 rounding allowed)."),
         Requirement(id="MET-002", level=_M, title="catalogue names",
             text="Names matching `^[a-z0-9_]+(/[a-z0-9_]+)*$` MUST be stored unchanged, slashes included.", depends_on=("MET-001",)),
