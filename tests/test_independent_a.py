@@ -32,10 +32,6 @@ KIT_DEFECTS = {
         "LOSS-003's logit probe sees only one batched policy call; a loss that runs the "
         "policy once per sequence (trimmed) is failed with 'no gradient w.r.t. the logits'"
     ),
-    "masked_seq_sum_norm": (
-        "LOSS-003 demands extras['t_norm'] be an int; the spec says only 'a declared "
-        "constant' (a float T_norm of 16.0 is failed)"
-    ),
     "round_at_start_keyed": (
         "BUF-016 never extends between samples, so a round fixed when it began (new items "
         "wait while old ones repeat) passes"

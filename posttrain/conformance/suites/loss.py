@@ -141,11 +141,13 @@ def _expected_weights(ctx: Context, mask: torch.Tensor) -> torch.Tensor:
     if agg == "seq_mean_token_sum":
         return m / b
     t_norm = ctx.impl.extras.get("t_norm")
-    if not isinstance(t_norm, int):
+    # The spec asks for "a declared constant": any positive number (16 or 16.0), not a bool.
+    if isinstance(t_norm, bool) or not isinstance(t_norm, int | float) or not t_norm > 0:
         raise _fail(
-            "seq_mean_token_sum_norm is declared but Implementation.extras['t_norm'] (an int) is not"
+            "seq_mean_token_sum_norm is declared but Implementation.extras['t_norm'] (a positive "
+            f"number) is {t_norm!r}"
         )
-    return m / (b * t_norm)
+    return m / (b * float(t_norm))
 
 
 def _logp_grads(policy: Any, loss: Any, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
