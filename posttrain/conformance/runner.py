@@ -28,7 +28,8 @@ from posttrain.contracts.requirements import Requirement
 __all__ = ["DEFAULT_TIMEOUT_S", "Session", "run"]
 
 DEFAULT_TIMEOUT_S = 120.0
-"""How long one requirement's check may run before it is FAIL "no answer in N s"."""
+"""How long the pytest plugin and ``check()`` let one requirement's check run before it is
+FAIL "no answer in N s"."""
 
 # A message is one reading, not a log: a long list in it is cut here at the latest.
 _MAX_MESSAGE = 1200
@@ -85,7 +86,7 @@ class Session:
         *,
         target: str = "",
         seed: int = 0,
-        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
     ) -> None:
         self.impl = impl
         found = target or target_of(impl)
@@ -266,12 +267,14 @@ def run(
     *,
     target: str = "",
     seed: int = 0,
-    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> Report:
     """Run the whole suite of ``impl``'s contract; return the report.
 
-    Each requirement's check runs in a thread of its own for at most ``timeout_s`` seconds
-    (``None``: in this thread, unbounded).
+    With ``timeout_s``, each requirement's check runs in a thread of its own for at most that
+    many seconds (a hang is FAIL "no answer in N s"); ``None`` (the default here) runs every
+    check in the calling thread, unbounded. The pytest plugin and ``check()`` bound each check
+    at :data:`DEFAULT_TIMEOUT_S`.
 
     Example:
         >>> from posttrain.reference_impls import RING_BUFFER
