@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST", "CheckpointError", "atomic_dir", "verify_dir"]
+__all__ = ["MANIFEST", "CheckpointError", "atomic_dir", "verify_dir", "why_unsafe"]
 
 MANIFEST = "manifest.json"
 _FORMAT = "posttrain-checkpoint/1"
@@ -200,3 +201,14 @@ def verify_dir(path: str | os.PathLike[str]) -> dict[str, int]:
                 "it was written)"
             )
     return {name: int(listed[name]["size"]) for name in sorted(listed)}
+
+
+def why_unsafe(error: BaseException) -> str:
+    """What a ``torch.load(weights_only=True)`` refusal was about, in a few words.
+
+    Example:
+        >>> why_unsafe(Exception("Weights only load failed... Unsupported global: GLOBAL a.B was..."))
+        'it holds an instance of a.B'
+    """
+    what = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    return f"it holds an instance of {what.group(1)}" if what else str(error).splitlines()[0]

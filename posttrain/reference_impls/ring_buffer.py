@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain._checkpoint import CheckpointError, atomic_dir, verify_dir
+from posttrain._checkpoint import CheckpointError, atomic_dir, verify_dir, why_unsafe
 from posttrain.contracts.buffer import sample_size, storage_indices
 from posttrain.contracts.layout import key_str
 from posttrain.contracts.schema import ItemSchema, batch_violations, leaf_items
@@ -305,10 +304,9 @@ class RingBuffer:
         try:
             state = torch.load(os.path.join(path, _STATE_FILE), weights_only=True)
         except Exception as e:  # an unpickler refusal or a corrupt archive, said as one error
-            what = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-            why = f"it holds an instance of {what.group(1)}" if what else str(e).splitlines()[0]
             raise CheckpointError(
-                f"{path}: {_STATE_FILE} could not be read as tensors and plain data: {why}"
+                f"{path}: {_STATE_FILE} could not be read as tensors and plain data: "
+                + why_unsafe(e)
             ) from None
         self.load_state_dict(state)
 

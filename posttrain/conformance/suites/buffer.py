@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from posttrain._checkpoint import why_unsafe
 from posttrain._deps import optional_deps
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
 from posttrain.conformance.data import item_uids, llm_batch, ragged_llm_batch
@@ -507,11 +508,9 @@ def state_roundtrip(ctx: Context) -> None:
         try:
             copy = torch.load(buf, weights_only=True)
         except pickle.UnpicklingError as e:
-            what = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
             raise _fail(
                 "state_dict() holds objects that torch.load(weights_only=True) refuses (only "
-                "tensors and plain data load without running code): "
-                + (f"an instance of {what.group(1)}" if what else str(e).splitlines()[0])
+                f"tensors and plain data load without running code): {why_unsafe(e)}"
             ) from None
         dst.load_state_dict(copy)
 
