@@ -206,7 +206,7 @@ class Session:
         else:
             # A thread, not a signal: a hang inside C code (a lock, a queue, a socket) cannot be
             # interrupted, only abandoned. The thread is a daemon, so it never holds up exit.
-            worker = threading.Thread(target=body, name=f"posttrain-{req.id}", daemon=True)
+            worker = threading.Thread(target=body, name=f"posttrain-check-{req.id}", daemon=True)
             worker.start()
             worker.join(self.timeout_s)
             if not outcome:
