@@ -12,6 +12,13 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain._checkpoint import CheckpointError, atomic_dir, verify_dir, why_unsafe
+from posttrain._state_checks import (
+    bad,
+    checked_int,
+    checked_tensor,
+    distinct_indices,
+    schema_from_state,
+)
 from posttrain.contracts.buffer import sample_size, storage_indices
 from posttrain.contracts.layout import key_str
 from posttrain.contracts.schema import ItemSchema, batch_violations, leaf_items
@@ -242,16 +249,15 @@ class RingBuffer:
     def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
         """Restore :meth:`state_dict`'s output; the next extend writes where the original would.
 
-        The whole state is checked first: a bad one raises ``ValueError`` naming the key, with
-        the buffer unchanged.
+        The whole state is checked first (schema dtypes from a closed set, rows a dense uint8
+        tensor of the schema's row bytes, cursor, len and write count consistent, the epoch
+        the rest of a permutation): a bad one raises ``ValueError`` naming the key, what was
+        expected and what was found, with the buffer unchanged. The new ring is filled before
+        it replaces the old one.
         """
         st = _checked_state(state_dict, self.capacity)
-        try:
-            schema = None if st["schema"] is None else ItemSchema.from_state(st["schema"])
-        except (TypeError, ValueError, AttributeError) as e:
-            raise ValueError(
-                f"state_dict['schema']: expected ItemSchema.to_state()'s output, found {e}"
-            ) from e
+        schema = st["schema"]
+        ring: torch.Tensor | None = None
         if schema is not None:
             want = (st["len"], _row_bytes(self._layout(schema)))
             rows = st["rows"]
@@ -261,23 +267,32 @@ class RingBuffer:
                     f"state_dict['rows']: expected uint8 {list(want)} (len x the schema's row "
                     f"bytes), found {found}"
                 )
+            ring = torch.empty(self.capacity, want[1], dtype=torch.uint8, device=self.device)
+            ring[: st["len"]].copy_(rows)
         elif st["len"] or st["rows"] is not None:
             raise ValueError(
                 f"state_dict['rows']: expected none without a schema, found len {st['len']}"
             )
+        gen = torch.Generator(device="cpu")
+        gen.set_state(st["rng"])
+        # Nothing below can fail: the buffer changes all at once or not at all.
         with self._lock:
-            if schema is None:
+            if schema is None or ring is None:
                 self._schema, self._columns, self._rows, self._dst = None, None, None, None
                 self._dst_items = []
+                self._nested = _nesting([])
             else:
-                self._allocate(schema)
-                assert self._rows is not None
-                self._rows[: st["len"]].copy_(st["rows"])
+                self._schema = schema
+                self._columns = self._layout(schema)
+                self._rows = ring
+                self._dst = self._views(ring)
+                self._dst_items = list(self._dst.items())
+                self._nested = _nesting(list(self._columns))
             self.sampling = st["sampling"]
             self._cursor = st["cursor"]
             self._len = st["len"]
             self._write_count = st["write_count"]
-            self._gen.set_state(st["rng"])
+            self._gen = gen
             self._epoch = st["epoch"]
 
     # -- capability: checkpoint ----------------------------------------------------------
@@ -361,45 +376,51 @@ _STATE_KEYS = (
 
 
 def _checked_state(state: Any, capacity: int) -> dict[str, Any]:
-    """``state`` with its ints as ints, or ``ValueError`` naming the first key that is off."""
-
-    def bad(key: str, expected: str, found: object) -> ValueError:
-        return ValueError(f"state_dict[{key!r}]: expected {expected}, found {found!r}")
-
+    """``state`` checked whole, its ints as ints and its schema parsed, or ``ValueError`` naming
+    the first key that is off (what was expected, what was found)."""
     if not isinstance(state, dict):
-        raise ValueError(f"state_dict: expected a dict, found {type(state).__name__}")
+        raise bad("state_dict", "a dict (RingBuffer.state_dict()'s output)", type(state).__name__)
     missing = [k for k in _STATE_KEYS if k not in state]
-    if missing:
+    extra = sorted(str(k) for k in state if k not in _STATE_KEYS)
+    if missing or extra:
         raise ValueError(
-            f"state_dict: expected keys {list(_STATE_KEYS)}, missing {missing} "
-            "(is it RingBuffer.state_dict()'s output?)"
+            f"state_dict: expected keys {list(_STATE_KEYS)} (RingBuffer.state_dict()'s output), "
+            f"found {'missing ' + str(missing) if missing else ''}"
+            f"{' and ' if missing and extra else ''}{'extra ' + str(extra) if extra else ''}"
         )
     out = dict(state)
-    if out["capacity"] != capacity:
-        raise bad("capacity", str(capacity), out["capacity"])
+    if isinstance(out["capacity"], bool) or out["capacity"] != capacity:
+        raise bad("state_dict['capacity']", str(capacity), out["capacity"])
     if out["sampling"] not in ("with_replacement", "without_replacement"):
-        raise bad("sampling", "'with_replacement' or 'without_replacement'", out["sampling"])
-    for key, lo, hi in (("len", 0, capacity), ("cursor", 0, capacity - 1)):
-        v = out[key]
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise bad(key, f"an int in [{lo}, {hi}]", v)
-    wc = out["write_count"]
-    if isinstance(wc, bool) or not isinstance(wc, int) or wc < out["len"]:
-        raise bad("write_count", f"an int >= len ({out['len']})", wc)
-    if out["len"] < capacity and out["cursor"] != out["len"]:
-        raise bad("cursor", f"len ({out['len']}) while the ring is not full", out["cursor"])
-    rows = out["rows"]
-    if rows is not None and not isinstance(rows, torch.Tensor):
-        raise bad("rows", "a uint8 tensor or None", type(rows).__name__)
+        raise bad(
+            "state_dict['sampling']", "'with_replacement' or 'without_replacement'", out["sampling"]
+        )
+    wc = out["write_count"] = checked_int(out["write_count"], "state_dict['write_count']", 0)
+    n = out["len"] = checked_int(out["len"], "state_dict['len']", 0, capacity)
+    if n != min(capacity, wc):
+        raise bad("state_dict['len']", f"min(capacity, write_count) = {min(capacity, wc)}", n)
+    cursor = out["cursor"] = checked_int(out["cursor"], "state_dict['cursor']", 0, capacity - 1)
+    if cursor != wc % capacity:
+        raise bad(
+            "state_dict['cursor']",
+            f"len ({n}) while the ring is not full"
+            if n < capacity
+            else f"write_count % capacity = {wc % capacity}",
+            cursor,
+        )
+    out["schema"] = schema_from_state(out["schema"], "state_dict['schema']")
+    if out["rows"] is not None:
+        checked_tensor(out["rows"], "state_dict['rows']")
     rng = out["rng"]
     try:
+        if not isinstance(rng, torch.Tensor):
+            raise TypeError
+        checked_tensor(rng, "state_dict['rng']")
         torch.Generator(device="cpu").set_state(rng)
-    except (TypeError, RuntimeError) as e:
-        raise bad("rng", "a CPU torch.Generator state", type(rng).__name__) from e
-    epoch = out["epoch"]
-    if not isinstance(epoch, list) or not all(
-        isinstance(i, int) and 0 <= i < out["len"] for i in epoch
-    ):
-        raise bad("epoch", f"a list of ints in [0, {out['len']})", epoch)
-    out["epoch"] = list(epoch)
+    except (TypeError, RuntimeError, ValueError):
+        found = (
+            f"a tensor of {rng.dtype} {list(rng.shape)}" if isinstance(rng, torch.Tensor) else rng
+        )
+        raise bad("state_dict['rng']", "a CPU torch.Generator state", found) from None
+    out["epoch"] = distinct_indices(out["epoch"], "state_dict['epoch']", n)
     return out

@@ -233,18 +233,25 @@ class NemoReplayBuffer:
         """Restore :meth:`state_dict`'s output (lists must agree in length).
 
         Every key is checked before anything is assigned or the backing buffer's state is
-        loaded (that comes last): a bad state raises naming the key, what was expected and what
-        was found, and leaves this buffer as it was.
+        loaded (that comes last): entries' storage indices distinct, within the capacity and
+        owned by one entry each, their offsets within the items written, no more entries than
+        ``max_size``. A bad state raises ``ValueError`` (also a ``KeyError`` for a missing key
+        and a ``TypeError`` for a wrong type) naming the key, what was expected and what was
+        found, and leaves this buffer as it was; so does a backing buffer's refusal, and a
+        backing state holding fewer items than the entries point at (its previous state is
+        put back).
         """
         if not isinstance(state, Mapping):
-            raise TypeError(f"state: expected a dict, found {type(state).__name__}")
+            raise _StateTypeError(f"state: expected a dict, found {type(state).__name__}")
         keys = ("trajectories", "trajectory_versions", "target_weight_versions")
         missing = [k for k in (*keys, "buffer") if k not in state]
         if missing:
-            raise KeyError(f"state: missing {missing}; found {sorted(state)}")
+            raise _StateKeyError(f"state: missing {missing}; found {sorted(state)}")
         for k in keys:
             if not isinstance(state[k], list | tuple):
-                raise TypeError(f"state[{k!r}]: expected a list, found {type(state[k]).__name__}")
+                raise _StateTypeError(
+                    f"state[{k!r}]: expected a list, found {type(state[k]).__name__}"
+                )
         lengths = {k: len(state[k]) for k in keys}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"state: lists differ in length: {lengths}")
@@ -260,11 +267,72 @@ class NemoReplayBuffer:
         max_size = _int(state.get("max_size", self.max_size), "state['max_size']")
         if max_size <= 0:
             raise ValueError(f"state['max_size']: expected > 0, found {max_size}")
+        if len(entries) > max_size:
+            raise ValueError(
+                f"state['trajectories']: expected at most max_size={max_size} entries, "
+                f"found {len(entries)}"
+            )
+        self._check_entries(entries, written)
+        before = self.buffer.state_dict()
         self.buffer.load_state_dict(state["buffer"])  # last: if it raises, nothing here changed
+        top = max((i for e in entries for i in e.indices), default=-1)
+        if top >= len(self.buffer):
+            self.buffer.load_state_dict(before)
+            raise ValueError(
+                f"state['trajectories']: expected storage indices below the backing state's "
+                f"len {len(self.buffer)}, found {top} (the previous backing state was put back)"
+            )
         self._entries = entries
         self._written = written
         self.last_target_weight_already_generated = last
         self.max_size = max_size
+
+    def _check_entries(self, entries: list[_Entry], written: int) -> None:
+        if written < 0:
+            raise ValueError(f"state['written']: expected >= 0, found {written}")
+        owner: dict[int, int] = {}
+        for n, e in enumerate(entries):
+            where = f"state['trajectories'][{n}]"
+            if not e.indices or len(set(e.indices)) != len(e.indices):
+                raise ValueError(
+                    f"{where}['indices']: expected distinct storage indices, found {e.indices}"
+                )
+            hi = self.capacity
+            out = [i for i in e.indices if i < 0 or (hi is not None and i >= hi)]
+            if out:
+                span = f"[0, {hi})" if hi is not None else ">= 0"
+                raise ValueError(f"{where}['indices']: expected indices in {span}, found {out}")
+            shared = sorted(i for i in e.indices if i in owner)
+            if shared:
+                raise ValueError(
+                    f"{where}['indices']: expected rows of its own, found {shared} also held by "
+                    f"entry {owner[shared[0]]}"
+                )
+            owner.update(dict.fromkeys(e.indices, n))
+            if e.width < 1:
+                raise ValueError(f"{where}['width']: expected >= 1, found {e.width}")
+            if not 0 <= e.offset <= written - len(e.indices):
+                raise ValueError(
+                    f"{where}['offset']: expected in [0, written - {len(e.indices)} = "
+                    f"{written - len(e.indices)}], found {e.offset}"
+                )
+            if self.capacity is not None and written - e.offset > self.capacity:
+                raise ValueError(
+                    f"{where}['offset']: expected >= written - capacity = "
+                    f"{written - self.capacity} (older rows were overwritten), found {e.offset}"
+                )
+
+
+class _StateKeyError(KeyError, ValueError):
+    """A saved state without a key it must have: a ``ValueError`` as every refusal, and the
+    ``KeyError`` it always was."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class _StateTypeError(TypeError, ValueError):
+    """A saved state's field of the wrong type: a ``ValueError`` and a ``TypeError``."""
 
 
 _ENTRY_KEYS = ("indices", "offset", "width", "extras")
@@ -274,14 +342,18 @@ def _entry(t: Any, version: Any, target: Any, n: int) -> _Entry:
     """Entry ``n`` of a saved state, every field checked."""
     where = f"state['trajectories'][{n}]"
     if not isinstance(t, Mapping):
-        raise TypeError(f"{where}: expected a dict with keys {list(_ENTRY_KEYS)}, found {t!r}")
+        raise _StateTypeError(
+            f"{where}: expected a dict with keys {list(_ENTRY_KEYS)}, found {t!r}"
+        )
     absent = [k for k in _ENTRY_KEYS if k not in t]
     if absent:
-        raise KeyError(f"{where}: missing {absent}; found {sorted(t)}")
+        raise _StateKeyError(f"{where}: missing {absent}; found {sorted(t)}")
     if not isinstance(t["indices"], list | tuple):
-        raise TypeError(f"{where}['indices']: expected a list of ints, found {t['indices']!r}")
+        raise _StateTypeError(
+            f"{where}['indices']: expected a list of ints, found {t['indices']!r}"
+        )
     if not isinstance(t["extras"], Mapping):
-        raise TypeError(f"{where}['extras']: expected a dict, found {t['extras']!r}")
+        raise _StateTypeError(f"{where}['extras']: expected a dict, found {t['extras']!r}")
     return _Entry(
         [_int(i, f"{where}['indices'][{j}]") for j, i in enumerate(t["indices"])],
         _int(t["offset"], f"{where}['offset']"),
@@ -299,7 +371,7 @@ def _int(value: Any, where: str) -> int:
             raise TypeError
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{where}: expected an int, found {value!r}") from None
+        raise _StateTypeError(f"{where}: expected an int, found {value!r}") from None
 
 
 def _capacity_of(buffer: Any) -> int | None:

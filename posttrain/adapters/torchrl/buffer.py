@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
+from posttrain._checkpoint import CheckpointError, atomic_dir, verify_dir, why_unsafe
+from posttrain._state_checks import (
+    bad,
+    checked_int,
+    checked_tensor,
+    distinct_indices,
+    schema_from_state,
+)
 from posttrain.contracts.buffer import sample_size, storage_indices
-from posttrain.contracts.schema import ItemSchema, batch_violations
+from posttrain.contracts.schema import RAGGED, ItemSchema, batch_violations
 from posttrain.contracts.validation import ContractViolation
 
 __all__ = ["ValidatedReplayBuffer"]
 
-_SCHEMA_FILE = "posttrain_schema.json"
-_STATE_FILE = "posttrain_state.pt"
+_STATE_FILE = "validated_replay_buffer.pt"
 
 
 class ValidatedReplayBuffer:
@@ -124,48 +131,78 @@ class ValidatedReplayBuffer:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
-        """Restore :meth:`state_dict`'s output.
+        """Restore :meth:`state_dict`'s output, checked whole before anything changes.
 
-        The schema is read first: a state without one, or with one that does not parse, raises
-        ``ValueError`` before the wrapped buffer is touched (a storage restored under the old
-        schema would accept batches that do not match what it holds).
+        The schema must parse (dtypes from a closed set), the storage must hold exactly the
+        schema's keys with its dtypes and item shapes (plus TorchRL's ``index``) and no more
+        items than the capacity, the writer's cursor and count must agree with that length,
+        and a without-replacement sampler's epoch must be the rest of a permutation. A state
+        that breaks any of it raises ``ValueError`` naming the key, what was expected and what
+        was found, and the buffer is unchanged. Should TorchRL still fail while loading a
+        checked state, the previous state is put back before the error is raised.
         """
-        if not isinstance(state_dict, dict) or {"rb", "schema"} - state_dict.keys():
-            found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict)
+        with self._lock:
+            schema, rb_state = self._checked(state_dict)
+            before = _copied(self.rb.state_dict())
+            try:
+                self.rb.load_state_dict(rb_state)
+            except Exception as e:
+                self.rb.load_state_dict(before)
+                raise ValueError(
+                    f"state_dict['rb']: TorchRL's load_state_dict raised {type(e).__name__}: "
+                    f"{e} (the previous state was put back)"
+                ) from e
+            self._schema = schema
+
+    def _checked(self, state: Any) -> tuple[ItemSchema | None, dict[str, Any]]:
+        if not isinstance(state, Mapping) or set(state) != {"rb", "schema"}:
+            found = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(
-                f"state_dict: expected keys ['rb', 'schema'] (ValidatedReplayBuffer.state_dict()), "
+                "state_dict: expected keys ['rb', 'schema'] (ValidatedReplayBuffer.state_dict()), "
                 f"found {found}"
             )
-        schema = _schema_from_state(state_dict["schema"], "state_dict['schema']")
-        self.rb.load_state_dict(state_dict["rb"])
-        self._schema = schema
+        schema = schema_from_state(state["schema"], "state_dict['schema']")
+        if schema is not None and not self.ragged:
+            for k, c in schema.columns.items():
+                if RAGGED in c.shape:
+                    raise bad(
+                        f"state_dict['schema'] {k}",
+                        "fixed item shapes (this buffer is not ragged)",
+                        c.describe(),
+                    )
+        _check_torchrl_state(state["rb"], schema, self.rb)
+        return schema, state["rb"]
 
     def dumps(self, path: str | os.PathLike[str], /) -> None:
-        """The wrapped buffer's ``dumps``, plus the schema beside it.
+        """Save :meth:`state_dict` as a posttrain checkpoint directory ``path``.
 
-        TorchRL's list-backed storages (``LazyStackStorage``) refuse ``dumps``; for those the
-        adapter saves ``state_dict()`` with ``torch.save`` instead.
+        Written whole or not at all (a temporary directory, fsynced, renamed into place) with
+        a manifest of each file's size and SHA-256: ``validated_replay_buffer.pt``, tensors
+        and plain data only. TorchRL's own ``dumps`` format (memmap files, JSON metadata, a
+        pickled prefetch state) is never written, so :meth:`loads` never reads it.
         """
-        Path(path).mkdir(parents=True, exist_ok=True)
-        try:
-            self.rb.dumps(path)
-        except NotImplementedError:
-            torch.save(self.rb.state_dict(), Path(path, _STATE_FILE))
-        state = None if self._schema is None else self._schema.to_state()
-        Path(path, _SCHEMA_FILE).write_text(json.dumps(state))
+        state = self.state_dict()
+        with atomic_dir(path) as tmp:
+            torch.save(state, tmp / _STATE_FILE)
 
     def loads(self, path: str | os.PathLike[str], /) -> None:
-        """The wrapped buffer's ``loads`` (or the saved ``state_dict``), plus the schema."""
-        schema_file = Path(path, _SCHEMA_FILE)
-        if not schema_file.is_file():
-            raise FileNotFoundError(f"loads: expected {schema_file} (written by dumps), found none")
-        schema = _schema_from_state(json.loads(schema_file.read_text()), str(schema_file))
-        fallback = Path(path, _STATE_FILE)
-        if fallback.exists():
-            self.rb.load_state_dict(torch.load(fallback, weights_only=True))
-        else:
-            self.rb.loads(path)
-        self._schema = schema
+        """Restore what :meth:`dumps` saved under ``path``, or refuse it with nothing changed.
+
+        The manifest is checked before anything is read (``CheckpointError`` names a missing,
+        extra, truncated or altered file), the state is read with ``weights_only=True`` (no
+        code runs) and checked whole by :meth:`load_state_dict`.
+        """
+        files = verify_dir(path)
+        if _STATE_FILE not in files:
+            raise CheckpointError(f"{path}: no {_STATE_FILE} in this checkpoint: {sorted(files)}")
+        try:
+            state = torch.load(Path(path, _STATE_FILE), weights_only=True)
+        except Exception as e:  # an unpickler refusal or a corrupt archive, said as one error
+            raise CheckpointError(
+                f"{path}: {_STATE_FILE} could not be read as tensors and plain data: "
+                + why_unsafe(e)
+            ) from None
+        self.load_state_dict(state)
 
     def update_priority(self, index: Any, priority: Any, /) -> None:
         """Delegate to the wrapped buffer."""
@@ -231,8 +268,123 @@ def _copied(state: Any) -> Any:
     return state
 
 
-def _schema_from_state(state: Any, where: str) -> ItemSchema | None:
+def _capacity(rb: Any) -> int | None:
+    """The wrapped storage's capacity, where this process can see it (not for a served one)."""
     try:
-        return None if state is None else ItemSchema.from_state(state)
-    except (TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"{where}: expected ItemSchema.to_state()'s output, found {e}") from e
+        n = rb.storage.max_size
+    except Exception:
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def _live_part(rb: Any, part: str) -> Any:
+    """The wrapped buffer's own ``sampler`` or ``storage``, None for a served one."""
+    try:
+        return getattr(rb, part)
+    except Exception:
+        return None
+
+
+_INDEX = "index"  # TorchRL's TensorDictReplayBuffer stores each item's index beside it
+
+
+def _check_item(item: Any, schema: ItemSchema, where: str, fixed_rows: int | None) -> None:
+    """One stored column set against the schema: flat 'a.b' keys, dtypes, item shapes.
+
+    ``fixed_rows`` is the leading size of a tensor storage's columns; None for one item of a
+    list storage (no leading dim)."""
+    if not isinstance(item, Mapping):
+        raise bad(where, "a dict of the stored columns", type(item).__name__)
+    want = {".".join(k): c for k, c in schema.columns.items()}
+    keys = set(map(str, item)) - {_INDEX}
+    if keys != set(want) or not all(isinstance(k, str) for k in item):
+        missing, extra = sorted(set(want) - keys), sorted(keys - set(want))
+        raise bad(
+            where,
+            f"the schema's keys {sorted(want)}",
+            f"missing {missing}, extra {extra}" if missing or extra else sorted(item),
+        )
+    for k, v in item.items():
+        at = f"{where}[{k!r}]"
+        t = checked_tensor(v, at)
+        lead = () if fixed_rows is None else (fixed_rows,)
+        if k == _INDEX:
+            if t.dtype != torch.int64 or tuple(t.shape) != lead:
+                raise bad(at, f"int64 {list(lead)}", f"{t.dtype} {list(t.shape)}")
+            continue
+        col = want[k]
+        dims = tuple(t.shape)[len(lead) :]
+        fits = len(dims) == len(col.shape) and all(
+            w in (RAGGED, d) for w, d in zip(col.shape, dims, strict=True)
+        )
+        if t.dtype != col.dtype or tuple(t.shape)[: len(lead)] != lead or not fits:
+            raise bad(
+                at, f"{col.describe()} per item, {list(lead)} items", f"{t.dtype} {list(t.shape)}"
+            )
+
+
+def _check_torchrl_state(state: Any, schema: ItemSchema | None, rb: Any) -> None:
+    """A TorchRL ``ReplayBuffer.state_dict()`` against the schema and the wrapped buffer:
+    storage, writer and sampler parts present and consistent, or ``ValueError``."""
+    w = "state_dict['rb']"
+    if not isinstance(state, Mapping):
+        raise bad(w, "TorchRL's ReplayBuffer.state_dict() (a dict)", type(state).__name__)
+    for part in ("_storage", "_sampler", "_writer"):
+        if not isinstance(state.get(part), Mapping):
+            found = "no such key" if part not in state else type(state[part]).__name__
+            raise bad(f"{w}[{part!r}]", "a dict", found)
+    cap = _capacity(rb)
+    storage = state["_storage"]
+    if "_storage" not in storage:
+        raise bad(f"{w}['_storage']", "a dict with key '_storage'", sorted(map(str, storage)))
+    inner = storage["_storage"]
+    live = _live_part(rb, "storage")
+    at = f"{w}['_storage']['_storage']"
+    if isinstance(inner, list):
+        if live is not None and not isinstance(live.state_dict().get("_storage"), list):
+            raise bad(at, "a tensor storage's columns (a dict)", "a list storage's items")
+        n = len(inner)
+        if cap is not None and n > cap:
+            raise bad(at, f"at most {cap} items (the capacity)", f"{n} items")
+        if schema is None and n:
+            raise bad(at, "no items (the state has no schema)", f"{n} items")
+        for i, item in enumerate(inner):
+            assert schema is not None
+            _check_item(item, schema, f"{at}[{i}]", None)
+    elif isinstance(inner, Mapping):
+        if live is not None and isinstance(live.state_dict().get("_storage"), list):
+            raise bad(at, "a list storage's items (a list)", "a tensor storage's columns")
+        n = checked_int(storage.get("_len"), f"{w}['_storage']['_len']", 0, cap)
+        if schema is None:
+            if n or inner:
+                raise bad(at, "no columns (the state has no schema)", f"len {n}, {sorted(inner)}")
+        else:
+            rows = {
+                int(v.shape[0]) for v in inner.values() if isinstance(v, torch.Tensor) and v.ndim
+            }
+            lead = cap if cap is not None else (max(rows) if rows else 0)
+            if lead < n:
+                raise bad(f"{w}['_storage']['_len']", f"at most the {lead} rows stored", n)
+            _check_item(inner, schema, at, lead)
+    else:
+        raise bad(at, "a dict of columns or a list of items", type(inner).__name__)
+    writer = state["_writer"]
+    wc = checked_int(writer.get("_write_count"), f"{w}['_writer']['_write_count']", n)
+    cursor = checked_int(
+        writer.get("_cursor"), f"{w}['_writer']['_cursor']", 0, None if cap is None else cap - 1
+    )
+    if cap is not None:
+        if n != min(cap, wc):
+            raise bad(f"{w}['_storage'] length", f"min(capacity, write count) = {min(cap, wc)}", n)
+        if cursor != wc % cap:
+            raise bad(f"{w}['_writer']['_cursor']", f"write count % capacity = {wc % cap}", cursor)
+    sampler = state["_sampler"]
+    live_sampler = _live_part(rb, "sampler")
+    if live_sampler is not None:
+        want = set(map(str, live_sampler.state_dict()))
+        if set(map(str, sampler)) != want:
+            raise bad(f"{w}['_sampler']", f"keys {sorted(want)}", sorted(map(str, sampler)))
+    if "_sample_list" in sampler:
+        seen = checked_int(sampler.get("len_storage"), f"{w}['_sampler']['len_storage']", 0, n)
+        if sampler["_sample_list"] is not None:
+            distinct_indices(sampler["_sample_list"], f"{w}['_sampler']['_sample_list']", seen)
