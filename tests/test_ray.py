@@ -136,3 +136,29 @@ def test_a_buffer_host_serves_the_contract_methods_only() -> None:
         with pytest.raises(ValueError, match=rf"'{method}': a buffer host serves only"):
             host.call("a", method, ())
     assert host.call("a", "__len__", ()) == 0
+
+
+def test_the_local_cluster_listens_on_loopback_only() -> None:
+    import psutil
+
+    remote = serve_buffer(RingBuffer, 4)
+    try:
+        assert len(remote) == 0  # a worker process is up and serving
+        # Ray's own servers run in the processes it spawned (GCS, raylet, agents, workers); the
+        # driver also holds whatever else the test process opened (TorchRL's gloo store in the
+        # Ray repros listens on all interfaces: docs/reliability.md says so).
+        pids = {p.pid for p in psutil.Process().children(recursive=True)}
+        listening = [
+            (c.pid, c.laddr.ip, c.laddr.port)
+            for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids
+        ]
+    finally:
+        remote.close()
+    assert len(listening) >= 3, listening  # GCS, raylet, object manager, the worker
+    exposed = [
+        (" ".join(psutil.Process(pid).cmdline())[:80], ip, port)
+        for pid, ip, port in listening
+        if ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+    ]
+    assert not exposed, f"listening beyond loopback (process, address, port): {exposed}"

@@ -17,6 +17,12 @@ LOCAL_CLUSTER = {
 }
 """``ray.init`` arguments of the loopback-only cluster :func:`ensure_cluster` starts."""
 
+_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch for a single-machine instance: at "0" it takes 127.0.0.1 as the node's address,
+and its GCS, raylet, object manager and worker servers listen there. Otherwise Ray replaces
+127.0.0.1 with the machine's own address on purpose (``ray/_private/services.py``:
+``resolve_ip_for_localhost``) and every server listens on all interfaces."""
+
 
 def ray_module() -> Any:
     """``ray``, or an ImportError that says what to install.
@@ -35,8 +41,10 @@ def ray_module() -> Any:
 def ensure_cluster(**overrides: Any) -> Any:
     """Join the Ray cluster this process already uses, or start a local one; return ``ray``.
 
-    A cluster started here is one node on this machine, with 2 CPUs and no dashboard; anything
-    already initialised (``ray.init(address=...)`` by the caller) is left as it is.
+    A cluster started here is one node on this machine, with 2 CPUs and no dashboard, whose
+    servers listen on 127.0.0.1 only (unless the caller set ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
+    themselves); anything already initialised (``ray.init(address=...)`` by the caller) is left
+    as it is.
 
     Example (not run by the doctests: tests/test_ray.py owns the cluster's lifetime):
         >>> ray = ensure_cluster()  # doctest: +SKIP
@@ -46,6 +54,13 @@ def ensure_cluster(**overrides: Any) -> Any:
     ray = ray_module()
     if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # The environment reaches the processes Ray spawns; the constant was read when ray was
+        # imported, possibly before this call, and services.py reads it at call time.
+        os.environ.setdefault(_LOCAL_ONLY, "0")
+        if os.environ[_LOCAL_ONLY] == "0":
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = False
         ray.init(**{**LOCAL_CLUSTER, **overrides})
     return ray
 
