@@ -11,7 +11,14 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_column, leaf_items
 from posttrain.contracts.validation import ContractViolation, Violation
 
-__all__ = ["RAGGED", "Column", "ItemSchema", "batch_violations", "leaf_items"]
+__all__ = [
+    "RAGGED",
+    "Column",
+    "ItemSchema",
+    "batch_violations",
+    "leaf_items",
+    "leaf_violations",
+]
 
 RAGGED = -1
 """An item dimension whose size differs between items."""
@@ -69,6 +76,73 @@ def _free_token_dim(columns: dict[tuple[str, ...], Column]) -> dict[tuple[str, .
 
 
 _MIXED_DIMS = "items with different numbers of dims"
+
+_STRIDED = torch.strided
+
+
+def _faults(v: torch.Tensor) -> list[tuple[str, str, str]]:
+    """(expected, found, requirement) for each way ``v`` cannot be stored, whatever the schema.
+
+    A buffer copies a batch into storage it owns, on its own device: a leaf on any device
+    that holds data is accepted (the write copies it across), ``meta`` holds none. Only dense
+    strided tensors (and the nested tensors a ragged buffer takes) copy into rows; a view of
+    any strides is fine. A leaf that requires grad would keep the caller's graph alive in
+    storage, and the layout calls it invalid (LAY-005).
+    """
+    out = []
+    if v.is_meta:
+        out.append(("a tensor holding data (any device but meta)", "device meta", "BUF-011"))
+    if v.layout is not _STRIDED and not v.is_nested:
+        layout = str(v.layout).removeprefix("torch.")
+        out.append(("a dense tensor (layout strided)", f"layout {layout}", "BUF-011"))
+    if v.requires_grad:
+        out.append(
+            ("a tensor that does not require grad (data, LAY-005)", "requires_grad=True", "LAY-005")
+        )
+    return out
+
+
+def _fault_violations(
+    leaves: dict[tuple[str, ...], Any] | None, items: list[dict[tuple[str, ...], Any]]
+) -> list[Violation]:
+    """Every leaf's faults (:func:`_faults`), once per key and fault; a lazy stack's items are
+    walked one by one and the items at fault named."""
+    if leaves is not None:
+        return [
+            Violation(k, e, f, r)
+            for k, v in leaves.items()
+            if isinstance(v, torch.Tensor)
+            for e, f, r in _faults(v)
+        ]
+    where: dict[tuple[tuple[str, ...], str, str, str], list[int]] = {}
+    for i, it in enumerate(items):
+        for k, v in it.items():
+            if isinstance(v, torch.Tensor):
+                for e, f, r in _faults(v):
+                    where.setdefault((k, e, f, r), []).append(i)
+    return [Violation(k, e, f"{f} in item(s) {_some(at)}", r) for (k, e, f, r), at in where.items()]
+
+
+def _some(ids: list[int]) -> str:
+    shown = ", ".join(map(str, ids[:10]))
+    return shown if len(ids) <= 10 else f"{shown} ... and {len(ids) - 10} more"
+
+
+def leaf_violations(data: Any) -> list[Violation]:
+    """What makes a batch unstorable whatever the schema: a leaf on ``meta``, a sparse (or
+    other non-strided) leaf, a leaf that requires grad. Each names the key.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({"x": torch.zeros(2, 3, requires_grad=True)}, batch_size=[2])
+        >>> [str(v) for v in leaf_violations(td)]
+        ["LAY-005 key 'x': expected a tensor that does not require grad (data, LAY-005), found requires_grad=True"]
+    """
+    if batch_violations(data):
+        return []
+    if isinstance(data, LazyStackedTensorDict) and data.stack_dim == 0:
+        return _fault_violations(None, [leaf_items(t) for t in data.tensordicts])
+    return _fault_violations(leaf_items(data), [])
 
 
 @dataclass(frozen=True)
@@ -170,7 +244,13 @@ class ItemSchema:
     def of(cls, data: TensorDictBase, *, ragged: bool = False) -> ItemSchema:
         """The schema a first write fixes; raises :class:`ContractViolation` for bad leaves."""
         bad = batch_violations(data)
-        cols = _columns(data) if not bad else {}
+        cols: dict[tuple[str, ...], Column | str | _Partial] = {}
+        if not bad:
+            items: list[dict[tuple[str, ...], Any]] = []
+            lazy = isinstance(data, LazyStackedTensorDict) and data.stack_dim == 0
+            leaves = None if lazy else leaf_items(data)
+            cols = _columns(data, leaves, items)
+            bad += _fault_violations(leaves, items)
         bad += [
             Violation(k, "the key in every item", str(c), "BUF-009")
             for k, c in cols.items()
@@ -201,12 +281,16 @@ class ItemSchema:
     def violations(
         self, data: Any, leaves: dict[tuple[str, ...], Any] | None = None
     ) -> list[Violation]:
-        """Every way ``data`` differs from the schema (BUF-009 to BUF-012), without reading values."""
+        """Every way ``data`` differs from the schema (BUF-009 to BUF-012) or cannot be stored
+        (:func:`leaf_violations`), without reading values."""
         bad = batch_violations(data)
         if bad:
             return bad
         per_item: list[dict[tuple[str, ...], Any]] = []
-        got = _columns(data, leaves, per_item)
+        lazy = isinstance(data, LazyStackedTensorDict) and data.stack_dim == 0
+        if not lazy and leaves is None:
+            leaves = leaf_items(data)
+        got = _columns(data, None if lazy else leaves, per_item)
         out: list[Violation] = []
         for k, col in self.columns.items():
             c = got.get(k)
@@ -245,6 +329,7 @@ class ItemSchema:
             for k, c in got.items()
             if k not in self.columns
         ]
+        out += _fault_violations(None if lazy else leaves, per_item)
         if not out and self._tok is not None:
             out += self._token_length_violations(data, leaves, per_item)
         return out
@@ -282,19 +367,36 @@ class ItemSchema:
         self, data: Any, context: str = "extend (buffer unchanged)"
     ) -> dict[tuple[str, ...], Any]:
         """Raise one :class:`ContractViolation` listing every violation; return the leaves."""
+        return self.checked(data, context)[0]
+
+    def checked(
+        self, data: Any, context: str = "extend (buffer unchanged)"
+    ) -> tuple[dict[tuple[str, ...], Any], bool]:
+        """:meth:`check`, and whether ``data`` took the plain path: every leaf exactly a
+        ``torch.Tensor`` (no subclass), dense, matching the schema at a glance.
+
+        A buffer may write a plain batch without an undo copy: copying such leaves into
+        storage of their dtype and shape cannot fail part-way.
+
+        Example:
+            >>> from tensordict import TensorDict
+            >>> s = ItemSchema.of(TensorDict({"x": torch.zeros(2, 3)}, batch_size=[2]))
+            >>> s.checked(TensorDict({"x": torch.ones(4, 3)}, batch_size=[4]))[1]
+            True
+        """
         # A ragged lazy stack has no dense leaves: its columns are read item by item.
         lazy = isinstance(data, LazyStackedTensorDict)
         if lazy and self._stack_plan is not None and self._stack_plan.matches(data):
-            return {} if self._exact is None else leaf_items(data)
+            return ({} if self._exact is None else leaf_items(data)), True
         leaves = leaf_items(data) if isinstance(data, TensorDictBase) and not lazy else {}
         if not lazy and self._matches_exactly(data, leaves):
-            return leaves
+            return leaves, True
         bad = self.violations(data, None if lazy else leaves)
         if bad:
             raise ContractViolation(bad, context)
         if lazy and self._exact is not None:  # fixed shapes: the stack densifies
             leaves = leaf_items(data)
-        return leaves
+        return leaves, False
 
     def _matches_exactly(self, data: Any, leaves: dict[tuple[str, ...], Any]) -> bool:
         exact = self._exact
@@ -321,6 +423,9 @@ class ItemSchema:
                 or v.is_nested
                 or v.dtype != w[0]
                 or v.shape != w[1]
+                or v.requires_grad
+                or v.is_meta
+                or v.layout is not _STRIDED
             ):
                 return False
         return True
@@ -391,6 +496,9 @@ class _StackPlan:
             for key, dtype, kind, want in self.cols:
                 col = _gather(tds, key)
                 if {type(p) for p in col} != _TENSOR or {p.dtype for p in col} != {dtype}:
+                    return False
+                # ~10 us a column of 64 items: what a leaf must be whatever the schema.
+                if any(p.requires_grad or p.is_meta or p.layout is not _STRIDED for p in col):
                     return False
                 if kind == _SCALAR:  # ndim is read ~2x faster than shape
                     if {p.ndim for p in col} != {0}:

@@ -13,6 +13,8 @@ import torch
 from tensordict import TensorDictBase
 
 from posttrain.adapters._ray import ensure_cluster, ray_get, ray_module
+from posttrain.contracts.schema import leaf_violations
+from posttrain.contracts.validation import ContractViolation
 
 __all__ = ["BufferHost", "RemoteBuffer", "serve_buffer"]
 
@@ -157,7 +159,14 @@ class RemoteBuffer:
             )
 
     def extend(self, data: TensorDictBase, /) -> torch.Tensor:
-        """Write every item of ``data`` in the actor; the storage indices written."""
+        """Write every item of ``data`` in the actor; the storage indices written.
+
+        A leaf no buffer stores (on ``meta``, sparse, requiring grad) is refused here, naming
+        the key, before anything is sent: pickling would carry it across as something else.
+        """
+        bad = leaf_violations(data)
+        if bad:
+            raise ContractViolation(bad, "extend (buffer unchanged)")
         out: torch.Tensor = self._call("extend", data)
         return out
 
