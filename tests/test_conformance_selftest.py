@@ -92,7 +92,7 @@ def test_contract_extra_mutant_fails_with_its_requirement_id(
     assert "blocked by" not in row.message
 
 
-@pytest.mark.parametrize("impl", weight_syncs.CORRECT, ids=lambda i: i.name)
+@pytest.mark.parametrize("impl", [*weight_syncs.CORRECT, *rollouts.CORRECT], ids=lambda i: i.name)
 def test_other_correct_designs_pass(impl: Implementation) -> None:
     rep = run(impl)
     assert rep.ok, [r.message for r in rep.results if r.status is not Status.PASS]

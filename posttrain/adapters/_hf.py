@@ -32,15 +32,19 @@ def word_level_tokenizer(config: Any) -> Any:
         "<s>": config.bos_token_id or 1,
         "</s>": config.eos_token_id or 2,
     }
+    # pad == eos (many real tokenizers): one special owns the id, or the vocab has a hole
+    pad = "</s>" if specials["<pad>"] == specials["</s>"] else "<pad>"
+    if pad != "<pad>":
+        del specials["<pad>"]
     taken = set(specials.values())
     vocab = {f"t{i}": i for i in range(config.vocab_size) if i not in taken} | specials
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=pad))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast: Any = PreTrainedTokenizerFast  # untyped constructor
     return fast(
         tokenizer_object=tok,
-        pad_token="<pad>",
+        pad_token=pad,
         bos_token="<s>",
         eos_token="</s>",
-        unk_token="<pad>",
+        unk_token=pad,
     )

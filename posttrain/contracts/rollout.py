@@ -62,7 +62,7 @@ ROLLOUT = Contract(
         "max_new_tokens: int) -> RolloutSourceV1  # policy: an HF causal LM the suite supplies"
     ),
     uses_layout=True,
-    version="1.1",
+    version="1.2",
     capabilities=(
         Capability(name="ragged", text="Yields ragged batches (lazy stacks / jagged tensors) instead of padded ones."),
         Capability(name="log_probs", text="Stamps the behaviour log-probs (`sample_log_probs`) of generated tokens."),
@@ -70,11 +70,11 @@ ROLLOUT = Contract(
     ),
     requirements=(
         Requirement(id="ROLL-001", level=_M, title="batches meet the layout",
-            text="Every batch MUST meet the LLM layout v1 (tokens, attention mask, assistant mask, policy_version) with the assistant mask covering exactly the generated tokens: every generated token, and no prompt or padding token.", tightened=("1.1",)),
+            text="Every batch MUST meet the LLM layout v1 (tokens, attention mask, assistant mask, policy_version) with the assistant mask covering exactly the generated tokens: every generated token (the EOS that ends a response included, also where the pad token is EOS), and no prompt or padding token. Prompts MAY be left-padded (TRL's arrangement).", tightened=("1.1", "1.2")),
         Requirement(id="ROLL-002", level=_M, title="prompt preserved",
-            text="The tokens before the first assistant token MUST be the prompt the source was given.", depends_on=("ROLL-001",)),
+            text="The real tokens (attention mask True) before the first assistant token MUST be the prompt the source was given.", depends_on=("ROLL-001",)),
         Requirement(id="ROLL-003", level=_M, title="version stamped",
-            text="Every item MUST carry `policy_version` equal to the source's `policy_version` when it was generated; that version names the weights, so without `update_policy_weights_` it MUST stay the same from batch to batch.", tightened=("1.1",), depends_on=("ROLL-001",)),
+            text="Every item MUST carry `policy_version` equal to the source's `policy_version` when it was generated; that version names the weights, so without `update_policy_weights_` it MUST stay the same from batch to batch.", tightened=("1.1", "1.2"), depends_on=("ROLL-001",)),
         Requirement(id="ROLL-004", level=_M, title="version rises on update",
             text="After `update_policy_weights_`, `policy_version` and the stamps of later batches MUST be greater than before.", depends_on=("ROLL-003",)),
         Requirement(id="ROLL-005", level=_M, title="new weights used",

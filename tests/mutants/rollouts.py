@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
@@ -13,7 +14,7 @@ from tensordict import TensorDict
 from posttrain.contracts import LLM_LAYOUT_V1, Implementation
 from posttrain.reference_impls import HFRolloutSource
 
-__all__ = ["EXTRA_MUTANTS", "MUTANTS", "SHIFTED_MASKS"]
+__all__ = ["CORRECT", "EXTRA_MUTANTS", "MUTANTS", "SHIFTED_MASKS"]
 
 K = LLM_LAYOUT_V1.key
 
@@ -138,6 +139,70 @@ class VersionPerBatch(HFRolloutSource):
         return out
 
 
+class StampsWhenYielded(HFRolloutSource):
+    """Generates one batch ahead and stamps each batch when it is yielded: the batch made by the
+    old weights before an update carries the new version."""
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        if self._closed:
+            raise RuntimeError("this rollout source was shut down")
+        ahead = self._generate()
+        while self.total_batches is None or self._batches < self.total_batches:
+            batch, ahead = ahead, self._generate()
+            batch.set(
+                K("policy_version"), torch.full_like(batch.get(K("policy_version")), self._version)
+            )
+            yield batch
+            self._batches += 1
+
+
+class StampFrozen(HFRolloutSource):
+    """Stamps every batch with the version of its first one: the new weights' batches carry the
+    old version while ``policy_version`` rises."""
+
+    _stamp: int | None = None
+
+    def _generate(self) -> TensorDict:
+        out = super()._generate()
+        if self._stamp is None:
+            self._stamp = self._version
+        out.set(K("policy_version"), torch.full_like(out.get(K("policy_version")), self._stamp))
+        return out
+
+
+class MasksEosAsPad(_Edit):
+    """Derives the masks as ``tokens != pad`` with pad == EOS: a generated EOS is masked out."""
+
+    def edit(self, batch: TensorDict) -> TensorDict:
+        real = batch.get(K("tokens")) != self.pad
+        batch.set(K("attention_mask"), real)
+        batch.set(K("assistant_mask"), batch.get(K("assistant_mask")) & real)
+        return batch
+
+
+class LeftPadded(HFRolloutSource):
+    """Correct: TRL's arrangement, prompts left-padded then responses right-padded."""
+
+    def _generate(self) -> TensorDict:
+        out = super()._generate()
+        att, asst = out.get(K("attention_mask")), out.get(K("assistant_mask"))
+        plen = (att & ~asst).sum(-1)
+        shift = int(plen.max()) - plen  # move each row right by what its prompt lacks
+        width = att.shape[1] + int(shift.max())
+        moved = TensorDict({}, batch_size=out.batch_size)
+        for key in (K("tokens"), K("attention_mask"), K("assistant_mask"), K("sample_log_probs")):
+            v = out.get(key)
+            fill = self.pad if key == K("tokens") else (math.nan if v.is_floating_point() else 0)
+            new = torch.full((v.shape[0], width), fill, dtype=v.dtype)
+            for i in range(v.shape[0]):
+                s = int(shift[i])
+                new[i, s : s + v.shape[1]] = v[i]
+            moved.set(key, new)
+        moved.set(K("policy_version"), out.get(K("policy_version")))
+        moved.set(K("group_id"), out.get(K("group_id")))
+        return moved
+
+
 def _impl(req: str, cls: type[HFRolloutSource], **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"log_probs", "groups"})
     return Implementation(
@@ -164,8 +229,21 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("ROLL-001", _impl("ROLL-001", MaskOnPredictingPositions)),
     ("ROLL-001", _impl("ROLL-001", MaskShiftedRight)),
     ("ROLL-003", _impl("ROLL-003", VersionPerBatch)),
+    ("ROLL-001", _impl("ROLL-001", MasksEosAsPad)),
+    ("ROLL-003", _impl("ROLL-003", StampsWhenYielded)),
+    ("ROLL-003", _impl("ROLL-003", StampFrozen)),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
+
+CORRECT: list[Implementation] = [
+    Implementation(
+        "rollout",
+        partial(LeftPadded, num_samples=2),
+        name="correct-LeftPadded",
+        capabilities={"log_probs", "groups"},
+    ),
+]
+"""Correct designs other than the reference that the suite must pass."""
 
 SHIFTED_MASKS: dict[int, Implementation] = {
     -1: _impl("ROLL-005", MaskOnPredictingPositions),

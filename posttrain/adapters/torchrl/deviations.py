@@ -149,6 +149,32 @@ fresh.load_state_dict(snapshot)
 assert fresh[torch.arange(2)]["a"].tolist() == [5.0, 5.0]  # the later write, not the snapshot's
 """,
     ),
+    Deviation(
+        ("BUF-024",),
+        "ReplayBuffer.loads / LazyTensorStorage, LazyMemmapStorage",
+        "loads unpickles prefetch.pkl (a planted pickle runs its code) and, refusing a damaged "
+        "file, leaves the storage already replaced",
+        _HEAD
+        + """import os, pathlib, pickle, tempfile
+d = pathlib.Path(tempfile.mkdtemp())
+rb.dumps(d / "ckpt")
+marker = d / "ran"
+class Payload:
+    def __reduce__(self):
+        return (pathlib.Path.touch, (marker,))
+(d / "ckpt" / "prefetch.pkl").write_bytes(pickle.dumps(Payload()))
+TensorDictReplayBuffer(storage=LazyTensorStorage(8)).loads(d / "ckpt")
+assert marker.exists()  # loading the checkpoint ran the planted code
+other = TensorDictReplayBuffer(storage=LazyTensorStorage(8))
+other.extend(TensorDict({"a": torch.zeros(3), "b": torch.zeros(3)}, batch_size=[3]))
+(d / "ckpt" / "buffer_metadata.json").write_text("not json")
+try:
+    other.loads(d / "ckpt")
+except Exception:
+    pass
+assert len(other) == 2  # refused, yet the storage is the checkpoint's (it held 3 items)
+""",
+    ),
 )
 """Known deviations of TorchRL 0.14.1's buffers, found by the buffer suite."""
 
@@ -281,6 +307,22 @@ collector = src.collector  # torchrl.collectors.llm.LLMCollector(..., track_poli
 """
 
 ROLLOUT_DEVIATIONS: tuple[Deviation, ...] = (
+    Deviation(
+        ("ROLL-001",),
+        "TransformersWrapper(generate=True, pad_output=False)",
+        "when the tokenizer's pad token is its EOS token (as in many real tokenizers), the EOS that ends a response is taken for padding (masks are tokens != pad_token_id) and dropped from the response and the masks",
+        _COLLECTOR_HEAD
+        + """from posttrain.conformance.suites.rollout import scripted_weights
+
+model.load_state_dict(scripted_weights(model, 0))  # after token 9: token 20, then EOS (2)
+model.config.pad_token_id = model.generation_config.pad_token_id = model.config.eos_token_id
+src = llm_collector(model, [[8, 9]], None, max_new_tokens=4)  # the tokenizer's pad is EOS too
+td = next(iter(src.collector))
+assert td.get(("tokens", "response"), as_list=True)[0].tolist() == [20]  # generated: [20, 2]
+assert td.get(("tokens", "full"), as_list=True)[0].tolist() == [8, 9, 20]
+src.shutdown()
+""",
+    ),
     Deviation(
         ("ROLL-008",),
         "TransformersWrapper(generate=True, return_log_probs=True)",

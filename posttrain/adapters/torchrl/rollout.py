@@ -89,25 +89,20 @@ def token_prompt_env(prompts: list[list[int]]) -> Any:
 
 
 def _to_layout(
-    td: TensorDictBase, version_key: Any, log_probs: list[torch.Tensor] | None
+    prompts: list[torch.Tensor],
+    responses: list[torch.Tensor],
+    versions: torch.Tensor,
+    log_probs: list[torch.Tensor] | None,
 ) -> LazyStackedTensorDict:
-    """TorchRL's collector output (prompt/response/full, ragged) as LLM-layout items.
+    """Per-item prompt and response tokens (ragged) as LLM-layout items.
 
     ``log_probs``: per item, the log-probs of the response tokens (or of every token).
     """
     items = []
-    prompts = td.get(("tokens", "prompt"), as_list=True)
-    responses = td.get(("tokens", "response"), as_list=True)
-    fulls = td.get(("tokens", "full"), as_list=True)
-    versions = td.get(version_key).reshape(-1)
-    for i, (p, r, f) in enumerate(zip(prompts, responses, fulls, strict=True)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n, m = p.shape[-1], r.shape[-1]
-        if f.shape[-1] != n + m:
-            raise ValueError(
-                f"item {i}: ('tokens', 'full') has {f.shape[-1]} tokens, expected prompt {n} + response {m}"
-            )
         item = {
-            K("tokens"): f,
+            K("tokens"): torch.cat([p, r]),
             K("attention_mask"): torch.ones(n + m, dtype=torch.bool),
             K("assistant_mask"): torch.arange(n + m) >= n,
             K("policy_version"): versions[i].to(torch.int64),
@@ -142,7 +137,22 @@ class LayoutOnlyCollector:
     def __init__(self, collector: Any) -> None:
         self.collector = collector
 
-    def _log_probs(self, td: TensorDictBase) -> list[torch.Tensor] | None:
+    def _tokens(self, td: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per item: TorchRL's prompt and response tokens."""
+        prompts = td.get(("tokens", "prompt"), as_list=True)
+        responses = td.get(("tokens", "response"), as_list=True)
+        fulls = td.get(("tokens", "full"), as_list=True)
+        for i, (p, r, f) in enumerate(zip(prompts, responses, fulls, strict=True)):
+            if f.shape[-1] != p.shape[-1] + r.shape[-1]:
+                raise ValueError(
+                    f"item {i}: ('tokens', 'full') has {f.shape[-1]} tokens, expected prompt "
+                    f"{p.shape[-1]} + response {r.shape[-1]}"
+                )
+        return prompts, responses
+
+    def _log_probs(
+        self, td: TensorDictBase, fulls: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
         out: list[torch.Tensor] = td.get(("log_probs", "response"), as_list=True)
         return out
 
@@ -154,8 +164,10 @@ class LayoutOnlyCollector:
                     td = next(it)
                 except StopIteration:
                     return
-                lps = self._log_probs(td)
-            yield _to_layout(td, self.version_key, lps)
+                prompts, responses = self._tokens(td)
+                fulls = [torch.cat([p, r]) for p, r in zip(prompts, responses, strict=True)]
+                lps = self._log_probs(td, fulls)
+            yield _to_layout(prompts, responses, td.get(self.version_key).reshape(-1), lps)
 
     def update_policy_weights_(self, weights: Any = None, /) -> None:
         """``LLMCollector.update_policy_weights_(weights)``."""
@@ -188,6 +200,8 @@ class ContractCollector(LayoutOnlyCollector):
       of the same model (one forward pass per batch): the generating wrapper sets the first
       response token's log-prob to 0 (``_log_probs_generate``), which would bias every
       importance ratio computed from it.
+    - Puts back the EOS that ends a response when the tokenizer's pad token is EOS:
+      ``TransformersWrapper`` derives its masks as ``tokens != pad_token_id`` and drops it.
     - Iterating after ``shutdown()`` raises :class:`SourceClosed`; ``shutdown`` is idempotent.
 
     Example:
@@ -200,16 +214,33 @@ class ContractCollector(LayoutOnlyCollector):
 
     version_key = ("next", "policy_version")
 
-    def __init__(self, collector: Any, model: Any, prefix: str = "model.") -> None:
+    def __init__(
+        self, collector: Any, model: Any, prefix: str = "model.", *, max_new_tokens: int = 0
+    ) -> None:
         super().__init__(collector)
         self.model = model
         self.prefix = prefix
+        self.max_new_tokens = max_new_tokens
         self.closed = False
         self._scorer = transformers_actor(model, pad_output=False)
+        eos, pad = model.config.eos_token_id, model.config.pad_token_id
+        self._dropped_eos = eos if isinstance(eos, int) and eos == pad else None
 
-    def _log_probs(self, td: TensorDictBase) -> list[torch.Tensor] | None:
-        full = td.get(("tokens", "full"), as_list=True)
-        items = [TensorDict({("tokens", "full"): f}, batch_size=[]) for f in full]
+    def _tokens(self, td: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        prompts, responses = super()._tokens(td)
+        eos = self._dropped_eos
+        if eos is None:
+            return prompts, responses
+        # Shorter than the budget: generation stopped at an EOS, which the wrapper dropped.
+        end = torch.tensor([eos], dtype=torch.long)
+        return prompts, [
+            torch.cat([r, end]) if r.shape[-1] < self.max_new_tokens else r for r in responses
+        ]
+
+    def _log_probs(
+        self, td: TensorDictBase, fulls: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        items = [TensorDict({("tokens", "full"): f}, batch_size=[]) for f in fulls]
         with torch.no_grad():
             out = self._scorer(LazyStackedTensorDict.lazy_stack(items, 0))
         lps: list[torch.Tensor] = out.get(("log_probs", "full"), as_list=True)
@@ -279,4 +310,6 @@ def llm_collector(
             flatten_data=True,
             track_policy_version=True,
         )
-    return ContractCollector(collector, policy) if adapted else LayoutOnlyCollector(collector)
+    if adapted:
+        return ContractCollector(collector, policy, max_new_tokens=max_new_tokens)
+    return LayoutOnlyCollector(collector)

@@ -1,7 +1,11 @@
 """The rollout suite: one check per ROLL requirement (specs/rollout-v1.md).
 
 The suite supplies a tiny real HF causal LM and four prompts; to see that new weights are in
-use it loads weights that force one token, then looks at what was generated.
+use it loads weights that force one token, then looks at what was generated. ROLL-001 and
+ROLL-003 use *scripted* weights instead (:func:`scripted_weights`): the next token depends on
+the last one only, by a margin no sampler overrides, so the suite knows every response in
+advance: two prompts end early with EOS (the model's pad token is EOS too, as with many real
+tokenizers), and the tokens generated name the weights that generated them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15, 16]]
 FORCED = 42
 MAX_NEW = 4
 K = LLM_LAYOUT_V1.key
+EOS = 2  # tiny_causal_lm's eos_token_id
+_EARLY_END = {9, 16}  # prompts ending in these answer [marker, EOS]: shorter than MAX_NEW
+_MARKED = 20  # scripted weights k emit 20 + k before EOS ...
+_LOOPED = 40  # ... and 40 + k (repeated up to MAX_NEW) after any other token
+_MARGIN = 50.0  # ~280 logits after the final norm: exp(-280) underflows, sampling is greedy
 
 
 def _fail(msg: str) -> ConformanceError:
@@ -34,6 +43,63 @@ def _fail(msg: str) -> ConformanceError:
 def _source(ctx: Context, total: int | None = 3) -> tuple[Any, Any]:
     policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
     return policy, ctx.make(policy, [list(p) for p in PROMPTS], total, max_new_tokens=MAX_NEW)
+
+
+def scripted_weights(model: Any, k: int) -> dict[str, torch.Tensor]:
+    """Weights ``k`` for a tiny Llama whose next token depends on the last token only.
+
+    After 9 or 16 it emits ``20 + k`` and then EOS; after any other token it emits ``40 + k``.
+    Like :func:`~posttrain.conformance.policy.forced_token_weights`, the residual stream is the
+    embedding alone; each token's embedding is the unit vector of its class and only the class's
+    next token reads it, so every response is known in advance and names ``k``.
+
+    Example:
+        >>> m = tiny_causal_lm()
+        >>> _ = m.load_state_dict(scripted_weights(m, 1))
+        >>> [m(input_ids=torch.tensor([[5, t]])).logits[0, -1].argmax().item() for t in (7, 9, 21)]
+        [41, 21, 2]
+    """
+    x, y, z = 0, 1, 2  # classes: -> 40 + k, -> 20 + k, -> EOS
+    out = forced_token_weights(model, _LOOPED + k)
+    emb = out["model.embed_tokens.weight"]  # every row is class x's unit vector so far
+    for t in (*_EARLY_END, _MARKED + k):
+        emb[t, x] = 0.0
+        emb[t, z if t == _MARKED + k else y] = 1.0
+    head = out["lm_head.weight"]
+    head[_MARKED + k, y] = _MARGIN
+    head[EOS, z] = _MARGIN
+    return out
+
+
+def scripted_response(prompt: list[int], k: int) -> list[int]:
+    """What scripted weights ``k`` generate after ``prompt`` within ``MAX_NEW`` tokens.
+
+    Example:
+        >>> scripted_response([8, 9], 0), scripted_response([5, 6, 7], 3)
+        ([20, 2], [43, 43, 43, 43])
+    """
+    out: list[int] = []
+    last = prompt[-1]
+    while len(out) < MAX_NEW and last != EOS:
+        last = _MARKED + k if last in _EARLY_END else EOS if last == _MARKED + k else _LOOPED + k
+        out.append(last)
+    return out
+
+
+def _scripted_source(ctx: Context, total: int | None) -> tuple[Any, Any]:
+    """A source over scripted weights 0, whose pad token is its EOS token."""
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    policy.load_state_dict(scripted_weights(policy, 0))
+    policy.config.pad_token_id = EOS
+    policy.generation_config.pad_token_id = EOS
+    return policy, ctx.make(policy, [list(p) for p in PROMPTS], total, max_new_tokens=MAX_NEW)
+
+
+def _weights_of(generated: list[int]) -> int | None:
+    """Which scripted weights generated these tokens (None: no marker, or several)."""
+    ks = {t - _MARKED for t in generated if _MARKED <= t < _LOOPED}
+    ks |= {t - _LOOPED for t in generated if _LOOPED <= t < V}
+    return ks.pop() if len(ks) == 1 else None
 
 
 def _items(batch: TensorDictBase) -> list[TensorDictBase]:
@@ -132,9 +198,34 @@ def _versions(batch: TensorDictBase) -> set[int]:
     return {int(v) for v in batch.get(K("policy_version")).reshape(-1).tolist()}
 
 
+def _prompt_part(toks: list[int], att: list[bool], asst: list[bool]) -> list[int]:
+    """The real tokens before the first assistant token (left padding, if any, left out)."""
+    first = asst.index(True) if True in asst else len(asst)
+    return [t for t, a in zip(toks[:first], att[:first], strict=True) if a]
+
+
+def _response_problem(toks: list[int], att: list[bool]) -> str | None:
+    """How the real tokens after the prompt differ from what the scripted weights 0 generate."""
+    real = [t for t, a in zip(toks, att, strict=True) if a]
+    for p in PROMPTS:
+        if real[: len(p)] == p:
+            got, want = real[len(p) :], scripted_response(p, 0)
+            if got == want:
+                return None
+            where = (
+                f"the real tokens after prompt {p} are {got}, the policy generates {want}"
+                f" (EOS {EOS}, which is also the pad token, included)"
+            )
+            if want[-1] == EOS and got == want[:-1]:
+                return f"{where}: the generated EOS is masked out as padding"
+            return where
+    return None  # the prompt is not there: ROLL-002 reports it
+
+
 @requirement("ROLL-001")
 def batches_meet_layout(ctx: Context) -> None:
-    _policy, src = _source(ctx)
+    # Scripted weights: two prompts end early with EOS, and the pad token is EOS.
+    _policy, src = _scripted_source(ctx, total=3)
     try:
         for n, batch in enumerate(src):
             bad = validate(
@@ -143,12 +234,12 @@ def batches_meet_layout(ctx: Context) -> None:
             rows = _rows_or_none(batch)
             # A shifted mask also breaks the layout (onto padding); say what it is first.
             for i, (toks, att, asst) in enumerate(rows or []):
-                problem = _mask_problem(toks, att, asst)
+                problem = _response_problem(toks, att) or _mask_problem(toks, att, asst)
                 if problem is not None:
                     raise _fail(f"batch {n}, item {i}: {problem}")
             if bad:
                 raise _fail(f"batch {n} breaks the LLM layout: " + "; ".join(str(v) for v in bad))
-            for i, (_toks, att, asst) in enumerate(rows if rows is not None else _rows(batch)):
+            for i, (toks, att, asst) in enumerate(rows if rows is not None else _rows(batch)):
                 first = asst.index(True) if True in asst else None
                 if first is None:
                     raise _fail(f"batch {n}, item {i}: no assistant token (nothing generated?)")
@@ -156,7 +247,8 @@ def batches_meet_layout(ctx: Context) -> None:
                     raise _fail(
                         f"batch {n}, item {i}: the assistant mask {asst} is not one contiguous response"
                     )
-                if first == 0 or not all(att[:first]):
+                # The prompt may be left-padded (TRL's arrangement): real tokens, then the response.
+                if not _prompt_part(toks, att, asst):
                     raise _fail(
                         f"batch {n}, item {i}: assistant tokens must follow a prompt; masks {att} / {asst}"
                     )
@@ -170,11 +262,11 @@ def batches_meet_layout(ctx: Context) -> None:
 def prompt_preserved(ctx: Context) -> None:
     _policy, batch = _first_batch(ctx)
     seen = []
-    for i, (toks, _att, asst) in enumerate(_rows(batch)):
-        prompt = toks[: asst.index(True)]
+    for i, (toks, att, asst) in enumerate(_rows(batch)):
+        prompt = _prompt_part(toks, att, asst)
         if prompt not in PROMPTS:
             raise _fail(
-                f"item {i}: the tokens before the response are {prompt}, not one of the prompts {PROMPTS}"
+                f"item {i}: the real tokens before the response are {prompt}, not one of the prompts {PROMPTS}"
             )
         seen.append(prompt)
     missing = [p for p in PROMPTS if p not in seen]
@@ -182,10 +274,22 @@ def prompt_preserved(ctx: Context) -> None:
         raise _fail(f"the first batch answers none of the prompts {missing}")
 
 
+def _stamped_weights(batch: TensorDictBase) -> list[tuple[int, int | None]]:
+    """Per item: its stamp and which scripted weights generated it (None: cannot tell)."""
+    out = []
+    for it in _items(batch):
+        toks = it.get(K("tokens")).tolist()
+        gen = _generated(toks, it.get(K("attention_mask")).tolist())
+        k = None if gen is None else _weights_of([toks[j] for j in gen])
+        out.append((int(it.get(K("policy_version")).reshape(-1)[0]), k))
+    return out
+
+
 @requirement("ROLL-003")
 def version_stamped(ctx: Context) -> None:
-    _policy, src = _source(ctx)
+    policy, src = _scripted_source(ctx, total=None)
     seen: list[list[int]] = []
+    after: list[tuple[int, list[tuple[int, int | None]]]] = []
     try:
         want = src.policy_version
         it = iter(src)
@@ -200,13 +304,36 @@ def version_stamped(ctx: Context) -> None:
                     "before the first"
                 )
         now = src.policy_version
+        if now != want:
+            raise _fail(
+                f"without update_policy_weights_, the source's policy_version went from {want} "
+                f"to {now} over {len(seen)} batches"
+            )
+        try:
+            src.update_policy_weights_(scripted_weights(policy, 1))
+        except Exception:  # an update that fails is ROLL-004's to report
+            return
+        new = src.policy_version
+        for n in range(3, 6):
+            after.append((n, _stamped_weights(_first(it, f"batch {n} (after the update)"))))
     finally:
         src.shutdown()
-    if now != want:
-        raise _fail(
-            f"without update_policy_weights_, the source's policy_version went from {want} to "
-            f"{now} over {len(seen)} batches"
-        )
+    # The generated tokens name the weights (scripted 0 before the update, 1 after it).
+    # A batch of the old weights is honest with the old stamp (it was in flight); with the
+    # new one only if the new weights never showed up, which is ROLL-005's failure, not this.
+    versions = {0: int(want), 1: int(new)}
+    new_used = any(k == 1 for _n, items in after for _v, k in items)
+    for n, items in after:
+        for i, (v, k) in enumerate(items):
+            if k not in versions or v == versions[k] or (k == 0 and not new_used):
+                continue
+            made = "before" if k == 0 else "after"
+            raise _fail(
+                f"batch {n}, item {i}: generated by the weights loaded {made} "
+                f"update_policy_weights_ (their tokens say so), whose policy_version is "
+                f"{versions[k]}, but stamped {v} (version {want} before the update, "
+                f"{new} after)"
+            )
 
 
 @requirement("ROLL-004")
@@ -320,12 +447,11 @@ def behaviour_log_probs(ctx: Context) -> None:
     for i, it in enumerate(_items(batch)):
         toks = it.get(K("tokens"))[None]
         asst = it.get(K("assistant_mask"))[None]
+        att = it.get(K("attention_mask"))[None].long()
+        pos = (att.cumsum(-1) - 1).clamp(min=0)  # counted over real tokens: left padding too
         with torch.no_grad():
             want = token_log_probs(
-                policy(
-                    input_ids=toks, attention_mask=it.get(K("attention_mask"))[None].long()
-                ).logits,
-                toks,
+                policy(input_ids=toks, attention_mask=att, position_ids=pos).logits, toks
             )
         got = it.get(K("sample_log_probs"))[None]
         if not torch.allclose(got[asst], want[asst], atol=1e-4, rtol=0):
@@ -338,7 +464,7 @@ def behaviour_log_probs(ctx: Context) -> None:
 def groups_stamped(ctx: Context) -> None:
     _policy, batch = _first_batch(ctx)
     gids = batch.get(K("group_id")).reshape(-1).tolist()
-    prompts = [toks[: asst.index(True)] for toks, _a, asst in _rows(batch)]
+    prompts = [_prompt_part(toks, att, asst) for toks, att, asst in _rows(batch)]
     for i in range(len(gids)):
         for j in range(i + 1, len(gids)):
             if (gids[i] == gids[j]) != (prompts[i] == prompts[j]):
