@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST", "CheckpointError", "atomic_dir", "verify_dir", "why_unsafe"]
+__all__ = ["MANIFEST", "CheckpointError", "atomic_dir", "reseal", "verify_dir", "why_unsafe"]
 
 MANIFEST = "manifest.json"
 _FORMAT = "posttrain-checkpoint/1"
@@ -102,13 +102,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         files = _files(tmp)
         if MANIFEST in files:
             raise CheckpointError(f"{MANIFEST}: reserved for the checkpoint's own manifest")
-        manifest = {
-            "format": _FORMAT,
-            "files": {
-                name: {"size": p.stat().st_size, "sha256": _digest(p)} for name, p in files.items()
-            },
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        _write_manifest(tmp, files)
         for p in [*files.values(), tmp / MANIFEST]:
             _fsync(p)
         for d in sorted({p.parent for p in files.values()} | {tmp}, reverse=True):
@@ -117,6 +111,44 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_manifest(root: Path, files: dict[str, Path]) -> None:
+    manifest = {
+        "format": _FORMAT,
+        "files": {
+            name: {"size": p.stat().st_size, "sha256": _digest(p)} for name, p in files.items()
+        },
+    }
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def reseal(path: str | os.PathLike[str]) -> bool:
+    """Rewrite the manifest of the checkpoint at ``path`` to match its files as they are now.
+
+    What someone who altered a checkpoint would do: the manifest catches accidents (a
+    truncated copy, a flipped bit), not a forger, so the kit reseals a tampered directory to
+    check that a load refuses it on its own terms too. Returns False (and writes nothing) when
+    ``path`` holds no posttrain manifest.
+
+    Example:
+        >>> import tempfile
+        >>> dest = Path(tempfile.mkdtemp()) / "ckpt"
+        >>> with atomic_dir(dest) as tmp:
+        ...     _ = (tmp / "state.bin").write_bytes(b"abc")
+        >>> _ = (dest / "state.bin").write_bytes(b"abcd")
+        >>> reseal(dest), verify_dir(dest)
+        (True, {'state.bin': 4})
+    """
+    root = Path(path)
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        return False
+    _write_manifest(root, {n: p for n, p in _files(root).items() if n != MANIFEST})
+    return True
 
 
 def _swap_in(tmp: Path, dest: Path) -> None:

@@ -165,7 +165,7 @@ _M, _S = Level.MUST, Level.SHOULD
 
 BUFFER = Contract(
     id="buffer",
-    version="1.3",
+    version="1.4",
     title="Replay buffer",
     purpose=(
         "Stores rollout items (rows of a TensorDict, usually in the LLM layout) and samples them "
@@ -220,7 +220,7 @@ BUFFER = Contract(
             text="`load_state_dict(state_dict())` into a fresh buffer MUST reproduce contents and write position bit-exactly as they were when `state_dict()` was called (later writes to the original change neither), so the next `extend` writes where the original would have; the state MUST survive `torch.save` and `torch.load(weights_only=True)` (tensors and plain data: a checkpoint that loads without running code).", depends_on=("BUF-001",)),
         Requirement(id="BUF-015", level=_S, title="empty extend", tightened=("1.3",),
             text="`extend` of a batch with N = 0 SHOULD be a no-op (contents, write position and the sampling order under way unchanged) that returns an empty index tensor.", depends_on=("BUF-001",)),
-        Requirement(id="BUF-016", level=_M, title="epochs without replacement", option=("sampling", "without_replacement"),
+        Requirement(id="BUF-016", level=_M, title="epochs without replacement", option=("sampling", "without_replacement"), tightened=("1.4",),
             text="Without replacement, consecutive samples MUST visit every stored item exactly once before any repeats.", depends_on=("BUF-006",)),
         Requirement(id="BUF-017", level=_M, title="priorities steer sampling", capability="priority", tightened=("1.3",),
             text="After `update_priority` on the indices `extend` returned, an item with zero priority MUST NOT be drawn while items with positive priority remain, and higher priority MUST be drawn more often.", depends_on=("BUF-006",)),
@@ -236,5 +236,7 @@ BUFFER = Contract(
             text="`read(indices)` MUST return, in the order asked, bit-exactly the item the latest write put at each index, and MUST raise an error naming the index for one that holds no item.", depends_on=("BUF-001",)),
         Requirement(id="BUF-023", level=_M, title="many producers, one learner", capability="remote_writers", since="1.2",
             text="Once a first write has fixed the schema, items extended concurrently through `client()` handles by 3 Ray tasks while this process samples MUST each be stored exactly once: `len` MUST equal the number written, the indices the extends returned MUST be distinct and cover exactly the positions written, every sample MUST hold only written items bit-exactly, and an extend with a missing key sent by a producer MUST raise there, naming the key, and leave the buffer unchanged.", depends_on=("BUF-006",)),
+        Requirement(id="BUF-024", level=_S, title="loads runs no code", capability="checkpoint", since="1.4",
+            text="`loads(path)` of a directory `dumps` wrote, with any one of its files replaced by a pickle that runs code when unpickled (a checksum manifest rewritten to match), SHOULD raise, run none of that code and leave the buffer unchanged (a MUST from v2).", depends_on=("BUF-018",)),
     ),
 )  # fmt: skip

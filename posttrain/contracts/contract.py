@@ -20,7 +20,7 @@ class DeclarationError(ValueError):
         ...     BUFFER.check_declaration(capabilities=["teleport"])
         ... except DeclarationError as e:
         ...     print(str(e).splitlines()[0])
-        buffer v1.3: unknown capability 'teleport'; the closed set is: checkpoint, cuda, priority, ragged, read, remote_writers, thread_safe
+        buffer v1.4: unknown capability 'teleport'; the closed set is: checkpoint, cuda, priority, ragged, read, remote_writers, thread_safe
     """
 
 
@@ -74,7 +74,7 @@ class Contract(BaseModel):
     Example:
         >>> from posttrain.contracts import BUFFER
         >>> BUFFER.id, BUFFER.version, BUFFER.requirement("BUF-001").level.value
-        ('buffer', '1.3', 'MUST')
+        ('buffer', '1.4', 'MUST')
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -164,6 +165,45 @@ class LoadsForgetsCursor(RingBuffer):
         self._cursor = 0
 
 
+class UnpicklingLoads(RingBuffer):
+    """dumps writes a bare torch.save file (no manifest) and loads reads it back with
+    ``weights_only=False``: a pickle planted in the directory runs its code on load."""
+
+    def dumps(self, path: str | os.PathLike[str], /) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), Path(path, "ring_buffer.pt"))
+
+    def loads(self, path: str | os.PathLike[str], /) -> None:
+        self.load_state_dict(torch.load(Path(path, "ring_buffer.pt"), weights_only=False))
+
+
+class VerifiesThenUnpickles(RingBuffer):
+    """Checks the manifest, then unpickles with ``weights_only=False``: safe only against a
+    forger who does not rewrite the manifest."""
+
+    def loads(self, path: str | os.PathLike[str], /) -> None:
+        from posttrain._checkpoint import verify_dir
+
+        verify_dir(path)
+        self.load_state_dict(torch.load(Path(path, "ring_buffer.pt"), weights_only=False))
+
+
+class EpochFixedAtStart(RingBuffer):
+    """Without replacement, an epoch is a permutation of the items stored when it began:
+    items written mid-epoch wait for the next epoch, which draws the old items again first
+    (a sampler caching its permutation, as TorchRL's does once the storage is full)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity, sampling="without_replacement")
+
+    def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+        with self._lock:
+            epoch = list(self._epoch)
+            idx = super().extend(data)
+            self._epoch = epoch
+            return idx
+
+
 class Unlocked(RingBuffer):
     """No lock, and a window between reading and advancing the cursor: writes get lost."""
 
@@ -276,6 +316,7 @@ MUTANTS: dict[str, Implementation] = {
     "BUF-021": _impl("BUF-021", RingBuffer, capabilities={"cuda"}),
     "BUF-022": _impl("BUF-022", ReadsInStorageOrder, capabilities={"read"}),
     "BUF-023": _impl("BUF-023", _replica_per_client, capabilities={"remote_writers"}),
+    "BUF-024": _impl("BUF-024", UnpicklingLoads),
 }
 """Requirement id -> a buffer that breaks exactly that requirement."""
 
@@ -569,3 +610,11 @@ class PicklesItsState(RingBuffer):
 
 
 EXTRA_MUTANTS.append(("BUF-014", _impl("BUF-014", PicklesItsState)))
+# buffer 1.4: a load that runs code; an epoch that keeps items written mid-epoch waiting
+EXTRA_MUTANTS.append(("BUF-024", _impl("BUF-024", VerifiesThenUnpickles)))
+EXTRA_MUTANTS.append(
+    (
+        "BUF-016",
+        _impl("BUF-016", EpochFixedAtStart, options={"sampling": "without_replacement"}),
+    )
+)

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import io
 import itertools
+import pathlib
 import pickle
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
-from posttrain._checkpoint import why_unsafe
+from posttrain._checkpoint import MANIFEST, reseal, why_unsafe
 from posttrain._deps import optional_deps
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
 from posttrain.conformance.data import item_uids, llm_batch, ragged_llm_batch
@@ -570,6 +573,45 @@ def epochs_without_replacement(ctx: Context) -> None:
                 f"epoch {epoch}: three samples of 2 from 6 items drew uids {got}; "
                 f"an epoch must visit each of {sorted(r.fifo)} once"
             )
+    _epochs_across_extends(ctx)
+
+
+def _epochs_across_extends(ctx: Context, trials: int = 8) -> None:
+    """Items written mid-epoch are stored items too: none may wait while an old one repeats.
+
+    Per trial: 4 items, one sample of 2, 4 more items, then samples of 2 until every new item
+    came. Counting only the draws after that extend, no item may come twice before each new
+    one came once. A sampler that restarts its epoch at the extend passes, and so does one
+    that finishes the epoch under way with the new items added; one whose epoch was fixed when
+    it began (the new items wait for the next, which re-draws the old ones) repeats one of the
+    2 old items left before the 4 new ones came in 14 of 15 trials: all 8 pass about once in
+    2.5 billion runs.
+    """
+    for trial in range(trials):
+        r = _Run(ctx, capacity=2 * CAP)  # no eviction: every item written stays stored
+        r.write(4)
+        r.table.check_sample(r.rb.sample(2), set(r.fifo))
+        td = r.batch(4)
+        new = item_uids(td)
+        r.put(td)
+        drawn: list[int] = []
+        while not set(new) <= set(drawn) and len(drawn) < 2 * len(r.fifo):
+            got = r.table.check_sample(r.rb.sample(2), set(r.fifo))
+            for u in got:
+                if u in drawn and not set(new) <= set(drawn):
+                    waiting = sorted(set(new) - set(drawn))
+                    raise _fail(
+                        f"trial {trial}: after 4 items, a sample of 2 and an extend of 4 new "
+                        f"items {new}, samples of 2 drew uids {drawn + got}: uid {u} came twice "
+                        f"before new uids {waiting} came once (every stored item must be "
+                        "visited once before any repeats)"
+                    )
+                drawn.append(u)
+        if not set(new) <= set(drawn):
+            raise _fail(
+                f"trial {trial}: after an extend of 4 new items {new} mid-epoch, "
+                f"{len(drawn)} draws reached only {sorted(set(drawn))}"
+            )
 
 
 @requirement("BUF-017")
@@ -611,6 +653,75 @@ def dumps_loads_roundtrip(ctx: Context) -> None:
             return d / "buffer"
 
         _roundtrip(ctx, save, lambda path, dst: dst.loads(path), "dumps/loads")
+
+
+class _Payload:
+    """Unpickling this touches ``marker``: the proof that a load ran code from the file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def _plant(path: Path, marker: Path, as_torch: bool) -> None:
+    """Replace ``path`` by a pickle that touches ``marker`` when unpickled: a torch.save
+    archive (as a state file is) or a bare pickle stream."""
+    path.unlink()
+    if as_torch:
+        torch.save({"state": _Payload(marker)}, path)
+    else:
+        path.write_bytes(pickle.dumps(_Payload(marker), protocol=2))
+
+
+@requirement("BUF-024")
+def loads_runs_no_code(ctx: Context) -> None:
+    with ctx.tmpdir() as d:
+        src = _Run(ctx)
+        src.write(5)
+        src.write(6)  # wraps around
+        saved = d / "saved"
+        src.rb.dumps(saved)
+        files = sorted(p.relative_to(saved) for p in saved.rglob("*") if p.is_file())
+        if not files:
+            raise _fail(f"dumps({saved}) wrote no file")
+        target = _Run(ctx)
+        target.write(3)
+        problems: list[str] = []
+        for i, (rel, as_torch) in enumerate(itertools.product(files, (True, False))):
+            case, marker = d / f"case-{i}", d / f"ran-{i}"
+            shutil.copytree(saved, case, symlinks=True)
+            _plant(case / rel, marker, as_torch)
+            # A manifest of checksums stops accidents, not a forger: resealed, the load must
+            # still refuse the file on its own terms.
+            if rel.as_posix() != MANIFEST:
+                reseal(case)
+            what = f"{rel.as_posix()} replaced by a {'torch.save' if as_torch else 'bare'} pickle"
+            try:
+                target.rb.loads(case)
+            except Exception:  # any error type: a refusal
+                raised = True
+            else:
+                raised = False
+            if marker.exists():
+                problems.append(f"{what}: loads ran the pickle's code (it created {marker.name})")
+            elif not raised:
+                problems.append(f"{what}: loads accepted it")
+            else:
+                try:
+                    target.expect_stored(f"{what}: after loads raised, the buffer")
+                except ConformanceError as e:
+                    problems.append(str(e))
+            shutil.rmtree(case, ignore_errors=True)
+            if problems:
+                break
+        if problems:
+            names = [f.as_posix() for f in files]
+            shown = ", ".join(names[:10]) + (
+                f", ... and {len(names) - 10} more" * (len(names) > 10)
+            )
+            raise _fail(f"dumps wrote {len(names)} file(s) ({shown}); " + "; ".join(problems))
 
 
 class _Write:
