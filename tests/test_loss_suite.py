@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
+import torch
 
 from posttrain.conformance import Implementation, Status, run
 from posttrain.reference_impls import PolicyGradientLoss
-from tests.mutants.losses import DUAL_CLIP
+from tests.mutants.losses import DUAL_CLIP, PerRowForward
 
 
 def _bad(impl: Implementation) -> dict[str, str]:
@@ -60,3 +62,59 @@ def test_a_clip_declaration_without_usable_bounds_fails_by_name(
     bad = _bad(impl)
     assert list(bad) == ["LOSS-014"]
     assert says in bad["LOSS-014"]
+
+
+class _Logits:
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class _SlicedPolicy:
+    """Calls ``policy`` on the batch cut another way and puts the logits back in place:
+    ``halves`` (two calls of half the rows each) or ``left_pad`` (one call, rows left-padded)."""
+
+    def __init__(self, policy: Any, how: str) -> None:
+        self.policy, self.how = policy, how
+
+    def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> _Logits:
+        if self.how == "halves":
+            h = input_ids.shape[0] // 2
+            parts = [
+                self.policy(input_ids=input_ids[s], attention_mask=attention_mask[s]).logits
+                for s in (slice(0, h), slice(h, None))
+            ]
+            return _Logits(torch.cat(parts))
+        t = input_ids.shape[1]
+        lengths = attention_mask.sum(-1).tolist()
+        ids, att = torch.zeros_like(input_ids), torch.zeros_like(attention_mask)
+        for i, n in enumerate(lengths):
+            ids[i, t - n :], att[i, t - n :] = input_ids[i, :n], 1
+        logits = self.policy(input_ids=ids, attention_mask=att).logits
+        back = [
+            torch.cat([logits[i, t - n :], logits[i, : t - n] * 0]) for i, n in enumerate(lengths)
+        ]
+        return _Logits(torch.stack(back))
+
+
+class _SlicedLoss(PolicyGradientLoss):
+    def __init__(self, policy: Any, *, how: str, **kwargs: Any) -> None:
+        super().__init__(_SlicedPolicy(policy, how), **kwargs)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("design", ["per_row", "halves", "left_pad"])
+def test_a_loss_calling_the_policy_on_parts_of_the_batch_conforms(
+    design: str, aggregation: str
+) -> None:
+    # LOSS-003 reads the gradient through every policy call, whatever rows and positions it
+    # holds: one call per sequence trimmed to its length, two half batches, left padding.
+    cls: Any = PerRowForward if design == "per_row" else partial(_SlicedLoss, how=design)
+    impl = Implementation(
+        "loss",
+        partial(cls, aggregation=aggregation, clip_epsilon=0.2, kl_coef=0.05, t_norm=16),
+        name=f"sliced-{design}",
+        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "clip"},
+        options={"aggregation": aggregation},
+        extras={"t_norm": 16, "clip_epsilon": 0.2},
+    )
+    assert _bad(impl) == {}

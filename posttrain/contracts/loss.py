@@ -59,7 +59,7 @@ LOSS = Contract(
         "influence anything."
     ),
     protocol=LossModuleV1,
-    version="1.1",
+    version="1.2",
     factory=(
         "factory(policy, **overrides) -> LossModuleV1  # policy: an HF-style causal LM the suite "
         "supplies; overrides only in LOSS-008 (a declared option's name, a misspelt keyword); "
@@ -82,8 +82,8 @@ LOSS = Contract(
             text="`loss(td)` MUST return a TensorDict or mapping whose `loss_*` entries are finite scalar tensors, including `loss_objective`."),
         Requirement(id="LOSS-002", level=_M, title="gradients reach the policy",
             text="The sum of the `loss_*` entries MUST have a gradient that reaches the policy's parameters.", depends_on=("LOSS-001",)),
-        Requirement(id="LOSS-003", level=_M, title="aggregation weights",
-            text="At ratio 1, the gradient of `loss_objective` with respect to each token's log-prob MUST equal minus the advantage times the declared aggregation's weight.", depends_on=("LOSS-002",)),
+        Requirement(id="LOSS-003", level=_M, title="aggregation weights", tightened=("1.2",),
+            text="At ratio 1, the gradient of `loss_objective` with respect to each token's log-prob MUST equal minus the token's advantage (its row's value for a [B] advantage, its own position's value for a [B, T] one under capability per_token_advantage) times the declared aggregation's weight, however the loss calls the policy (one batched call, or several over rows or parts of rows).", depends_on=("LOSS-002",)),
         Requirement(id="LOSS-004", level=_M, title="masked positions are inert",
             text="Changing tokens, log-probs or advantages outside the assistant mask (NaN included) MUST NOT change any output.", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-005", level=_M, title="padding is inert",
@@ -100,8 +100,8 @@ LOSS = Contract(
             text="With reference log-probs equal to the policy's own, `loss_kl_to_ref` MUST be zero; it MUST become positive when they differ on assistant tokens, stay zero when they differ elsewhere only, and stay the same when padding columns are appended (it is reduced over assistant tokens, not positions).", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-011", level=_M, title="per-token advantages", capability="per_token_advantage",
             text="An advantage of shape [B, T] constant along T MUST give the same outputs as the [B] advantage.", depends_on=("LOSS-003",)),
-        Requirement(id="LOSS-012", level=_M, title="diagnostics over assistant tokens", capability="diagnostics",
-            text="`clip_fraction`, `kl_approx` and `entropy` MUST be averaged over assistant-masked tokens only (prompt and padding excluded) — at ratio 1 `clip_fraction` and `kl_approx` are 0, when every assistant token is clipped `clip_fraction` is 1, and `entropy` is the token mean of the full-vocabulary (or sampled) entropy.", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-012", level=_M, title="diagnostics over assistant tokens", capability="diagnostics", tightened=("1.2",),
+            text="`clip_fraction`, `kl_approx` and `entropy` MUST be averaged over assistant-masked tokens only (prompt and padding excluded) — at ratio 1 `clip_fraction` and `kl_approx` are 0, when every assistant token is clipped `clip_fraction` is 1, and `entropy` is the token mean of the full-vocabulary (or sampled) entropy of the distribution each assistant token was drawn from (the logits one position before it; the sampled estimate is -log p of the token).", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-013", level=_M, title="ragged equals padded", capability="ragged",
             text="A ragged batch MUST give the same outputs as its right-padded form.", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-014", level=_M, title="clipped surrogate", capability="clip", since="1.1",

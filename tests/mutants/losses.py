@@ -135,12 +135,26 @@ class KlOverPositions(
 
 
 class SumsTokenAdvantages(_Edit):
+    """Sums a [B, T] advantage over T into a [B] one: every token of a row gets the row's
+    total. Killed by LOSS-003 since loss 1.2 (a [B, T] advantage, different at each position)."""
+
     def pre(self, td: TensorDictBase) -> TensorDictBase:
         adv = td.get(ADV)
         if adv.ndim == 2:
             td = td.clone()
             td.set(ADV, adv.nan_to_num(0.0).sum(-1), inplace=False)
         return td
+
+
+class TokenAdvantagesDropKl(_Edit):
+    """Given a [B, T] advantage, returns no ``loss_kl_to_ref``: the per-token path leaves the KL
+    penalty to the advantages (as KL-in-reward pipelines do), so the same batch trains without
+    its KL term. ``loss_objective`` and its gradient are right."""
+
+    def post(self, out: TensorDict, td: TensorDictBase) -> TensorDict:
+        if td.get(ADV).ndim == 2:
+            out = out.exclude("loss_kl_to_ref")
+        return out
 
 
 class DilutedDiagnostics(_Edit):  # TorchRL: averaged over every attended position
@@ -278,6 +292,80 @@ class AlignsLogProbs(_Edit):
         return td
 
 
+class ShiftedTokenAdvantage(_Edit):
+    """Reads a [B, T] advantage one position late (token t gets the value stored at t-1), as
+    when token-level advantages are laid out like logits; a [B] advantage is unaffected."""
+
+    def pre(self, td: TensorDictBase) -> TensorDictBase:
+        adv = td.get(ADV, None)
+        if not isinstance(adv, torch.Tensor) or adv.ndim != 2:
+            return td
+        td = td.clone()
+        td.set(ADV, torch.roll(adv, shifts=1, dims=1), inplace=False)
+        return td
+
+
+class ShiftedEntropy(_Edit):
+    """Reports as entropy of token t that of the distribution at t (which predicts t+1), not
+    at t-1: the shift the log-probs get right is lost in the diagnostic."""
+
+    def post(self, out: TensorDict, td: TensorDictBase) -> TensorDict:
+        with torch.no_grad():
+            attn = td.get(ATT)
+            logits = self.policy(input_ids=td.get(K("tokens")), attention_mask=attn.long()).logits
+            lp = torch.log_softmax(logits.float(), -1)
+            h = -(lp.exp() * lp).sum(-1)  # h[:, t]: the distribution at t, one position late
+            mask = td.get(ASST) & attn
+            mask[:, 0] = False
+            out.set("entropy", torch.where(mask, h, 0.0).sum() / mask.sum().clamp_min(1))
+        return out
+
+
+class _PerRowPolicy:
+    """Runs ``policy`` once per row on its tokens up to its last attended one and stacks the
+    logits back into [B, T, V], padded with zeros after each row (or, ``pad_left``, before)."""
+
+    def __init__(self, policy: Any, pad_left: bool) -> None:
+        self.policy = policy
+        self.pad_left = pad_left
+
+    def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        rows = []
+        for i in range(input_ids.shape[0]):
+            end = int(attention_mask[i].nonzero().max()) + 1
+            logits = self.policy(
+                input_ids=input_ids[i : i + 1, :end], attention_mask=attention_mask[i : i + 1, :end]
+            ).logits[0]
+            pad = input_ids.shape[1] - end
+            rows.append(
+                torch.nn.functional.pad(logits, (0, 0, pad, 0) if self.pad_left else (0, 0, 0, pad))
+            )
+        return _Logits(torch.stack(rows))
+
+
+class _Logits:
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class PerRowForward(PolicyGradientLoss):
+    """The reference calling the policy once per sequence, trimmed to its length. Correct
+    (``tests/test_loss_suite.py`` runs it); :class:`PerRowForwardPadsLeft` is its broken twin."""
+
+    pad_left = False
+
+    def __init__(self, policy: Any, **kwargs: Any) -> None:
+        super().__init__(_PerRowPolicy(policy, self.pad_left), **kwargs)
+
+
+class PerRowForwardPadsLeft(PerRowForward):
+    """Per-sequence forward whose logits are stacked back left-padded (a ``pad_sequence`` with
+    ``padding_side="left"``) into a right-padded batch: every shorter row's tokens are scored
+    by the logits of earlier positions."""
+
+    pad_left = True
+
+
 _CLIP = (0.2, 0.28)
 
 
@@ -317,7 +405,7 @@ MUTANTS: dict[str, Implementation] = {
     "LOSS-008": _impl("LOSS-008", SwallowsOptions, agg="token_mean"),
     "LOSS-009": _impl("LOSS-009", FillsMissingFields),
     "LOSS-010": _impl("LOSS-010", KlOverAttention),
-    "LOSS-011": _impl("LOSS-011", SumsTokenAdvantages),
+    "LOSS-011": _impl("LOSS-011", TokenAdvantagesDropKl),
     "LOSS-012": _impl("LOSS-012", DilutedDiagnostics),
     "LOSS-013": _impl("LOSS-013", PolicyGradientLoss, capabilities={"ragged"}),
     "LOSS-014": _clip_impl("LOSS-014", NoClip),
@@ -333,6 +421,10 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-014", _clip_impl("LOSS-014", SymmetricClip)),
     ("LOSS-014", _clip_impl("LOSS-014", IgnoresDualClip, dual_clip=3.0)),
     ("LOSS-015", _impl("LOSS-015", AlignsLogProbs)),
+    ("LOSS-003", _impl("LOSS-003", SumsTokenAdvantages)),
+    ("LOSS-003", _impl("LOSS-003", ShiftedTokenAdvantage)),
+    ("LOSS-003", _impl("LOSS-003", PerRowForwardPadsLeft)),
+    ("LOSS-012", _impl("LOSS-012", ShiftedEntropy)),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
 

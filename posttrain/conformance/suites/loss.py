@@ -2,9 +2,12 @@
 
 The suite supplies the policy (a tiny real Hugging Face causal LM) and builds batches whose
 behaviour log-probs are the policy's own (ratio 1), so the policy-gradient term's gradient has
-a closed form: minus the advantage times the aggregation's weight, for every token. LOSS-014
-moves each token's ratio r off 1 by setting its behaviour log-prob to the policy's minus log r,
-and compares with the clipped surrogate computed here in float64.
+a closed form: minus the advantage times the aggregation's weight, for every token. It is read
+through a probe on the logits of every policy call, so a loss may call the policy once or per
+sequence, on any slice of the rows. LOSS-014 moves each token's ratio r off 1 by setting its
+behaviour log-prob to the policy's minus log r, and compares with the clipped surrogate computed
+here in float64. LOSS-012 uses a policy with peaked next-token distributions, whose entropy
+differs from position to position, so an entropy read at the wrong position shows.
 """
 
 from __future__ import annotations
@@ -35,9 +38,21 @@ def _fail(msg: str) -> ConformanceError:
     return ConformanceError(msg)
 
 
-def _setup(ctx: Context) -> tuple[Any, Any]:
+def _setup(ctx: Context, *, peaked: bool = False) -> tuple[Any, Any]:
+    """The suite's policy and the loss built on it.
+
+    ``peaked``: the output head scaled up, so next-token distributions are far from uniform
+    and differ from position to position (the seeded model's are all near log V in entropy,
+    which hides an entropy read at the wrong position).
+    """
     policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    if peaked:
+        with torch.no_grad():
+            policy.get_output_embeddings().weight.mul_(_PEAK)
     return policy, ctx.make(policy)
+
+
+_PEAK = 30.0
 
 
 def _own_log_probs(policy: Any, td: TensorDictBase) -> torch.Tensor:
@@ -150,49 +165,142 @@ def _expected_weights(ctx: Context, mask: torch.Tensor) -> torch.Tensor:
     return m / (b * float(t_norm))
 
 
+def _call_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The ``input_ids`` and ``attention_mask`` of one policy call, by keyword or position
+    (TorchRL's wrapper passes both positionally)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    attn = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    return ids, attn
+
+
+def _match_row(
+    ids: torch.Tensor, attn: torch.Tensor | None, tokens: torch.Tensor, att: torch.Tensor
+) -> tuple[int, int, int] | None:
+    """The batch row a call's row scores and the offset of its positions, or None.
+
+    A row is matched by its attended tokens: the batch row whose own attended tokens share the
+    longest prefix with them (a call may trim, left-pad or re-pad a row, or hold only a part
+    of the batch). Returns (batch row, call position minus batch position, shared length).
+    """
+    called = attn.bool() if attn is not None else torch.ones_like(ids, dtype=torch.bool)
+    if not bool(called.any()):
+        return None
+    c_pos = called.nonzero().flatten()
+    seq = ids[c_pos].tolist()
+    best: tuple[int, int, int] | None = None
+    for i in range(tokens.shape[0]):
+        b_pos = att[i].nonzero().flatten()
+        row = tokens[i, b_pos].tolist()
+        n = 0
+        while n < min(len(seq), len(row)) and seq[n] == row[n]:
+            n += 1
+        if n and (best is None or n > best[2]):
+            best = (i, int(c_pos[0]) - int(b_pos[0]), n)
+    return best
+
+
 def _logp_grads(policy: Any, loss: Any, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
     """``loss_objective`` and its gradient with respect to each token's log-prob, [B, T].
 
-    Read through a zero probe added to the policy's logits: for a term that sees the logits
-    only through log p(token_t), d/d logit(token_t) is d/d log p(token_t) times (1 - p).
+    Read through a zero probe added to the logits of every policy call, however the loss
+    slices the batch into calls (one batched call, one per sequence trimmed to its length, ...):
+    each call's row is matched to the batch row it scores (:func:`_match_row`), and for a term
+    that sees the logits only through log p(token_t), d/d logit(token_t) is d/d log p(token_t)
+    times (1 - p), p from that call's own logits. Calls scoring one token twice add up.
     """
-    tokens = td.get(TOK)
+    tokens, att = td.get(TOK), td.get(ATT)
     b, t = tokens.shape
-    probe = torch.zeros(b, t, V, requires_grad=True)
-    head = policy.get_output_embeddings()
-    handle = head.register_forward_hook(
-        lambda _m, _i, out: out + probe if out.shape == probe.shape else out
-    )
+    inputs: list[tuple[Any, Any]] = []
+    calls: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []
+
+    def enter(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        inputs.append(_call_inputs(args, kwargs))
+
+    def leave(_m: Any, _args: Any, _out: Any) -> None:
+        inputs.pop()
+
+    def probe(_m: Any, _i: Any, out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or out.ndim != 3 or out.shape[-1] != V:
+            return out
+        p = torch.zeros(out.shape, dtype=out.dtype, device=out.device, requires_grad=True)
+        ids, mask = inputs[-1] if inputs else (None, None)
+        calls.append((ids, mask, p, out.detach()))
+        return out + p
+
+    handles = [
+        policy.register_forward_pre_hook(enter, with_kwargs=True),
+        policy.register_forward_hook(leave, always_call=True),
+        policy.get_output_embeddings().register_forward_hook(probe),
+    ]
     try:
         obj = _loss_terms(loss(td))["loss_objective"]
         torch.autograd.backward(obj)
     finally:
-        handle.remove()
-    if probe.grad is None:
+        for h in handles:
+            h.remove()
+    if not any(p.grad is not None for _, _, p, _ in calls):
         raise _fail("loss_objective has no gradient with respect to the policy's logits")
-    with torch.no_grad():
-        logits = policy(input_ids=tokens, attention_mask=td.get(ATT).long()).logits
-        p = torch.softmax(logits.float(), -1)
-    g_tok = probe.grad[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    p_tok = p[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    return obj.detach(), torch.cat([torch.zeros(b, 1), g_tok / (1 - p_tok)], dim=1)
+    grad = torch.zeros(b, t, dtype=torch.float64)
+    for n_call, (ids, mask, p, logits) in enumerate(calls):
+        if p.grad is None:
+            continue
+        g_all = p.grad.detach().cpu().double()
+        probs = torch.softmax(logits.cpu().double(), -1)
+        for r in range(g_all.shape[0]):
+            if isinstance(ids, torch.Tensor) and ids.ndim == 2:
+                m = mask[r].cpu() if isinstance(mask, torch.Tensor) else None
+                found = _match_row(ids[r].cpu(), m, tokens, att)
+            else:  # no input_ids to match (inputs_embeds): only the batch's own shape maps
+                found = (r, 0, 1) if g_all.shape[:2] == (b, t) else None
+            if found is None:
+                if float(g_all[r].abs().sum()) > 0:
+                    raise _fail(
+                        f"loss_objective has a gradient through row {r} of policy call "
+                        f"{n_call + 1} of {len(calls)}, whose tokens match no row of the batch"
+                    )
+                continue
+            i, off, _ = found
+            for s in range(1, t):  # logits at s - 1 predict batch token s
+                q = s - 1 + off
+                if 0 <= q < g_all.shape[1]:
+                    tok = int(tokens[i, s])
+                    grad[i, s] += g_all[r, q, tok] / (1 - probs[r, q, tok])
+    return obj.detach(), grad.float()
+
+
+def _token_advantages(td: TensorDictBase, seed: int) -> torch.Tensor:
+    """A [B, T] advantage with a different value at every position (none near 0), so a token
+    that reads its neighbour's advantage gets another gradient."""
+    b, t = td.get(TOK).shape
+    g = torch.Generator().manual_seed(seed + 3)
+    mag = 0.5 + torch.rand(b, t, generator=g)
+    sign = torch.where(torch.rand(b, t, generator=g) < 0.5, -1.0, 1.0)
+    return mag * sign
 
 
 @requirement("LOSS-003")
 def aggregation_weights(ctx: Context) -> None:
     policy, loss = _setup(ctx)
     td = _batch(policy, ctx)
-    _, got = _logp_grads(policy, loss, td)
+    cases = [("a [B] advantage", td)]
+    if "per_token_advantage" in ctx.capabilities:
+        per_token = td.clone()
+        per_token.set(ADV, _token_advantages(td, ctx.seed), inplace=False)
+        cases.append(("a [B, T] advantage, different at every position", per_token))
     mask = td.get(ASST)
-    want = -td.get(ADV)[:, None] * _expected_weights(ctx, mask)
-    if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
-        i, t = divmod(int((got - want).abs().argmax()), T)
-        where = "an assistant token" if mask[i, t] else "a position outside the assistant mask"
-        raise _fail(
-            f"aggregation {ctx.options['aggregation']!r}: d loss_objective / d logp at row {i}, "
-            f"position {t} ({where}) is {float(got[i, t]):.6g}, expected -advantage x weight = "
-            f"{float(want[i, t]):.6g}"
-        )
+    weights = _expected_weights(ctx, mask)
+    for what, batch in cases:
+        _, got = _logp_grads(policy, loss, batch)
+        adv = batch.get(ADV)
+        want = -(adv[:, None] if adv.ndim == 1 else adv) * weights
+        if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
+            i, t = divmod(int((got - want).abs().argmax()), T)
+            where = "an assistant token" if mask[i, t] else "a position outside the assistant mask"
+            raise _fail(
+                f"aggregation {ctx.options['aggregation']!r}, {what}: d loss_objective / d logp "
+                f"at row {i}, position {t} ({where}) is {float(got[i, t]):.6g}, expected "
+                f"-advantage x weight = {float(want[i, t]):.6g}"
+            )
 
 
 def _variant_check(
@@ -442,9 +550,33 @@ def per_token_advantages(ctx: Context) -> None:
     _variant_check(ctx, widen, "a [B, T] advantage constant along T instead of [B]")
 
 
+def _entropies(policy: Any, td: TensorDictBase, mask: torch.Tensor) -> tuple[float, float]:
+    """Over ``mask``'s tokens, in float64: the mean full-vocabulary entropy of the distribution
+    each token was drawn from (the logits one position earlier), and the sampled estimate,
+    the mean of -log p(token)."""
+    with torch.no_grad():
+        logits = policy(input_ids=td.get(TOK), attention_mask=td.get(ATT).long()).logits
+    lp = torch.log_softmax(logits[:, :-1].double(), -1)
+    h = torch.cat([torch.zeros(lp.shape[0], 1, dtype=torch.float64), -(lp.exp() * lp).sum(-1)], 1)
+    return float(h[mask].mean()), float((-td.get(SLP).double())[mask].mean())
+
+
+def _one_token_masks(mask: torch.Tensor) -> list[torch.Tensor]:
+    """Assistant masks holding one token per row: each row's first, middle, then last one."""
+    out = []
+    for pick in (0, 1, 2):
+        one = torch.zeros_like(mask)
+        for i in range(mask.shape[0]):
+            pos = mask[i].nonzero().flatten().tolist()
+            if pos:
+                one[i, pos[(len(pos) - 1) * pick // 2]] = True
+        out.append(one)
+    return out
+
+
 @requirement("LOSS-012")
 def diagnostics_over_assistant_tokens(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
+    policy, loss = _setup(ctx, peaked=True)
     td = _batch(policy, ctx)
     td.set(ADV, td.get(ADV).abs())  # positive advantages: a high ratio is clipped under any rule
 
@@ -464,19 +596,21 @@ def diagnostics_over_assistant_tokens(ctx: Context) -> None:
             f"at ratio 1: clip_fraction {at_one['clip_fraction']:.6g} and kl_approx {at_one['kl_approx']:.6g}; expected 0 and 0"
         )
     mask = td.get(ASST)
-    with torch.no_grad():
-        logits = policy(input_ids=td.get(TOK), attention_mask=td.get(ATT).long()).logits
-    lp = torch.log_softmax(logits[:, :-1].float(), -1)
-    full = torch.cat([torch.zeros(B, 1), -(lp.exp() * lp).sum(-1)], 1)[mask].mean()
-    sampled = (-td.get(SLP)[mask]).mean()
-    if not any(
-        math.isclose(at_one["entropy"], float(x), rel_tol=1e-4, abs_tol=1e-5)
-        for x in (full, sampled)
-    ):
-        raise _fail(
-            f"entropy is {at_one['entropy']:.6g}; over assistant tokens the full-vocabulary entropy is "
-            f"{float(full):.6g} and the sampled estimate {float(sampled):.6g}"
-        )
+    # The whole mask, then one token per row: a mean over many tokens hides an entropy read
+    # one position off (the two sums share all but their ends), a single token does not.
+    for what, m in [("", mask)] + [
+        (" (one assistant token per row)", m) for m in _one_token_masks(mask)
+    ]:
+        batch = td.clone()
+        batch.set(ASST, m)
+        got = at_one["entropy"] if m is mask else diag(batch)["entropy"]
+        full, sampled = _entropies(policy, batch, m)
+        if not any(math.isclose(got, x, rel_tol=1e-4, abs_tol=1e-5) for x in (full, sampled)):
+            raise _fail(
+                f"at ratio 1{what}, entropy is {got:.6g}; over the assistant tokens, of the "
+                f"distributions they were drawn from (the logits one position earlier), the "
+                f"full-vocabulary entropy is {full:.6g} and the sampled estimate {sampled:.6g}"
+            )
     shifted = td.clone()
     shifted.set(SLP, td.get(SLP) - 1.0)  # ratio e on every assistant token: all clipped
     hi = diag(shifted)
