@@ -132,3 +132,45 @@ def test_mlflow_sink_refuses_logging_after_close(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=re.escape("step expected an int >= 0 or None, found 2.5")):
         MlflowSink(tmp_path, run_name="second").log_scalar("loss/total", 1.0, step=2.5)  # type: ignore[arg-type]
     assert read_mlflow(tmp_path, "run") == {"loss/total": [(1, 1.0)]}
+
+
+def test_raw_wandb_step_keeps_one_value_per_step_and_drops_lower_steps(tmp_path: Path) -> None:
+    # Why WandbSink keeps its step in a column of its own (MET-001, MET-003): W&B's own step=
+    # fills one history row per step (the last value of a name wins) and ignores a lower step.
+    import wandb
+
+    from posttrain.observability.sinks import _history
+
+    run = wandb.init(
+        mode="offline",
+        dir=str(tmp_path),
+        project="posttrain",
+        reinit="create_new",
+        settings=quiet_wandb_settings(),
+    )
+    run.log({"loss/total": 1.0}, step=3)
+    run.log({"loss/total": 2.0}, step=3)
+    run.log({"loss/total": 3.0}, step=5)
+    run.log({"loss/total": 4.0}, step=4)
+    run.finish()
+    (path,) = tmp_path.glob("**/run-*.wandb")
+    rows = [(r["_step"], r["loss/total"]) for r in _history(path)]
+    assert rows == [(3, 2.0), (5, 3.0)]
+
+
+def test_met002_names_at_the_bound_are_mlflows_limit(tmp_path: Path) -> None:
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH
+
+    from posttrain.conformance.suites.metrics import LONG_NAMES
+    from posttrain.contracts.metrics import METRIC_NAME, METRIC_NAME_MAX
+    from posttrain.observability.sinks import MlflowSink, read_mlflow
+
+    assert METRIC_NAME_MAX == MAX_ENTITY_KEY_LENGTH == 250
+    assert all(len(n) == METRIC_NAME_MAX and METRIC_NAME.match(n) for n in LONG_NAMES)
+    sink = MlflowSink(tmp_path)
+    with pytest.raises(MlflowException, match="exceeds the maximum length of 250"):
+        sink.log_scalar("a" * (METRIC_NAME_MAX + 1), 1.0, step=0)
+    sink.log_scalar(LONG_NAMES[0], 1.0, step=0)
+    sink.close()
+    assert read_mlflow(tmp_path) == {LONG_NAMES[0]: [(0, 1.0)]}

@@ -10,10 +10,28 @@ from posttrain.contracts._counts import as_count
 from posttrain.contracts.contract import Capability, Contract
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = ["METRICS", "METRIC_NAME", "MetricSinkV1", "NextStep", "metric_point"]
+__all__ = [
+    "METRICS",
+    "METRIC_NAME",
+    "METRIC_NAME_MAX",
+    "MetricSinkV1",
+    "NextStep",
+    "metric_point",
+]
 
 METRIC_NAME = re.compile(r"^[a-z0-9_]+(/[a-z0-9_]+)*$")
 """Metric names: lowercase path segments, e.g. ``policy/kl_ref/k3``."""
+
+METRIC_NAME_MAX = 250
+"""The longest name MET-002 promises to store: MLflow's limit for a metric key.
+
+MLflow refuses a longer key (``MAX_ENTITY_KEY_LENGTH``, ``mlflow/utils/validation.py``); 250
+also keeps a per-metric file ``<segment>.csv`` within the usual 255-byte file-name limit.
+
+Example:
+    >>> len("policy/kl_ref/k3") <= METRIC_NAME_MAX
+    True
+"""
 
 
 class NextStep:
@@ -114,7 +132,7 @@ METRICS = Contract(
         "real backend (CSV, TensorBoard, MLflow, W&B, JSONL), from which they read back unchanged."
     ),
     protocol=MetricSinkV1,
-    version="1.1",
+    version="1.2",
     factory=(
         "factory(directory: pathlib.Path) -> MetricSinkV1  # and Implementation.extras['reader']"
         "(directory) -> {name: [(step, value), ...]}, reading through the backend's own reader"
@@ -124,16 +142,16 @@ METRICS = Contract(
         Capability(name="cross_process", text="Several processes may log into one run."),
     ),
     requirements=(
-        Requirement(id="MET-001", level=_M, title="read back exactly", tightened=("1.1",),
-            text="Every logged (name, step, value) MUST read back from the backend with the same name, step and value (float32 rounding allowed)."),
-        Requirement(id="MET-002", level=_M, title="catalogue names",
-            text="Names matching `^[a-z0-9_]+(/[a-z0-9_]+)*$` MUST be stored unchanged, slashes included.", depends_on=("MET-001",)),
-        Requirement(id="MET-003", level=_M, title="steps kept apart",
-            text="Values logged for one name at different steps MUST all be kept, each with its step.", depends_on=("MET-001",)),
+        Requirement(id="MET-001", level=_M, title="read back exactly", tightened=("1.1", "1.2"),
+            text="Every logged (name, step, value) MUST read back from the backend with the same name, step and value (float32 rounding allowed); two values logged for one name at one step are two points, and both read back."),
+        Requirement(id="MET-002", level=_M, title="catalogue names", tightened=("1.2",),
+            text="Names matching `^[a-z0-9_]+(/[a-z0-9_]+)*$` of up to 250 characters (MLflow's limit for a metric key) MUST be stored unchanged, slashes included.", depends_on=("MET-001",)),
+        Requirement(id="MET-003", level=_M, title="steps kept apart", tightened=("1.2",),
+            text="Values logged for one name at different steps MUST all be kept, each with its step, in whatever order the steps come (a step lower than one already logged for the name included).", depends_on=("MET-001",)),
         Requirement(id="MET-004", level=_S, title="non-finite values kept",
             text="NaN and infinite values SHOULD be stored as such rather than dropped or replaced.", depends_on=("MET-001",)),
-        Requirement(id="MET-005", level=_M, title="flush", capability="flush",
-            text="After `flush()`, everything logged so far MUST be readable without closing the sink.", depends_on=("MET-001",)),
+        Requirement(id="MET-005", level=_M, title="flush", capability="flush", tightened=("1.2",),
+            text="After `flush()`, everything logged so far, under every name, MUST be readable without closing the sink.", depends_on=("MET-001",)),
         Requirement(id="MET-006", level=_M, title="several writers", capability="cross_process",
             text="Metrics logged from several processes into one run MUST all read back.", depends_on=("MET-001",)),
         Requirement(id="MET-007", level=_S, title="no step: the next step", since="1.1",

@@ -26,7 +26,8 @@ class FlattensNames(JsonlSink):
 
 
 class LastValueOnly(JsonlSink):
-    """Keeps one value per name: a later step overwrites an earlier one."""
+    """Keeps one step per name: a value at another step overwrites the earlier ones (values
+    at the same step are kept, so MET-001 alone does not see it)."""
 
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
         self.close()
@@ -35,7 +36,7 @@ class LastValueOnly(JsonlSink):
             if self.path.exists()
             else []
         )
-        rows = [r for r in rows if r["name"] != name] + [
+        rows = [r for r in rows if r["name"] != name or r["step"] == int(step or 0)] + [
             {"name": name, "step": int(step or 0), "value": value}
         ]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -112,6 +113,94 @@ class NoStepCountsValues(JsonlSink):
         super().log_scalar(name, value, n if step is None else step)
 
 
+class KeepsLastPerStep(JsonlSink):
+    """One value per (name, step): a second value at a step already logged replaces the first
+    (a table keyed by name and step, ``INSERT OR REPLACE``)."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        self.close()
+        rows = (
+            [json.loads(x) for x in self.path.read_text().splitlines()]
+            if self.path.exists()
+            else []
+        )
+        rows = [r for r in rows if (r["name"], r["step"]) != (name, step)]
+        rows.append({"name": name, "step": int(step or 0), "value": value})
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+class MergesRepeatedStep(JsonlSink):
+    """W&B's own ``step=``: calls at the step of the previous call fill one history row, so a
+    name logged twice in a row at one step keeps its last value only."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__(directory)
+        self._row: dict[str, float] = {}
+        self._row_step: int | None = None
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        if step != self._row_step:
+            self._commit()
+        self._row[name] = value
+        self._row_step = step
+
+    def _commit(self) -> None:
+        for name, value in self._row.items():
+            super().log_scalar(name, value, self._row_step)
+        self._row = {}
+
+    def flush(self) -> None:
+        self._commit()
+        super().flush()
+
+    def close(self) -> None:
+        self._commit()
+        super().close()
+
+
+class TruncatesLongNames(JsonlSink):
+    """Names cut to 200 characters (a backend's shorter key column), a trailing '/' dropped so
+    the cut name is still a catalogue name and is stored."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        super().log_scalar(name[:200].rstrip("/"), value, step)
+
+
+class FileNamedAfterMetric(JsonlSink):
+    """A file per metric named after the whole name, '/' escaped: a name whose file name passes
+    255 bytes raises ``OSError: File name too long``."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        (self.path.parent / (name.replace("/", "%2F") + ".touch")).touch()
+        super().log_scalar(name, value, step)
+
+
+class DropsLowerSteps(JsonlSink):
+    """W&B's rule for its own step: a value at a step lower than the name's last is dropped."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__(directory)
+        self._last: dict[str, int] = {}
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        s = int(step or 0)
+        if s >= self._last.get(name, s):
+            self._last[name] = s
+            super().log_scalar(name, value, step)
+
+
+class FlushesLastNameOnly(BuffersUntilClose):
+    """A buffer per name; ``flush()`` writes out only the buffer of the name logged last."""
+
+    def flush(self) -> None:
+        if self._lines:
+            last = self._lines[-1][0]
+            for line in [x for x in self._lines if x[0] == last]:
+                JsonlSink.log_scalar(self, *line)
+            self._lines = [x for x in self._lines if x[0] != last]
+            JsonlSink.flush(self)
+
+
 def _impl(req: str, cls: type[JsonlSink], reader: Any = read_jsonl, **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"flush"})
     name = f"mutant-{req}-{cls.__name__}"
@@ -130,6 +219,12 @@ MUTANTS: dict[str, Implementation] = {
 """Requirement id -> a sink that breaks exactly that requirement."""
 
 EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("MET-001", _impl("MET-001", KeepsLastPerStep)),
+    ("MET-001", _impl("MET-001", MergesRepeatedStep)),
+    ("MET-002", _impl("MET-002", TruncatesLongNames)),
+    ("MET-002", _impl("MET-002", FileNamedAfterMetric)),
+    ("MET-003", _impl("MET-003", DropsLowerSteps)),
+    ("MET-005", _impl("MET-005", FlushesLastNameOnly)),
     ("MET-007", _impl("MET-007", NoStepCrashes)),
     ("MET-007", _impl("MET-007", NoStepCountsValues)),
 ]

@@ -13,6 +13,7 @@ from typing import Any
 
 from posttrain.conformance.context import ConformanceError, Context
 from posttrain.conformance.registry import requirement
+from posttrain.contracts.metrics import METRIC_NAME_MAX
 
 Scalars = dict[str, list[tuple[int, float]]]
 
@@ -47,11 +48,32 @@ def _close(a: float, b: float) -> bool:
     return a == b or math.isclose(a, b, rel_tol=2**-23, abs_tol=1e-30)
 
 
+def _shown(name: str) -> str:
+    # Names at METRIC_NAME_MAX would fill a message: their start and length identify them.
+    return repr(name) if len(name) <= 60 else f"{name[:40]!r}... ({len(name)} characters)"
+
+
+def _names(names: Any) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - 10} more" if len(names) > 10 else ""
+    return "[" + ", ".join(_shown(n) for n in names[:10]) + more + "]"
+
+
+def _log(sink: Any, name: str, value: float, step: int) -> None:
+    try:
+        sink.log_scalar(name, value, step=step)
+    except Exception as e:
+        raise _fail(
+            f"log_scalar({_shown(name)}, {value!r}, step={step}) raised {type(e).__name__}: "
+            f"{str(e)[:200]}; expected the point stored"
+        ) from None
+
+
 def _log_and_read(ctx: Context, entries: list[tuple[str, float, int]]) -> Scalars:
     with ctx.tmpdir() as d:
         sink = ctx.make(d)
         for name, value, step in entries:
-            sink.log_scalar(name, value, step=step)
+            _log(sink, name, value, step)
         _finish(sink)
         return _read(ctx, d)
 
@@ -61,46 +83,93 @@ def _expect(got: Scalars, entries: list[tuple[str, float, int]], what: str) -> N
         vals = got.get(name)
         if vals is None:
             raise _fail(
-                f"{what}: {name!r} logged but not read back; names read back: {sorted(got)}"
+                f"{what}: {_shown(name)} logged but not read back; names read back: {_names(got)}"
             )
         if not any(s == step and _close(v, value) for s, v in vals):
-            raise _fail(f"{what}: {name!r} at step {step} logged as {value!r}, read back {vals}")
+            raise _fail(
+                f"{what}: {_shown(name)} at step {step} logged as {value!r}, read back "
+                f"{vals[:10]}{f' ... and {len(vals) - 10} more' if len(vals) > 10 else ''}"
+            )
 
 
 @requirement("MET-001")
 def read_back_exactly(ctx: Context) -> None:
-    # Plain names, one step each: slashes (MET-002) and repeated steps (MET-003) are checked apart.
-    entries = [("loss", 0.125, 0), ("reward", 1 / 3, 1), ("lr", -2.5e-3, 2)]
-    _expect(_log_and_read(ctx, entries), entries, "read back")
+    # Plain names: slashes (MET-002) and steps out of order (MET-003) are checked apart. Two
+    # values of one name at one step, logged back to back ("loss") and apart ("reward"), are
+    # two points: a table keyed by (name, step), or W&B's own step= (one history row per step,
+    # the last value winning), keeps one of them.
+    entries = [
+        ("loss", 0.125, 0),
+        ("loss", 0.375, 0),
+        ("reward", 1 / 3, 1),
+        ("lr", -2.5e-3, 2),
+        ("reward", 2 / 3, 1),
+    ]
+    got = _log_and_read(ctx, entries)
+    for name, step in (("loss", 0), ("reward", 1)):
+        logged = [v for n, v, s in entries if n == name and s == step]
+        vals = got.get(name, [])
+        if not all(any(s == step and _close(v, w) for s, v in vals) for w in logged):
+            raise _fail(
+                f"read back: {name!r} logged at step {step} twice, as {logged[0]!r} then "
+                f"{logged[1]!r}; expected both read back, found {vals}"
+            )
+    _expect(got, entries, "read back")
+
+
+def _at_bound(segment: str) -> str:
+    """A catalogue-form name of exactly METRIC_NAME_MAX characters: ``segment`` repeated
+    between slashes, then a last segment of ``z`` that makes up the length."""
+    name = segment
+    while len(name) + 1 + len(segment) <= METRIC_NAME_MAX - 2:
+        name = f"{name}/{segment}"
+    return f"{name}/{'z' * (METRIC_NAME_MAX - len(name) - 1)}"
+
+
+# The longest names MET-002 promises, in the catalogue's alphabet ([a-z0-9_], '/'): many short
+# segments (about 380 bytes once '/' is escaped into one file name), one segment alone (a
+# 254-byte "<name>.csv") and a catalogue group over one long leaf.
+LONG_NAMES = (
+    _at_bound("g_0"),
+    ("metric" + "_x" * METRIC_NAME_MAX)[:METRIC_NAME_MAX],
+    ("policy/kl_ref/k3" + "_x" * METRIC_NAME_MAX)[:METRIC_NAME_MAX],
+)
 
 
 @requirement("MET-002")
 def catalogue_names(ctx: Context) -> None:
-    entries = [
-        (n, float(i) + 0.5, 7)
-        for i, n in enumerate(
-            [
-                "policy/kl_ref/k3",
-                "time/weight_sync_s",
-                "perf/gen_tokens_per_s",
-                "buffer/utilization",
-                "step",
-            ]
-        )
+    names = [
+        "policy/kl_ref/k3",
+        "time/weight_sync_s",
+        "perf/gen_tokens_per_s",
+        "buffer/utilization",
+        "step",
+        *LONG_NAMES,
     ]
+    entries = [(n, float(i) + 0.5, 7) for i, n in enumerate(names)]
     _expect(_log_and_read(ctx, entries), entries, "catalogue names")
+
+
+# Steps 5 and 3 come after 10: W&B's own step= drops a step lower than the run's last one.
+_STEPS = [(0, 0.5), (1, 0.25), (2, 0.75), (10, 1.0), (5, 1.5), (3, 2.5)]
 
 
 @requirement("MET-003")
 def steps_kept_apart(ctx: Context) -> None:
-    entries = [
-        ("rollout/reward/mean", v, s) for s, v in [(0, 0.5), (1, 0.25), (2, 0.75), (10, 1.0)]
-    ]
+    name = "rollout/reward/mean"
+    entries = [(name, v, s) for s, v in _STEPS]
     got = _log_and_read(ctx, entries)
-    _expect(got, entries, "one name at four steps")
-    n = len(got.get("rollout/reward/mean", []))
-    if n != 4:
-        raise _fail(f"one name logged at 4 steps reads back {n} values")
+    vals = got.get(name, [])
+    for i, (step, value) in enumerate(_STEPS):
+        if not any(s == step and _close(v, value) for s, v in vals):
+            before = [s for s, _v in _STEPS[:i]]
+            order = " (lower than one logged before it)" if before and step < max(before) else ""
+            raise _fail(
+                f"{name!r} logged at steps {[s for s, _v in _STEPS]} in that order: {value!r} "
+                f"at step {step}{order} not read back, found {vals}"
+            )
+    if len(vals) != len(_STEPS):
+        raise _fail(f"one name logged at {len(_STEPS)} steps reads back {len(vals)} values")
 
 
 @requirement("MET-004")
@@ -113,14 +182,25 @@ def non_finite_kept(ctx: Context) -> None:
     _expect(_log_and_read(ctx, entries), entries, "non-finite values")
 
 
+# Several names, the first one again last: a sink with a file (or buffer) per name whose
+# flush() reaches only the one written last leaves the others unreadable.
+_FLUSHED = [
+    ("rollout/reward/mean", 0.5, 1),
+    ("loss/total", 1.25, 1),
+    ("optim/lr", 3e-4, 1),
+    ("rollout/reward/mean", 0.75, 2),
+]
+
+
 @requirement("MET-005")
 def flush_makes_readable(ctx: Context) -> None:
     with ctx.tmpdir() as d:
         sink = ctx.make(d)
-        sink.log_scalar("rollout/reward/mean", 0.5, step=1)
+        for name, value, step in _FLUSHED:
+            _log(sink, name, value, step)
         sink.flush()
         got = _read(ctx, d)
-        _expect(got, [("rollout/reward/mean", 0.5, 1)], "after flush(), before close")
+        _expect(got, _FLUSHED, "after flush(), before close")
         _finish(sink)
 
 
