@@ -248,7 +248,9 @@ def _logp_grads(policy: Any, loss: Any, td: TensorDictBase) -> tuple[torch.Tenso
         probs = torch.softmax(logits.cpu().double(), -1)
         for r in range(g_all.shape[0]):
             if isinstance(ids, torch.Tensor) and ids.ndim == 2:
-                m = mask[r].cpu() if isinstance(mask, torch.Tensor) else None
+                # A mask of another shape (a 4D attention mask) cannot say which are padding.
+                flat = isinstance(mask, torch.Tensor) and mask.shape == ids.shape
+                m = mask[r].cpu() if flat else None
                 found = _match_row(ids[r].cpu(), m, tokens, att)
             else:  # no input_ids to match (inputs_embeds): only the batch's own shape maps
                 found = (r, 0, 1) if g_all.shape[:2] == (b, t) else None
