@@ -111,7 +111,7 @@ _M, _S = Level.MUST, Level.SHOULD
 
 GENERATION = Contract(
     id="generation",
-    version="1.1",
+    version="1.2",
     title="Generation server",
     purpose=(
         "Serves generation requests pushed by many callers: batches them, generates with the "
@@ -146,7 +146,7 @@ GENERATION = Contract(
         Requirement(id="GEN-007", level=_M, title="bad request isolated",
             text="A request with a missing key or a wrong dtype MUST fail its own future with an error naming the key, while concurrent and later valid requests are served.", depends_on=("GEN-001",)),
         Requirement(id="GEN-008", level=_M, title="shutdown",
-            text="`shutdown` MUST return within its timeout with requests still pending, leave no pending future unresolved (each served or failed, as the `on_shutdown` option says; a cancelled future counts as failed), and be idempotent.", depends_on=("GEN-001",)),
+            text="`shutdown` MUST return within its timeout with requests still pending, leave no pending future unresolved (each served or failed, as the `on_shutdown` option says; a cancelled future counts as failed), and be idempotent.", tightened=("1.2",), depends_on=("GEN-001",)),
         Requirement(id="GEN-009", level=_M, title="closed server refuses",
             text="A request submitted after `shutdown`, through any client (also one obtained before), MUST raise, or fail its future with a clear error or cancel it, instead of hanging.", tightened=("1.1",), depends_on=("GEN-008",)),
         Requirement(id="GEN-010", level=_S, title="statistics",

@@ -341,6 +341,13 @@ class OldClientsKeepQueueing(ThreadGenerationServer):
         return super().client() if self._closed else _QueueClient(self)
 
 
+class DrainsDespiteFail(ThreadGenerationServer):
+    """Declares ``on_shutdown='fail'`` (the default) but serves what is queued at shutdown."""
+
+    def __init__(self, policy: Any, **kw: Any) -> None:
+        super().__init__(policy, **{**kw, "on_shutdown": "drain"})
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("options", {"on_shutdown": "fail"})
     return Implementation("generation", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -373,9 +380,11 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("GEN-006", _impl("GEN-006", ServesAPrivateCopy)),
     ("GEN-007", _impl("GEN-007", BadRequestKillsServer)),
     ("GEN-008", _impl("GEN-008", HangsOnShutdown)),
+    ("GEN-008", _impl("GEN-008", DrainsDespiteFail)),
     ("GEN-009", _impl("GEN-009", OldClientsKeepQueueing)),
 ]
 """Named bugs beside the main mutants: a bad request that kills the server, a hang on shutdown,
+a server declaring on_shutdown='fail' that drains,
 answers swapped between one client's requests, padding after an EOS in a batch, a batch in
 flight stamped with the version of weights that did not produce it (or given new weights half
 way), stale weights behind an update (a scoring copy, a prefix cache, a private copy that the

@@ -562,6 +562,93 @@ def shutdown_resolves_everything(ctx: Context) -> None:
         raise _fail(
             f"on_shutdown='drain' declared, but {failed} pending requests failed or were cancelled"
         )
+    if mode == "fail":
+        _queued_requests_fail(ctx)
+
+
+def _queued_requests_fail(ctx: Context) -> None:
+    """on_shutdown='fail': requests still queued at shutdown fail (or are cancelled).
+
+    Every forward the server runs in its own threads is held at a gate the suite owns, so
+    nothing is served before ``shutdown`` is called: a server that then serves every one of
+    the requests, more of them than it had forwards in flight, drained them. Requests in
+    flight may still be served (``ThreadPoolExecutor.shutdown(cancel_futures=True)`` lets
+    running tasks finish), so the check needs more requests than held forwards.
+    """
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    gate = _Gate(policy)
+    server = ctx.make(policy, max_new_tokens=MAX_NEW)
+    try:
+        first = server.client().submit(_request(PROMPTS[0]))
+        deadline = time.perf_counter() + WAIT
+        while not gate.entered.wait(0.01):
+            if _outcome(first) != "pending" or time.perf_counter() > deadline:
+                return  # served inline or out of process: nothing the suite can hold
+        futures = [first, *(server.client().submit(_request(p)) for p in PROMPTS * 2)]
+        time.sleep(0.1)  # let idle workers take what they can: they block at the gate too
+        pending = [f for f in futures if _outcome(f) == "pending"]
+        held = gate.count
+        called = threading.Event()
+
+        def stop() -> None:
+            called.set()
+            server.shutdown(5.0)
+
+        t = threading.Thread(target=stop, daemon=True)
+        t.start()
+        called.wait(WAIT)
+        deadline = time.perf_counter() + 0.5  # for shutdown to mark what it fails
+        while time.perf_counter() < deadline and t.is_alive():
+            if any(_outcome(f) != "pending" for f in pending):
+                break
+            time.sleep(0.01)
+        gate.open()
+        t.join(5.0 + SHUTDOWN_GRACE)
+    finally:
+        gate.close()
+        last = threading.Thread(target=server.shutdown, args=(5.0,), daemon=True)
+        last.start()
+        last.join(5.0 + SHUTDOWN_GRACE)
+    served = [_outcome(f) for f in pending].count("served")
+    if pending and served == len(pending) > held:
+        raise _fail(
+            f"on_shutdown='fail' declared (the default), but all {served} requests pending at "
+            f"shutdown were served, with {held} forward(s) in flight: the queued ones were "
+            "drained, not failed"
+        )
+
+
+class _Gate:
+    """Holds every forward of the suite's policy run outside the suite's thread until opened.
+
+    Installed before the server is built, so a server that copies the policy copies the hook.
+    """
+
+    def __init__(self, policy: Any) -> None:
+        self._owner = threading.get_ident()
+        self._lock = threading.Lock()
+        self._open = threading.Event()
+        self.entered = threading.Event()
+        self.count = 0
+        opened, entered = self._open, self.entered
+
+        # A closure, not a bound method: deepcopy shares a function (see _Hold).
+        def hook(_module: Any, _args: Any, _output: Any) -> None:
+            if threading.get_ident() == self._owner or opened.is_set():
+                return
+            with self._lock:
+                self.count += 1
+            entered.set()
+            opened.wait(WAIT)
+
+        self._handle = policy.register_forward_hook(hook)
+
+    def open(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self._open.set()
+        self._handle.remove()
 
 
 @requirement("GEN-009")
