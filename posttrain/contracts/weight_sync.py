@@ -59,7 +59,7 @@ WEIGHT_SYNC = Contract(
     ),
     protocol=WeightSenderV1,
     extra_protocols=(WeightReceiverV1,),
-    version="1.1",
+    version="1.2",
     factory="factory(receiver_model: torch.nn.Module) -> tuple[WeightSenderV1, WeightReceiverV1]",
     capabilities=(
         Capability(name="cross_process", text="Sender and receiver live in different processes."),
@@ -67,7 +67,7 @@ WEIGHT_SYNC = Contract(
     ),
     requirements=(
         Requirement(id="WS-001", level=_M, title="bit-exact after sync",
-            text="After `send(w, version=v)` and `receive()`, every receiver parameter and buffer MUST equal `w` bit-exactly."),
+            text="After `send(w, version=v)` and `receive()`, every receiver parameter and persistent buffer (every tensor of its `state_dict`) MUST equal `w` bit-exactly.", tightened=("1.2",)),
         Requirement(id="WS-002", level=_M, title="version propagates", tightened=("1.1",),
             text="After a sync, `receiver.version` MUST equal the version sent, and the model MUST hold exactly the weights sent with the version `receiver.version` reports, also when several sends precede one `receive()` (which applies the next pending send or the newest, dropping older ones: either is allowed); a send MUST NOT change `receiver.version` before a `receive()`.", depends_on=("WS-001",)),
         Requirement(id="WS-003", level=_M, title="no aliasing",

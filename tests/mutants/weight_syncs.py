@@ -147,6 +147,22 @@ class VersionAtSend(InProcessReceiver):
         self._version = version
 
 
+class ParametersOnly(InProcessReceiver):
+    """Copies ``named_parameters()`` only: persistent buffers keep their old values."""
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if self._pending is None:
+            return None
+        weights, version = self._pending
+        self._pending = None
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(weights[n])
+        self._version = version
+        self.last_sync_s = 0.0
+        return version
+
+
 def _factory(cls: type[InProcessReceiver]) -> Any:
     def make(model: torch.nn.Module) -> tuple[InProcessSender, InProcessReceiver]:
         r = cls(model)
@@ -176,6 +192,7 @@ MUTANTS: dict[str, Implementation] = {
 EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("WS-002", _impl("WS-002", NewestVersionOldestWeights)),
     ("WS-002", _impl("WS-002", VersionAtSend)),
+    ("WS-001", _impl("WS-001", ParametersOnly)),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
 

@@ -1,7 +1,8 @@
 """The weight-sync suite: one check per WS requirement (specs/weight_sync-v1.md).
 
-The receiver's model is a tiny real HF causal LM; the sender publishes the ``state_dict`` of a
-twin built with another seed, so every parameter differs before a sync. With capability
+The receiver's model is a tiny real HF causal LM with a persistent buffer (and a non-persistent
+one, which is not in the ``state_dict``); the sender publishes the ``state_dict`` of a twin built
+with another seed, so every parameter and the buffer differ before a sync. With capability
 ``cross_process`` the factory ships that model to the receiving process, and every check reads
 the receiver's weights back through ``receiver.state_dict()``.
 """
@@ -43,11 +44,32 @@ class _Remote:
         return out
 
 
+BUFFER = "conformance_stats"  # persistent: in the state_dict, so it is synced like a weight
+SCRATCH = "conformance_scratch"  # non-persistent: not in the state_dict, never sent
+
+
+def sync_model(seed: int) -> Any:
+    """The suite's model: a tiny HF causal LM with a persistent and a non-persistent buffer.
+
+    The persistent buffer (float statistics, as BatchNorm's running mean) is part of the
+    ``state_dict`` and must be synced as every parameter is; the non-persistent one is not in
+    it, and a receiver must not ask for it.
+
+    Example:
+        >>> m = sync_model(0)
+        >>> BUFFER in m.state_dict(), SCRATCH in m.state_dict()
+        (True, False)
+    """
+    model = tiny_causal_lm(seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    model.register_buffer(BUFFER, torch.randn(4, generator=gen), persistent=True)
+    model.register_buffer(SCRATCH, torch.randn(4, generator=gen), persistent=False)
+    return model
+
+
 def _setup(ctx: Context) -> tuple[Any, Any, Any, Weights]:
-    receiver_model = tiny_causal_lm(seed=ctx.seed)
-    source = {
-        n: t.detach().clone() for n, t in tiny_causal_lm(seed=ctx.seed + 1).state_dict().items()
-    }
+    receiver_model = sync_model(ctx.seed)
+    source = {n: t.detach().clone() for n, t in sync_model(ctx.seed + 1).state_dict().items()}
     pair = ctx.make(receiver_model)
     if not isinstance(pair, tuple) or len(pair) != 2:
         raise _fail(
@@ -252,10 +274,8 @@ def cross_process(ctx: Context) -> None:
 def cuda_receiver(ctx: Context) -> None:
     if not torch.cuda.is_available():
         raise NotApplicable("capability 'cuda' declared, but this machine has no CUDA device")
-    receiver_model = tiny_causal_lm(seed=ctx.seed).cuda()
-    source = {
-        n: t.detach().clone() for n, t in tiny_causal_lm(seed=ctx.seed + 1).state_dict().items()
-    }
+    receiver_model = sync_model(ctx.seed).cuda()
+    source = {n: t.detach().clone() for n, t in sync_model(ctx.seed + 1).state_dict().items()}
     sender, receiver = ctx.make(receiver_model)
     _sync(sender, receiver, source, 1)
     model: Any = _Remote(receiver) if "cross_process" in ctx.capabilities else receiver_model
