@@ -23,43 +23,15 @@ from tensordict import TensorDict
 from posttrain.conformance import Implementation, Status, run
 from posttrain.conformance.data import llm_batch
 from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.conformance.suites.metrics import LONG_NAMES
 from tests.independent import buffers, losses, sinks
 
 _BAD = (Status.FAIL, Status.ERROR)
 
 KIT_DEFECTS = {
-    "loop_per_sequence_forward": (
-        "LOSS-003's logit probe sees only one batched policy call; a loss that runs the "
-        "policy once per sequence (trimmed) is failed with 'no gradient w.r.t. the logits'"
-    ),
     "round_at_start_keyed": (
         "BUF-016 never extends between samples, so a round fixed when it began (new items "
         "wait while old ones repeat) passes"
-    ),
-    "long_name_csv": (
-        "MET-002 logs only short names, so a sink that cannot store a name longer than a "
-        "file name (255 bytes) passes"
-    ),
-    "shifted_entropy": (
-        "LOSS-012 does not pin the entropy value to the assistant tokens' own distributions "
-        "(the spec's '(or sampled)' leaves it loose): entropy read one position late passes"
-    ),
-    "shifted_token_advantage": (
-        "LOSS-003 uses [B] advantages only, so a [B, T] advantage read one position late is "
-        "seen only through LOSS-004 (the value it drags in from the prompt), never as a "
-        "wrong gradient"
-    ),
-    "upsert_sqlite": (
-        "MET-001 never logs one name twice at one step, so a sink keeping only the last "
-        "value per (name, step) passes"
-    ),
-    "monotonic_step_csv": (
-        "MET-003 logs steps in increasing order only, so a sink dropping a lower step "
-        "(W&B's rule) passes"
-    ),
-    "last_file_flush_csv": (
-        "MET-005 reads back one metric after flush(), so a flush of the last file written "
-        "alone passes"
     ),
 }
 
@@ -291,7 +263,7 @@ SINK_WITNESSES = [
         sinks.LongNameCsvSink,
         sinks.CsvPerMetricSink,
         sinks.read_csv_dir,
-        [("/".join(f"segment_{i:02d}" for i in range(30)), 1.0, 0)],
+        [(LONG_NAMES[0], 1.0, 0)],  # METRIC_NAME_MAX characters: inside the promise
         False,
     ),
 ]

@@ -292,7 +292,7 @@ class LongNameCsvSink(CsvPerMetricSink):
     file-per-metric logger that names files after metrics meets this limit).
 
     Breaks MET-002 ("Names matching ``^[a-z0-9_]+(/[a-z0-9_]+)*$`` MUST be stored unchanged":
-    the pattern has no length limit).
+    names are promised up to 250 characters, METRIC_NAME_MAX).
     """
 
     def _file_name(self, name: str) -> str:
