@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest report specs specs-check bench gpu-wheels torchrl-report clean
+.PHONY: install test lint typecheck pytest report specs specs-check bench fuzz gpu-wheels torchrl-report clean
 
 install: $(STAMP)
 
@@ -45,6 +45,11 @@ torchrl-report: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q -p no:randomly --benchmark-only $(BENCH_ARGS)
+
+# The buffers' write-path fuzz at full size: >= 1,000 bad batches per local buffer, 50 for
+# the Ray-served one (the normal test run takes 150 per buffer).
+fuzz: $(STAMP)
+	POSTTRAIN_FUZZ_BAD=1000 $(BIN)/python -m pytest -q -p no:randomly tests/test_buffer_fuzz.py
 
 # The wheels the GPU variant needs on a lent device machine (benchmarks/gpu/README.md).
 gpu-wheels: $(STAMP)
