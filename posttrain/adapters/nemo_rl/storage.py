@@ -247,6 +247,9 @@ class NemoReplayBuffer:
         missing = [k for k in (*keys, "buffer") if k not in state]
         if missing:
             raise _StateKeyError(f"state: missing {missing}; found {sorted(state)}")
+        extra = sorted(str(k) for k in state if k not in _STATE_KEYS)
+        if extra:
+            raise ValueError(f"state: expected only keys {list(_STATE_KEYS)}, found extra {extra}")
         for k in keys:
             if not isinstance(state[k], list | tuple):
                 raise _StateTypeError(
@@ -336,6 +339,15 @@ class _StateTypeError(TypeError, ValueError):
 
 
 _ENTRY_KEYS = ("indices", "offset", "width", "extras")
+_STATE_KEYS = (
+    "trajectories",
+    "trajectory_versions",
+    "target_weight_versions",
+    "last_target_weight_already_generated",
+    "max_size",
+    "written",
+    "buffer",
+)
 
 
 def _entry(t: Any, version: Any, target: Any, n: int) -> _Entry:

@@ -457,6 +457,44 @@ def _check_item(item: Any, schema: ItemSchema, where: str, fixed_rows: int | Non
             )
 
 
+def _check_top_level(state: Mapping[str, Any], rb: Any) -> None:
+    """The parts beside storage, writer and sampler: the keys the wrapped buffer's own state
+    has (where this process can see it), and each with its own type."""
+    w = "state_dict['rb']"
+    try:  # only a local buffer's: a served one's would copy its whole storage across
+        live = rb.state_dict() if _live_part(rb, "storage") is not None else None
+    except Exception:
+        live = None
+    if isinstance(live, Mapping) and set(map(str, state)) != set(map(str, live)):
+        raise bad(w, f"keys {sorted(map(str, live))}", sorted(map(str, state)))
+    if "_transforms" in state:
+        t = state["_transforms"]
+        want = live.get("_transforms") if isinstance(live, Mapping) else None
+        if not isinstance(t, Mapping) or (
+            isinstance(want, Mapping) and set(map(str, t)) != set(map(str, want))
+        ):
+            found = sorted(map(str, t)) if isinstance(t, Mapping) else t
+            raise bad(f"{w}['_transforms']", "the wrapped buffer's transforms' state", found)
+    for key in ("_batch_size", "_consume_after_n_samples"):
+        if state.get(key) is not None:
+            checked_int(state[key], f"{w}[{key!r}]", 1)
+    rng = state.get("_rng")
+    if rng is not None and not (
+        isinstance(rng, list | tuple)
+        and len(rng) == 2
+        and isinstance(rng[0], torch.Tensor)
+        and isinstance(rng[1], str)
+    ):
+        raise bad(f"{w}['_rng']", "None or (generator state, device)", rng)
+    pre = state.get("_prefetch_state")
+    if pre is not None and not (
+        isinstance(pre, Mapping)
+        and isinstance(pre.get("queue"), list | tuple)
+        and not pre["queue"]  # the adapter never prefetches: a queued sample is not its own
+    ):
+        raise bad(f"{w}['_prefetch_state']", "None or an empty prefetch queue", pre)
+
+
 def _check_torchrl_state(state: Any, schema: ItemSchema | None, rb: Any) -> None:
     """A TorchRL ``ReplayBuffer.state_dict()`` against the schema and the wrapped buffer:
     storage, writer and sampler parts present and consistent, or ``ValueError``."""
@@ -467,12 +505,19 @@ def _check_torchrl_state(state: Any, schema: ItemSchema | None, rb: Any) -> None
         if not isinstance(state.get(part), Mapping):
             found = "no such key" if part not in state else type(state[part]).__name__
             raise bad(f"{w}[{part!r}]", "a dict", found)
+    _check_top_level(state, rb)
     cap = _capacity(rb)
     storage = state["_storage"]
     if "_storage" not in storage:
         raise bad(f"{w}['_storage']", "a dict with key '_storage'", sorted(map(str, storage)))
     inner = storage["_storage"]
     live = _live_part(rb, "storage")
+    if live is not None:
+        want = set(map(str, live.state_dict()))
+        if set(map(str, storage)) != want:
+            raise bad(f"{w}['_storage']", f"keys {sorted(want)}", sorted(map(str, storage)))
+    if "initialized" in storage and not isinstance(storage["initialized"], bool):
+        raise bad(f"{w}['_storage']['initialized']", "a bool", storage["initialized"])
     at = f"{w}['_storage']['_storage']"
     if isinstance(inner, list):
         if live is not None and not isinstance(live.state_dict().get("_storage"), list):
@@ -518,6 +563,9 @@ def _check_torchrl_state(state: Any, schema: ItemSchema | None, rb: Any) -> None
         want = set(map(str, live_sampler.state_dict()))
         if set(map(str, sampler)) != want:
             raise bad(f"{w}['_sampler']", f"keys {sorted(want)}", sorted(map(str, sampler)))
+    for flag in ("drop_last", "_ran_out"):
+        if flag in sampler and not isinstance(sampler[flag], bool):
+            raise bad(f"{w}['_sampler'][{flag!r}]", "a bool", sampler[flag])
     if "_sample_list" in sampler:
         seen = checked_int(sampler.get("len_storage"), f"{w}['_sampler']['len_storage']", 0, n)
         if sampler["_sample_list"] is not None:
