@@ -294,6 +294,12 @@ def _torchrl(storage: str) -> Callable[[], Any]:
     return lambda: ValidatedReplayBuffer(TensorDictReplayBuffer(storage=kind(CAP)))
 
 
+def _maker(name: str) -> Callable[[], Any]:
+    if name == "RingBuffer":
+        return lambda: RingBuffer(CAP, seed=0)
+    return _torchrl("tensor" if "LazyTensorStorage" in name else "stack")
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -303,11 +309,7 @@ def _torchrl(storage: str) -> Callable[[], Any]:
     ],
 )
 def test_fuzzed_writes_are_all_or_nothing(name: str) -> None:
-    make: Callable[[], Any] = {
-        "RingBuffer": lambda: lambda: RingBuffer(CAP, seed=0),
-        "ValidatedReplayBuffer(LazyTensorStorage)": lambda: _torchrl("tensor"),
-        "ValidatedReplayBuffer(LazyStackStorage)": lambda: _torchrl("stack"),
-    }[name]()
+    make = _maker(name)
     _fuzz(Fuzzer(make, fresh=True), FUZZ_BAD)
 
 
@@ -344,7 +346,8 @@ class _Boom(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if getattr(func, "__name__", "") in ("__setitem__", "copy_", "index_put_", "index_copy_"):
             raise RuntimeError("injected failure in the middle of a write")
-        return super().__torch_function__(func, types, args, kwargs or {})
+        out = super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[no-untyped-call]
+        return out
 
 
 def _booby(ids: list[int]) -> TensorDict:
@@ -358,10 +361,7 @@ def _booby(ids: list[int]) -> TensorDict:
     ["RingBuffer", "ValidatedReplayBuffer(LazyTensorStorage)"],
 )
 def test_a_write_failing_part_way_restores_rows_cursor_length_and_schema(name: str) -> None:
-    make: Callable[[], Any] = {
-        "RingBuffer": lambda: lambda: RingBuffer(CAP, seed=0),
-        "ValidatedReplayBuffer(LazyTensorStorage)": lambda: _torchrl("tensor"),
-    }[name]()
+    make = _maker(name)
     rb, model, next_id = make(), Fifo(CAP), 0
     with pytest.raises(RuntimeError, match="injected"):
         rb.extend(_booby([100, 101, 102]))

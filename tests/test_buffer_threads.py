@@ -68,7 +68,8 @@ def _torn(td: Any) -> list[int]:
     for k in (("tokens",), ("m", "lp"), ("m", "mask")):
         g, w = td.get(k), want.get(k)
         bad |= (g != w).reshape(g.shape[0], -1).any(1)
-    return td["id"][bad].tolist()
+    out: list[int] = td["id"][bad].tolist()
+    return out
 
 
 def _read_all(rb: Any, n: int) -> Any:
