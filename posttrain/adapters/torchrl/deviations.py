@@ -151,7 +151,7 @@ assert fresh[torch.arange(2)]["a"].tolist() == [5.0, 5.0]  # the later write, no
     ),
     Deviation(
         ("BUF-024",),
-        "ReplayBuffer.loads / LazyTensorStorage, LazyMemmapStorage",
+        "ReplayBuffer.loads / LazyTensorStorage, LazyMemmapStorage (local and Ray-served)",
         "loads unpickles prefetch.pkl (a planted pickle runs its code) and, refusing a damaged "
         "file, leaves the storage already replaced",
         _HEAD
