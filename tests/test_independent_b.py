@@ -38,34 +38,9 @@ BUGGY: dict[str, tuple[Implementation, str]] = {
     **{f"weight_sync/{k}": v for k, v in weight_syncs.BUGGY_WEIGHT_SYNC.items()},
 }
 
-# Cases where the kit does not report the requirement the spec sentence says is broken. Each
-# has a test below showing, without the kit, that the implementation really breaks it.
-KIT_DEFECTS: dict[str, str] = {
-    "rollout/left_padded": (
-        "kit defect: ROLL-001 rejects left-padded prompts ('assistant tokens must follow a "
-        "prompt') that layout v1 allows, that the spec maps TRL to, and that validate() accepts"
-    ),
-    "generation/declared_fail_but_drains": (
-        "kit defect: GEN-008 checks the on_shutdown option only when 'drain' is declared; a "
-        "server declaring 'fail' that serves its pending requests passes"
-    ),
-    "rollout/stamp_at_yield": (
-        "kit defect: ROLL-003 never compares a stamp with the weights that made the batch; "
-        "old-weights batches stamped with the new version pass ROLL-003 (reported as ROLL-005)"
-    ),
-    "rollout/stale_stamp": (
-        "kit defect: ROLL-003 compares stamps with policy_version only before any update; "
-        "a stamp frozen at its first value passes ROLL-003 (reported as ROLL-004)"
-    ),
-    "rollout/eos_as_pad": (
-        "kit defect: the rollout suite's policies never emit EOS, so EOS masked out of the "
-        "attention/assistant masks (pad == eos) passes ROLL-001"
-    ),
-    "weight_sync/params_only": (
-        "kit defect: the receiver model has no persistent buffer, so WS-001's 'every parameter "
-        "and buffer' never sees a receiver that copies parameters only"
-    ),
-}
+# Cases where the kit does not report the requirement the spec sentence says is broken (none
+# today). The tests at the end show, without the kit, that each former case's bug is real.
+KIT_DEFECTS: dict[str, str] = {}
 
 
 @functools.cache
@@ -113,15 +88,9 @@ def test_buggy_variant_fails_its_requirement(key: str) -> None:
 
 
 def test_every_buggy_variant_is_caught_somewhere() -> None:
-    """Whatever the id, the kit says no to every buggy variant, except those only EOS data, a
-    persistent buffer or a check of the 'fail' option would show (see ``KIT_DEFECTS``)."""
-    missed = {
-        "generation/declared_fail_but_drains",
-        "rollout/eos_as_pad",
-        "weight_sync/params_only",
-    }
+    """Whatever the id, the kit says no to every buggy variant."""
     passed = sorted(k for k in BUGGY if not _own_failures(_report(k)))
-    assert passed == sorted(missed)
+    assert passed == []
 
 
 def test_rejections_not_blamed_for_a_version_that_never_moved() -> None:
