@@ -28,12 +28,7 @@ from tests.independent import buffers, losses, sinks
 
 _BAD = (Status.FAIL, Status.ERROR)
 
-KIT_DEFECTS = {
-    "round_at_start_keyed": (
-        "BUF-016 never extends between samples, so a round fixed when it began (new items "
-        "wait while old ones repeat) passes"
-    ),
-}
+KIT_DEFECTS: dict[str, str] = {}
 
 
 def _correct_params() -> list[Any]:

@@ -401,7 +401,7 @@ class KeyedArrayBuffer:
 
     def loads(self, path: Any, /) -> None:
         """Restore the state :meth:`dumps` wrote under ``path``."""
-        self.load_state_dict(torch.load(Path(path) / "keyed_array_buffer.pt", weights_only=False))
+        self.load_state_dict(torch.load(Path(path) / "keyed_array_buffer.pt", weights_only=True))
 
 
 # ---------------------------------------------------------------------------------------------
