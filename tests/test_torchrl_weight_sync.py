@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -13,6 +14,7 @@ from posttrain.adapters.torchrl.implementations import WEIGHT_SYNCS
 from posttrain.adapters.torchrl.weight_sync import weight_sync_pair
 from posttrain.conformance import Status, run
 from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.conformance.runner import Session
 
 # What TorchRL 0.14.1 really does; a change upstream changes this set and this test says so.
 RAW = {"WS-004", "WS-005", "WS-006"}
@@ -32,6 +34,23 @@ def test_torchrl_weight_sync(name: str) -> None:
         assert "the receiver's model changed" in ws004  # half-written, not only unnamed
         if name.endswith("multiprocess"):
             assert "TimeoutError" in ws004  # send() never returns
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHT_SYNCS))
+def test_applies_on_send_is_declared_because_torchrl_writes_on_send(name: str) -> None:
+    # Without the declaration WS-002 sees the sent weights in the model before receive():
+    # the capability is what TorchRL does, not a blanket waiver.
+    impl = WEIGHT_SYNCS[name]
+    assert "applies_on_send" in impl.capabilities
+    undeclared = dataclasses.replace(
+        impl, capabilities=frozenset(impl.capabilities) - {"applies_on_send"}
+    )
+    session = Session(undeclared)
+    row = session.run_one(session.contract.requirement("WS-002"))
+    assert row.status is Status.FAIL
+    assert "before receive(), receiver.version is 0 but the model holds the weights of " in (
+        row.message
+    )
 
 
 def test_a_dropped_pair_stops_torchrl_s_polling_thread() -> None:

@@ -44,7 +44,14 @@ class WeightReceiverV1(Protocol):
 
     @property
     def version(self) -> int:
-        """The version of the weights the model holds now."""
+        """The version of the weights the model holds now.
+
+        Between a ``send`` and the ``receive()`` that adopts it the model still holds this
+        version's weights, unchanged. Under capability ``applies_on_send`` the send has already
+        written them: until that ``receive()`` the model holds either this version's weights
+        or the newly sent ones, each whole (never a mix of two sends); after it, the weights
+        and the version agree again.
+        """
         ...
 
 
@@ -59,17 +66,18 @@ WEIGHT_SYNC = Contract(
     ),
     protocol=WeightSenderV1,
     extra_protocols=(WeightReceiverV1,),
-    version="1.2",
+    version="1.3",
     factory="factory(receiver_model: torch.nn.Module) -> tuple[WeightSenderV1, WeightReceiverV1]",
     capabilities=(
         Capability(name="cross_process", text="Sender and receiver live in different processes."),
         Capability(name="cuda", text="The receiver's model lives on a CUDA device."),
+        Capability(name="applies_on_send", text="`send` writes into the receiver's model before `receive`; `receive` only adopts the version (WS-002 says what holds before that `receive()`); since 1.3."),
     ),
     requirements=(
         Requirement(id="WS-001", level=_M, title="bit-exact after sync",
             text="After `send(w, version=v)` and `receive()`, every receiver parameter and persistent buffer (every tensor of its `state_dict`) MUST equal `w` bit-exactly.", tightened=("1.2",)),
-        Requirement(id="WS-002", level=_M, title="version propagates", tightened=("1.1",),
-            text="After a sync, `receiver.version` MUST equal the version sent, and the model MUST hold exactly the weights sent with the version `receiver.version` reports, also when several sends precede one `receive()` (which applies the next pending send or the newest, dropping older ones: either is allowed); a send MUST NOT change `receiver.version` before a `receive()`.", depends_on=("WS-001",)),
+        Requirement(id="WS-002", level=_M, title="version propagates", tightened=("1.1", "1.3"),
+            text="After a sync, `receiver.version` MUST equal the version sent, and the model MUST hold exactly the weights sent with the version `receiver.version` reports, also when several sends precede one `receive()` (which applies the next pending send or the newest, dropping older ones: either is allowed) and also between a send and the `receive()` that adopts it (the model unchanged until then); a send MUST NOT change `receiver.version` before a `receive()`. Under capability `applies_on_send` the model MAY hold a newer send's weights before that `receive()`, but MUST then hold one send's weights whole, never a mix of two sends.", depends_on=("WS-001",)),
         Requirement(id="WS-003", level=_M, title="no aliasing",
             text="Changing the sender's tensors after a sync MUST NOT change the receiver's model.", depends_on=("WS-001",)),
         Requirement(id="WS-004", level=_M, title="shape mismatch rejected atomically",

@@ -163,6 +163,32 @@ class ParametersOnly(InProcessReceiver):
         return version
 
 
+class WritesOnSend(InProcessReceiver):
+    """Writes the weights into the model at send, as TorchRL's in-process schemes do, without
+    declaring applies_on_send: between send and receive it holds the new weights under the old
+    version."""
+
+    def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        super()._post(weights, version)  # checked and copied: the writes below cannot fail
+        assert self._pending is not None
+        with torch.no_grad():
+            for n, t in self.model.state_dict().items():
+                t.copy_(self._pending[0][n])
+
+
+class HalfWrittenOnSend(InProcessReceiver):
+    """Declares applies_on_send but writes only the first half of the tensors at send and the
+    rest at receive: between the two the model is a mix of two versions."""
+
+    def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        super()._post(weights, version)
+        assert self._pending is not None
+        own = list(self.model.state_dict().items())
+        with torch.no_grad():
+            for n, t in own[: len(own) // 2]:
+                t.copy_(self._pending[0][n])
+
+
 def _factory(cls: type[InProcessReceiver]) -> Any:
     def make(model: torch.nn.Module) -> tuple[InProcessSender, InProcessReceiver]:
         r = cls(model)
@@ -193,10 +219,19 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("WS-002", _impl("WS-002", NewestVersionOldestWeights)),
     ("WS-002", _impl("WS-002", VersionAtSend)),
     ("WS-001", _impl("WS-001", ParametersOnly)),
+    ("WS-002", _impl("WS-002", WritesOnSend)),
+    ("WS-002", _impl("WS-002", HalfWrittenOnSend, capabilities={"applies_on_send"})),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
 
 CORRECT: list[Implementation] = [
     Implementation("weight_sync", _factory(QueueReceiver), name="queue-semantics-weight-sync"),
+    # TorchRL's design, declared: the weights land at send, receive() adopts the version.
+    Implementation(
+        "weight_sync",
+        _factory(WritesOnSend),
+        name="applies-on-send-weight-sync",
+        capabilities={"applies_on_send"},
+    ),
 ]
 """Correct designs other than the reference's (latest-wins): each must pass every requirement."""

@@ -355,6 +355,9 @@ def _weight_sync(transport: str, *, adapted: bool) -> Implementation:
         "weight_sync",
         partial(weight_sync_pair, transport=transport, adapted=adapted),
         name=("CheckedSender(" if adapted else "") + f"{cls}" + (")" if adapted else ""),
+        # TorchRL writes into the receiver's model before send returns; receive() adopts the
+        # version (the suite's model equals the sent weights right after send, 40 of 40 sends).
+        capabilities={"applies_on_send"},
         description="Both ends in this process (the receiving end as a collector worker holds it); "
         + (
             "the adapter checks names, shapes and dtypes before TorchRL writes."
@@ -389,7 +392,9 @@ def _cross_process_weight_sync(
         "weight_sync",
         partial(make_pair, adapted=adapted),
         name=f"CheckedSender({scheme})" if adapted else scheme,
-        capabilities={"cross_process"},
+        # The receiving end applies each send before acknowledging it; receive() adopts the
+        # version.
+        capabilities={"cross_process", "applies_on_send"},
         description=where
         + (
             "the adapter checks names, shapes and dtypes before TorchRL sends."

@@ -123,14 +123,48 @@ def _held(model: Any, sent: dict[int, Weights]) -> str:
     return "weights of none of them"
 
 
+def _mix(model: Any, sent: dict[int, Weights], versions: tuple[int, ...]) -> str:
+    """How many of the model's tensors are each of ``versions``' weights, in words."""
+    own = {n: t.detach().cpu() for n, t in model.state_dict().items()}
+    by: dict[str, list[str]] = {}
+    for n in sent[versions[0]]:
+        got = own.get(n)
+        match = [v for v in versions if got is not None and bits_equal(got, sent[v][n].cpu())]
+        by.setdefault(f"version {match[-1]}'s" if match else "no send's", []).append(n)
+    return ", ".join(f"{len(ns)} {k} (e.g. {ns[:2]})" for k, ns in sorted(by.items()))
+
+
 @requirement("WS-002")
 def version_propagates(ctx: Context) -> None:
     sender, receiver, model, source = _setup(ctx)
+    applies_on_send = "applies_on_send" in ctx.capabilities
     # Distinct weights per version: a receiver reporting one version while holding another's
     # weights is caught only if the two differ.
     sent: dict[int, Weights] = {0: {n: t.detach().clone() for n, t in model.state_dict().items()}}
     for v in (1, 2, 5, 6, 7):
         sent[v] = _variant(source, v)
+    unadopted: list[int] = []  # sent, not yet adopted by a receive()
+
+    def between(what: str) -> None:
+        # Read right after send returns: a transport that writes on send has written by then
+        # (TorchRL's schemes return once the receiving end acknowledged).
+        held = receiver.version
+        if not applies_on_send:
+            if _diff(model, sent[held]):
+                raise _fail(
+                    f"{what}, receiver.version is {held} but the model holds "
+                    f"{_held(model, sent)}; expected version {held}'s weights unchanged until "
+                    "a receive() adopts the new ones (a receiver whose send writes into the "
+                    "model declares capability applies_on_send)"
+                )
+            return
+        whole = (held, *unadopted)
+        if all(_diff(model, sent[v]) for v in whole):
+            want = " or ".join(map(str, whole))
+            raise _fail(
+                f"{what}, under capability applies_on_send, the model's tensors are "
+                f"{_mix(model, sent, whole)}; expected the weights of version {want}, whole"
+            )
 
     def send(v: int) -> None:
         before = receiver.version
@@ -140,6 +174,8 @@ def version_propagates(ctx: Context) -> None:
                 f"send(version={v}) changed receiver.version from {before!r} to "
                 f"{receiver.version!r} before any receive(); expected it unchanged until then"
             )
+        unadopted.append(v)
+        between(f"after send(version={v}) and before receive()")
 
     def receive(what: str, allowed: tuple[int, ...]) -> int:
         receiver.receive(timeout=10.0)
@@ -151,6 +187,7 @@ def version_propagates(ctx: Context) -> None:
             raise _fail(
                 f"{what}, receiver.version is {got} but the model holds {_held(model, sent)}"
             )
+        unadopted[:] = [v for v in unadopted if v > got]
         return int(got)
 
     for v in (1, 2, 5):
@@ -160,6 +197,7 @@ def version_propagates(ctx: Context) -> None:
     send(7)
     # Queue semantics apply 6 now and 7 at the next receive; latest-wins applies 7 at once.
     if receive("after send(version=6), send(version=7) and one receive()", (6, 7)) == 6:
+        between("after send(version=6), send(version=7) and one receive() that adopted 6")
         receive("after send(version=6), send(version=7) and two receive()s", (7,))
 
 
