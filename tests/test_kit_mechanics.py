@@ -135,7 +135,7 @@ def test_impl_without_contract_option_takes_the_declared_contract(
         "--conformance-impl=posttrain.reference_impls:RING_BUFFER", "-k", "BUF-001 or BUF-013"
     )
     assert res.ret == 0
-    res.assert_outcomes(passed=2, deselected=21)
+    res.assert_outcomes(passed=2, deselected=22)
 
 
 def test_a_plain_factory_without_contract_option_is_a_usage_error(

@@ -58,9 +58,7 @@ def ensure_cluster(**overrides: Any) -> Any:
         # imported, possibly before this call, and services.py reads it at call time.
         os.environ.setdefault(_LOCAL_ONLY, "0")
         if os.environ[_LOCAL_ONLY] == "0":
-            from ray._private import ray_constants
-
-            ray_constants.ENABLE_RAY_CLUSTER = False
+            ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
         ray.init(**{**LOCAL_CLUSTER, **overrides})
     return ray
 
