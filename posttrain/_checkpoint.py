@@ -22,7 +22,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST", "CheckpointError", "atomic_dir", "reseal", "verify_dir", "why_unsafe"]
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "atomic_dir",
+    "load_verified",
+    "reseal",
+    "verify_dir",
+    "why_unsafe",
+]
 
 MANIFEST = "manifest.json"
 _FORMAT = "posttrain-checkpoint/1"
@@ -244,3 +252,31 @@ def why_unsafe(error: BaseException) -> str:
     """
     what = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
     return f"it holds an instance of {what.group(1)}" if what else str(error).splitlines()[0]
+
+
+def load_verified(path: str | os.PathLike[str], name: str) -> Any:
+    """The tensors and plain data in file ``name`` of the checkpoint directory ``path``.
+
+    The manifest is verified before anything is read, and the file is read with
+    ``torch.load(weights_only=True)``: a refusal or a corrupt archive is one ``CheckpointError``
+    that says which.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = Path(tempfile.mkdtemp()) / "ckpt"
+        >>> with atomic_dir(d) as tmp:
+        ...     torch.save({"x": torch.ones(2)}, tmp / "state.pt")
+        >>> load_verified(d, "state.pt")["x"].tolist()
+        [1.0, 1.0]
+    """
+    import torch
+
+    files = verify_dir(path)
+    if name not in files:
+        raise CheckpointError(f"{path}: no {name} in this checkpoint: {sorted(files)}")
+    try:
+        return torch.load(Path(path, name), weights_only=True)
+    except Exception as e:  # an unpickler refusal or a corrupt archive, said as one error
+        raise CheckpointError(
+            f"{path}: {name} could not be read as tensors and plain data: " + why_unsafe(e)
+        ) from None

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain._checkpoint import CheckpointError, atomic_dir, verify_dir, why_unsafe
+from posttrain._checkpoint import atomic_dir, load_verified
 from posttrain._state_checks import (
     bad,
     checked_int,
@@ -370,17 +370,7 @@ class RingBuffer:
         extra, truncated or altered file), the file is read with ``weights_only=True`` (no code
         runs), and the state is checked whole before the buffer changes.
         """
-        files = verify_dir(path)
-        if _STATE_FILE not in files:
-            raise CheckpointError(f"{path}: no {_STATE_FILE} in this checkpoint: {sorted(files)}")
-        try:
-            state = torch.load(os.path.join(path, _STATE_FILE), weights_only=True)
-        except Exception as e:  # an unpickler refusal or a corrupt archive, said as one error
-            raise CheckpointError(
-                f"{path}: {_STATE_FILE} could not be read as tensors and plain data: "
-                + why_unsafe(e)
-            ) from None
-        self.load_state_dict(state)
+        self.load_state_dict(load_verified(path, _STATE_FILE))
 
     def __repr__(self) -> str:
         keys = "" if self._columns is None else ", ".join(key_str(k) for k in self._columns)

@@ -6,13 +6,12 @@ import copy
 import os
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
-from posttrain._checkpoint import CheckpointError, atomic_dir, verify_dir, why_unsafe
+from posttrain._checkpoint import atomic_dir, load_verified
 from posttrain._state_checks import (
     bad,
     checked_int,
@@ -209,17 +208,7 @@ class ValidatedReplayBuffer:
         extra, truncated or altered file), the state is read with ``weights_only=True`` (no
         code runs) and checked whole by :meth:`load_state_dict`.
         """
-        files = verify_dir(path)
-        if _STATE_FILE not in files:
-            raise CheckpointError(f"{path}: no {_STATE_FILE} in this checkpoint: {sorted(files)}")
-        try:
-            state = torch.load(Path(path, _STATE_FILE), weights_only=True)
-        except Exception as e:  # an unpickler refusal or a corrupt archive, said as one error
-            raise CheckpointError(
-                f"{path}: {_STATE_FILE} could not be read as tensors and plain data: "
-                + why_unsafe(e)
-            ) from None
-        self.load_state_dict(state)
+        self.load_state_dict(load_verified(path, _STATE_FILE))
 
     def update_priority(self, index: Any, priority: Any, /) -> None:
         """Delegate to the wrapped buffer."""
