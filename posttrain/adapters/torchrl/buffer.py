@@ -446,6 +446,15 @@ def _check_item(item: Any, schema: ItemSchema, where: str, fixed_rows: int | Non
             )
 
 
+def _same_keys(part: Mapping[Any, Any], live: Any, where: str) -> None:
+    """Refuse a state part whose keys differ from the wrapped buffer's own part's (if any)."""
+    if live is None:
+        return
+    want = set(map(str, live.state_dict()))
+    if set(map(str, part)) != want:
+        raise bad(where, f"keys {sorted(want)}", sorted(map(str, part)))
+
+
 def _check_top_level(state: Mapping[str, Any], rb: Any) -> None:
     """The parts beside storage, writer and sampler: the keys the wrapped buffer's own state
     has (where this process can see it), and each with its own type."""
@@ -501,10 +510,7 @@ def _check_torchrl_state(state: Any, schema: ItemSchema | None, rb: Any) -> None
         raise bad(f"{w}['_storage']", "a dict with key '_storage'", sorted(map(str, storage)))
     inner = storage["_storage"]
     live = _live_part(rb, "storage")
-    if live is not None:
-        want = set(map(str, live.state_dict()))
-        if set(map(str, storage)) != want:
-            raise bad(f"{w}['_storage']", f"keys {sorted(want)}", sorted(map(str, storage)))
+    _same_keys(storage, live, f"{w}['_storage']")
     if "initialized" in storage and not isinstance(storage["initialized"], bool):
         raise bad(f"{w}['_storage']['initialized']", "a bool", storage["initialized"])
     at = f"{w}['_storage']['_storage']"
@@ -547,11 +553,7 @@ def _check_torchrl_state(state: Any, schema: ItemSchema | None, rb: Any) -> None
         if cursor != wc % cap:
             raise bad(f"{w}['_writer']['_cursor']", f"write count % capacity = {wc % cap}", cursor)
     sampler = state["_sampler"]
-    live_sampler = _live_part(rb, "sampler")
-    if live_sampler is not None:
-        want = set(map(str, live_sampler.state_dict()))
-        if set(map(str, sampler)) != want:
-            raise bad(f"{w}['_sampler']", f"keys {sorted(want)}", sorted(map(str, sampler)))
+    _same_keys(sampler, _live_part(rb, "sampler"), f"{w}['_sampler']")
     for flag in ("drop_last", "_ran_out"):
         if flag in sampler and not isinstance(sampler[flag], bool):
             raise bad(f"{w}['_sampler'][{flag!r}]", "a bool", sampler[flag])
