@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from posttrain.errors import PosttrainError
+
 __all__ = [
     "MANIFEST",
     "CheckpointError",
@@ -37,7 +39,7 @@ _FORMAT = "posttrain-checkpoint/1"
 _CHUNK = 1 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(PosttrainError, ValueError):
     """A checkpoint directory that is not what its manifest says (or has no manifest).
 
     Example:

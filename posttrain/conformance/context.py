@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from posttrain.contracts.implementation import Implementation
+from posttrain.errors import PosttrainError
 
 __all__ = ["ConformanceError", "Context", "NotApplicable"]
 
 
-class ConformanceError(AssertionError):
+class ConformanceError(PosttrainError, AssertionError):
     """A check found the implementation breaking its requirement (reported as FAIL).
 
     Example:
@@ -25,7 +26,7 @@ class ConformanceError(AssertionError):
     """
 
 
-class NotApplicable(Exception):
+class NotApplicable(PosttrainError):
     """A check cannot run here (e.g. a declared CUDA capability on a CPU-only machine).
 
     Example:

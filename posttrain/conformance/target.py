@@ -7,13 +7,14 @@ from importlib import metadata
 
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.registry import get_contract
+from posttrain.errors import PosttrainError
 
 __all__ = ["ENTRY_POINT_GROUP", "TargetError", "discover", "resolve"]
 
 ENTRY_POINT_GROUP = "posttrain.implementations"
 
 
-class TargetError(ValueError):
+class TargetError(PosttrainError, ValueError):
     """The target could not be found or is not an implementation.
 
     Example:

@@ -7,11 +7,12 @@ from collections.abc import Iterable, Mapping
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from posttrain.contracts.requirements import Requirement
+from posttrain.errors import PosttrainError
 
 __all__ = ["Capability", "Contract", "DeclarationError", "Option"]
 
 
-class DeclarationError(ValueError):
+class DeclarationError(PosttrainError, ValueError):
     """An implementation declared a capability or option value the contract does not have.
 
     Example:

@@ -19,6 +19,7 @@ from posttrain.contracts.layout import (
     norm_key,
 )
 from posttrain.contracts.requirements import Level, Requirement
+from posttrain.errors import PosttrainError
 
 __all__ = ["LAYOUT_REQUIREMENTS", "ContractViolation", "Violation", "check", "validate"]
 
@@ -94,7 +95,7 @@ class Violation:
         return f"{self.requirement} {where}: expected {self.expected}, found {self.found}"
 
 
-class ContractViolation(ValueError):
+class ContractViolation(PosttrainError, ValueError):
     """Raised when data breaks a contract; the message lists every violation, one per line.
 
     Example:
@@ -147,7 +148,7 @@ def _fmt_symbolic(shape: tuple[str, ...]) -> str:
     return "[" + ", ".join("*B" if s == "B" else s for s in shape) + "]"
 
 
-class _ItemsDiffer(Exception):
+class _ItemsDiffer(PosttrainError):
     """A lazy stack's items disagree on a key: (requirement, expected suffix, found)."""
 
 
@@ -368,7 +369,7 @@ def _flat_signature(
     return sig
 
 
-class _NoSignature(Exception):
+class _NoSignature(PosttrainError):
     pass
 
 

@@ -20,21 +20,9 @@ from posttrain.contracts.generation import (
     RESPONSE_LOG_PROBS_KEY,
     request_problem,
 )
+from posttrain.errors import ServerClosed
 
 __all__ = ["ServerClosed", "ThreadGenerationServer", "greedy_answers"]
-
-
-class ServerClosed(RuntimeError):
-    """A request reached a server that was shut down.
-
-    Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
-        >>> server = ThreadGenerationServer(tiny_causal_lm()); server.shutdown()
-        >>> server.client()(TensorDict({("tokens", "prompt"): torch.tensor([5, 6])}, []))
-        Traceback (most recent call last):
-        ...
-        posttrain...ServerClosed: submit after shutdown(): this server serves no more requests
-    """
 
 
 @dataclass
@@ -66,7 +54,7 @@ class ThreadGenerationServer:
     fails pending requests (``on_shutdown="fail"``, the default) or serves them (``"drain"``).
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> server = ThreadGenerationServer(tiny_causal_lm(), max_new_tokens=2)
         >>> out = server.client()(TensorDict({("tokens", "prompt"): torch.tensor([5, 6])}, []))
         >>> out["tokens", "response"].shape, int(out["policy_version"])
@@ -267,7 +255,7 @@ def greedy_answers(
     answer scored alone (prompt + response, no padding) so batching cannot move them.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> [(t.shape, lp.dtype) for t, lp in greedy_answers(tiny_causal_lm(), [torch.tensor([5, 6])], 2, pad=0, eos=2)]
         [(torch.Size([2]), torch.float32)]
     """

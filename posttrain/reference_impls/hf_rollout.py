@@ -10,12 +10,9 @@ from tensordict import TensorDict
 
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.errors import SourceClosed
 
 __all__ = ["HFRolloutSource"]
-
-
-class SourceClosed(RuntimeError):
-    """Iterating a rollout source after ``shutdown()``."""
 
 
 class HFRolloutSource:
@@ -27,7 +24,7 @@ class HFRolloutSource:
     ``update_policy_weights_`` loads new weights (strictly) and bumps ``policy_version``.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> src = HFRolloutSource(tiny_causal_lm(), [[5, 6, 7], [8, 9]], total_batches=1)
         >>> batch = next(iter(src))
         >>> batch.batch_size, int(batch["policy_version"][0])

@@ -8,10 +8,12 @@ from collections.abc import Mapping
 
 import torch
 
+from posttrain.errors import PosttrainError
+
 __all__ = ["InProcessReceiver", "InProcessSender", "in_process_weight_sync"]
 
 
-class WeightMismatch(ValueError):
+class WeightMismatch(PosttrainError, ValueError):
     """Sent weights do not fit the receiver's model (names, tensors, layouts, shapes, dtypes)."""
 
 

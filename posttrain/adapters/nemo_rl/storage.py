@@ -19,6 +19,7 @@ import torch
 
 from posttrain.adapters.nemo_rl.codec import batched_data_dict, from_layout, to_layout
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.errors import PosttrainError
 
 __all__ = ["NemoReplayBuffer"]
 
@@ -59,7 +60,7 @@ class NemoReplayBuffer:
     Example:
         >>> from posttrain.reference_impls import RingBuffer
         >>> from posttrain.adapters.nemo_rl.codec import from_layout
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> nemo = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
         >>> group = dict(from_layout(llm_batch(2, 6)))
         >>> nemo.add({"batch": group, "timestamp": 0.0}, weight_version=0, target_weight_version=1)
@@ -326,7 +327,7 @@ class NemoReplayBuffer:
                 )
 
 
-class _StateKeyError(KeyError, ValueError):
+class _StateKeyError(PosttrainError, KeyError, ValueError):
     """A saved state without a key it must have: a ``ValueError`` as every refusal, and the
     ``KeyError`` it always was."""
 
@@ -334,7 +335,7 @@ class _StateKeyError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-class _StateTypeError(TypeError, ValueError):
+class _StateTypeError(PosttrainError, TypeError, ValueError):
     """A saved state's field of the wrong type: a ``ValueError`` and a ``TypeError``."""
 
 

@@ -25,6 +25,7 @@ from posttrain.contracts.generation import (
     RESPONSE_LOG_PROBS_KEY,
     request_problem,
 )
+from posttrain.errors import ServerClosed
 from posttrain.reference_impls.generation_server import greedy_answers
 
 __all__ = ["ContractInferenceServer", "GenerateBatch", "inference_server"]
@@ -36,7 +37,7 @@ class GenerateBatch(torch.nn.Module):
 
     Example:
         >>> from tensordict import lazy_stack
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> gen = GenerateBatch(tiny_causal_lm(), max_new_tokens=2)
         >>> prompts = [torch.tensor([5, 6, 7]), torch.tensor([8])]  # ragged: stacked lazily
         >>> out = gen(lazy_stack([TensorDict({("tokens", "prompt"): p}, []) for p in prompts]))
@@ -88,7 +89,7 @@ def inference_server(
     """TorchRL's thread ``InferenceServer`` generating with ``policy`` (raw or adapted).
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> server = inference_server(tiny_causal_lm(), max_new_tokens=2, adapted=True)
         >>> out = server.client().submit(TensorDict({("tokens", "prompt"): torch.tensor([5, 6])}, [])).result(30)
         >>> out["tokens", "response"].shape
@@ -97,10 +98,6 @@ def inference_server(
     """
     raw = _server(policy, max_new_tokens, processes)
     return ContractInferenceServer(raw, policy) if adapted else raw
-
-
-class _ServerClosed(RuntimeError):
-    """A request reached an adapted server after ``shutdown()``."""
 
 
 class _Client:
@@ -145,7 +142,7 @@ class ContractInferenceServer:
       milliseconds and average batch size).
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> policy = tiny_causal_lm()
         >>> server = inference_server(policy, max_new_tokens=2, adapted=True)
         >>> server.client().submit(TensorDict({}, [])).exception()  # fails alone, not its batch
@@ -200,7 +197,7 @@ class ContractInferenceServer:
         with self._lock:
             pending, self._pending = self._pending, set()
         for fut in pending:
-            _settle(fut, error=_ServerClosed("the server shut down before serving this request"))
+            _settle(fut, error=ServerClosed("the server shut down before serving this request"))
 
     def _submit(self, inner: Any, request: TensorDictBase) -> Future[TensorDictBase]:
         out: Future[TensorDictBase] = Future()
@@ -211,7 +208,7 @@ class ContractInferenceServer:
         with self._lock:  # shutdown() sees every future registered before its flag
             if self._closed:
                 out.set_exception(
-                    _ServerClosed("submit after shutdown(): this server serves no more requests")
+                    ServerClosed("submit after shutdown(): this server serves no more requests")
                 )
                 return out
             self._pending.add(out)

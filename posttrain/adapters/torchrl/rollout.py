@@ -21,6 +21,7 @@ from posttrain._deps import optional_deps
 from posttrain.adapters.torchrl.loss import transformers_actor
 from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signature
 from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.errors import SourceClosed
 
 __all__ = ["ContractCollector", "LayoutOnlyCollector", "llm_collector", "token_prompt_env"]
 
@@ -122,7 +123,7 @@ class LayoutOnlyCollector:
     response span. Weights go to ``LLMCollector.update_policy_weights_`` untouched.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7]], 1, max_new_tokens=1)
         >>> [batch] = src
         >>> item = batch.tensordicts[0]
@@ -183,10 +184,6 @@ class LayoutOnlyCollector:
         self.collector.shutdown()
 
 
-class SourceClosed(RuntimeError):
-    """Iterating a collector after ``shutdown()``."""
-
-
 class ContractCollector(LayoutOnlyCollector):
     """``LLMCollector`` made to conform to ``RolloutSourceV1`` (thin: keys, versions, weights).
 
@@ -205,7 +202,7 @@ class ContractCollector(LayoutOnlyCollector):
     - Iterating after ``shutdown()`` raises :class:`SourceClosed`; ``shutdown`` is idempotent.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7]], 1, max_new_tokens=2, adapted=True)
         >>> [(b.batch_size, b.tensordicts[0]["tokens", "full"][:3].tolist()) for b in src]
         [(torch.Size([1]), [5, 6, 7])]
@@ -285,7 +282,7 @@ def llm_collector(
     """An ``LLMCollector`` answering every prompt once per batch, as a rollout source.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> src = llm_collector(tiny_causal_lm(), [[5, 6, 7], [8, 9]], 2)
         >>> sum(1 for _ in src)
         2

@@ -29,6 +29,7 @@ from posttrain.contracts.layout import (
     leaf_items,
     norm_key,
 )
+from posttrain.errors import PosttrainError
 
 __all__ = [
     "IGNORE_INDEX",
@@ -47,12 +48,12 @@ Shape = Literal["padded", "ragged"]
 Values = Literal["tensor", "numpy", "list"]
 
 
-class MissingKey(KeyError):
+class MissingKey(PosttrainError, KeyError):
     """A column's key is not in the sampled batch (the message names key and what was found).
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> rb = RingBuffer(4); _ = rb.extend(llm_batch(4))
         >>> ds = BufferDataset(rb, 2, columns={"ids": "input_ids"})  # layout: ("tokens", "full")
         >>> next(iter(ds))
@@ -65,7 +66,7 @@ class MissingKey(KeyError):
         return str(self.args[0])
 
 
-class WorkerRefused(RuntimeError):
+class WorkerRefused(PosttrainError, RuntimeError):
     """A :class:`BufferDataset` was asked to run in a ``DataLoader`` worker process.
 
     Example:
@@ -103,7 +104,7 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> rb = RingBuffer(8); _ = rb.extend(llm_batch(8))
         >>> ds = BufferDataset(rb, 4, columns={"input_ids": ("tokens", "full")}, labels="labels")
         >>> rows = list(ds)
@@ -287,7 +288,7 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
 
         Example:
             >>> from posttrain.reference_impls import RingBuffer
-            >>> from posttrain.conformance.data import llm_batch
+            >>> from posttrain.testing import llm_batch
             >>> rb = RingBuffer(4); _ = rb.extend(llm_batch(4))
             >>> sorted(sft_dataset(rb, 2).as_hf_dataset(typed=True).features)
             ['input_ids', 'labels']
@@ -436,7 +437,7 @@ def sft_dataset(
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> rb = RingBuffer(4); _ = rb.extend(llm_batch(4))
         >>> row = next(iter(sft_dataset(rb, 4)))
         >>> len(row["input_ids"]) == len(row["labels"]) <= 8
@@ -471,8 +472,8 @@ def prompt_dataset(
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
-        >>> from posttrain.conformance.data import llm_batch
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import llm_batch
+        >>> from posttrain.testing import tiny_causal_lm
         >>> from posttrain.adapters._hf import word_level_tokenizer
         >>> rb = RingBuffer(2); _ = rb.extend(llm_batch(2, vocab_size=64))
         >>> tok = word_level_tokenizer(tiny_causal_lm().config)

@@ -14,22 +14,9 @@ from tensordict import TensorDictBase
 from posttrain._deps import optional_deps
 from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.trl.rollout import CaptureRollouts
+from posttrain.errors import SourceClosed
 
 __all__ = ["SourceClosed", "TRLRolloutSource"]
-
-
-class SourceClosed(RuntimeError):
-    """Iterating or updating a source after ``shutdown()``.
-
-    Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
-        >>> src = TRLRolloutSource(tiny_causal_lm(), [[5, 6, 7]], 1)
-        >>> src.shutdown()
-        >>> next(iter(src))
-        Traceback (most recent call last):
-        ...
-        posttrain...SourceClosed: this rollout source was shut down; create a new one
-    """
 
 
 class _Discard:
@@ -49,7 +36,7 @@ class TRLRolloutSource:
     loading (a rejected update changes nothing) and bumps :attr:`policy_version`.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> src = TRLRolloutSource(tiny_causal_lm(), [[5, 6, 7]], 1, max_new_tokens=2)
         >>> [b.batch_size for b in src]
         [torch.Size([2])]
