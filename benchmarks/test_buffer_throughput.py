@@ -16,10 +16,10 @@ from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from benchmarks.conftest import record, synced, torchrl_missing
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
-from posttrain.conformance.data import llm_batch, ragged_llm_batch
 from posttrain.contracts import validate
 from posttrain.contracts.schema import ItemSchema
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import llm_batch, ragged_llm_batch
 
 SHAPES = [(64, 512), (64, 4096), (16, 512), (256, 512)]
 RING_BYTES = 8192 * 9240  # 75 MB: the B=64, T=512 ring of 8192 items

@@ -19,7 +19,7 @@ from tensordict import TensorDictBase
 
 from benchmarks.conftest import PAIRED
 from posttrain.adapters.trl import BufferDataset, to_padded
-from posttrain.conformance.data import llm_batch
+from posttrain.testing import llm_batch
 
 B, T, ROWS, BLOCKS = 64, 512, 512, 5
 

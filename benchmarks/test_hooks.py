@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from benchmarks.conftest import PAIRED, block_medians
-from posttrain.conformance.data import llm_batch
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability import (
@@ -27,6 +26,7 @@ from posttrain.observability import (
     rollout_metrics,
 )
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import llm_batch
 
 B, T = 64, 512
 PB, V, H = 4, 8192, 512

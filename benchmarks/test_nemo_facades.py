@@ -14,8 +14,8 @@ import torch
 
 from benchmarks.conftest import PAIRED, block_medians
 from posttrain.adapters.nemo_rl import NemoReplayBuffer, from_layout, to_layout
-from posttrain.conformance.data import llm_batch
 from posttrain.contracts.layout import leaf_items
+from posttrain.testing import llm_batch
 
 B, T, G, ROUNDS = 64, 512, 8, 60
 

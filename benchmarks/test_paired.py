@@ -27,9 +27,9 @@ from benchmarks.test_buffer_throughput import (
     _nbytes,
 )
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
-from posttrain.conformance.data import llm_batch
 from posttrain.contracts import validate
 from posttrain.contracts.schema import ItemSchema
+from posttrain.testing import llm_batch
 
 B, T, ROUNDS = 64, 512, 1000
 REPEATS = 5  # whole measurements, each building its buffers afresh: median and range reported

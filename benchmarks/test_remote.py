@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from benchmarks.conftest import REMOTE, record
-from posttrain.conformance.data import llm_batch
 from posttrain.contracts.layout import leaf_items
+from posttrain.testing import llm_batch
 
 T = 512
 PARAMS = (1_000_000, 10_000_000, 100_000_000)

@@ -10,7 +10,7 @@ import torch
 from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.trl import hf_reward_model, to_padded
-from posttrain.conformance.policy import tiny_causal_lm, tiny_reward_model
+from posttrain.testing import tiny_causal_lm, tiny_reward_model
 
 
 def main() -> list[float]:

@@ -24,9 +24,8 @@ from posttrain.adapters.trl import (
     prompt_dataset,
     trl_reward_func,
 )
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm, tiny_reward_model
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import llm_batch, tiny_causal_lm, tiny_reward_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
 

@@ -16,7 +16,7 @@ from trl.trainer.sft_trainer import SFTTrainer
 from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.trl import sft_dataset
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.testing import tiny_causal_lm
 
 
 def main() -> list[float]:

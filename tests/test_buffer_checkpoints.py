@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from posttrain._checkpoint import MANIFEST, CheckpointError
-from posttrain.conformance.data import item_uids, llm_batch
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import item_uids, llm_batch
 
 
 class _Payload:

@@ -26,8 +26,8 @@ from posttrain._checkpoint import MANIFEST, reseal
 from posttrain.adapters.nemo_rl.codec import from_layout
 from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
 from posttrain.adapters.ray.buffer import BufferHost
-from posttrain.conformance.data import item_uids, llm_batch, ragged_llm_batch
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import item_uids, llm_batch, ragged_llm_batch
 
 CAP = 8
 MIN_REFUSED = 50

@@ -13,7 +13,7 @@ from posttrain.adapters.torchrl.implementations import (
     RAW_DIST_WEIGHT_SYNC,
 )
 from posttrain.conformance import Status, run
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.testing import tiny_causal_lm
 
 
 def test_adapted_distributed_scheme_conforms_across_processes() -> None:

@@ -15,7 +15,6 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain.conformance import Status, run
-from posttrain.conformance.policy import tiny_causal_lm
 from posttrain.contracts import Implementation
 from posttrain.contracts.generation import (
     PROMPT_KEY,
@@ -25,6 +24,7 @@ from posttrain.contracts.generation import (
 )
 from posttrain.reference_impls import ThreadGenerationServer
 from posttrain.reference_impls.generation_server import greedy_answers
+from posttrain.testing import tiny_causal_lm
 
 DRAIN = Implementation(
     "generation",
@@ -57,8 +57,8 @@ def test_a_cancelled_request_does_not_kill_the_server() -> None:
     import torch
     from tensordict import TensorDict
 
-    from posttrain.conformance.policy import tiny_causal_lm
     from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY
+    from posttrain.testing import tiny_causal_lm
 
     server = ThreadGenerationServer(tiny_causal_lm(), max_new_tokens=2, timeout=0.2)
     client = server.client()
@@ -77,8 +77,8 @@ def test_submits_racing_shutdown_never_stay_pending() -> None:
     import torch
     from tensordict import TensorDict
 
-    from posttrain.conformance.policy import tiny_causal_lm
     from posttrain.contracts.generation import PROMPT_KEY
+    from posttrain.testing import tiny_causal_lm
 
     server = ThreadGenerationServer(tiny_causal_lm(), max_new_tokens=2)
     futures = []

@@ -63,6 +63,16 @@ def test_contracts_import_only_contracts_and_core_deps() -> None:
             ("posttrain.adapters", "posttrain.reference_impls", "posttrain.observability"),
         ),
         ("reference_impls", ("posttrain.conformance", "posttrain.adapters")),
+        # The test data builders sit below the kit: the suites and implementers import them.
+        (
+            "testing",
+            (
+                "posttrain.conformance",
+                "posttrain.adapters",
+                "posttrain.reference_impls",
+                "posttrain.observability",
+            ),
+        ),
         ("adapters", ("posttrain.conformance",)),
     ],
 )
@@ -107,7 +117,7 @@ def test_optional_dependencies_are_imported_lazily() -> None:
 
 def test_importing_posttrain_pulls_no_optional_dependency() -> None:
     code = (
-        "import sys, posttrain, posttrain.contracts, posttrain.conformance, posttrain.reference_impls, posttrain.specgen;"
+        "import sys, posttrain, posttrain.contracts, posttrain.conformance, posttrain.reference_impls, posttrain.specgen, posttrain.testing;"
         f"print(sorted(m for m in {sorted(OPTIONAL)!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from posttrain.conformance.data import ragged_llm_batch
 from posttrain.contracts.schema import ItemSchema, _StackPlan
 from posttrain.contracts.validation import ContractViolation
+from posttrain.testing import ragged_llm_batch
 
 LENGTHS = [5, 7, 6, 9]
 

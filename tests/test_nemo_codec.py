@@ -26,9 +26,9 @@ from posttrain.adapters.nemo_rl.codec import (
     to_layout,
     wire_to_layout,
 )
-from posttrain.conformance.data import llm_batch, ragged_llm_batch
 from posttrain.contracts import ContractViolation, validate
 from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.testing import llm_batch, ragged_llm_batch
 
 K = LLM_LAYOUT_V1.key
 # A verbatim copy of ../shared/vectors/nemo_rl.json (CI clones the project alone).

@@ -10,9 +10,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain.adapters.nemo_rl.generation import NemoGeneration
-from posttrain.conformance.policy import tiny_causal_lm
 from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY, RESPONSE_LOG_PROBS_KEY
 from posttrain.reference_impls import ThreadGenerationServer
+from posttrain.testing import tiny_causal_lm
 
 PAD = 0
 

@@ -11,9 +11,8 @@ import torch
 
 from posttrain.adapters.nemo_rl.codec import NemoFormatError
 from posttrain.adapters.nemo_rl.loss import ContractAsNemoLoss, NemoLossModule, global_counts
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm
 from posttrain.reference_impls import PolicyGradientLoss
+from posttrain.testing import llm_batch, tiny_causal_lm
 
 V = json.loads((Path(__file__).resolve().parent / "data" / "nemo_rl.json").read_text())[
     "clipped_pg_loss"

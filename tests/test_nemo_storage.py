@@ -9,8 +9,8 @@ import torch
 
 from posttrain.adapters.nemo_rl import flatten_message_logs, from_layout
 from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
-from posttrain.conformance.data import llm_batch
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import llm_batch
 
 
 def _group(seed: int, n: int = 2, t: int = 6) -> dict[str, torch.Tensor]:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from posttrain.adapters.nemo_rl.weight_sync import NemoWeightSynchronizer
-from posttrain.conformance.policy import tiny_causal_lm
 from posttrain.reference_impls import in_process_weight_sync
+from posttrain.testing import tiny_causal_lm
 
 
 class Timer:

@@ -10,7 +10,6 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from posttrain.conformance.data import llm_batch, ragged_llm_batch
 from posttrain.contracts import ContractViolation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability import (
@@ -23,6 +22,7 @@ from posttrain.observability import (
     policy_metrics,
     rollout_metrics,
 )
+from posttrain.testing import llm_batch, ragged_llm_batch
 
 K = LLM_LAYOUT_V1.key
 

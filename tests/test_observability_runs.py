@@ -17,7 +17,6 @@ from posttrain.adapters.torchrl.loggers import read_tensorboard, tensorboard_log
 from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.trl import CaptureRollouts, hf_reward_model, to_padded, trl_reward_func
-from posttrain.conformance.policy import tiny_causal_lm, tiny_reward_model
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability import (
     Accumulator,
@@ -27,6 +26,7 @@ from posttrain.observability import (
     rollout_metrics,
 )
 from posttrain.observability.sinks import MlflowSink, Tee, WandbSink, read_wandb
+from posttrain.testing import tiny_causal_lm, tiny_reward_model
 
 K = LLM_LAYOUT_V1.key
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

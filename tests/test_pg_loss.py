@@ -10,12 +10,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm
 from posttrain.conformance.suites.loss import _logp_grads
 from posttrain.contracts import LLM_LAYOUT_V1
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.reference_impls import PolicyGradientLoss
+from posttrain.testing import llm_batch, tiny_causal_lm
 from tests.mutants.losses import DualClipLoss
 
 K = LLM_LAYOUT_V1.key

@@ -20,10 +20,10 @@ from posttrain.adapters.ray.implementations import SERVED_RING_BUFFER
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 from posttrain.adapters.torchrl.deviations import RAY_DEVIATIONS, Deviation
 from posttrain.conformance import Status, run
-from posttrain.conformance.data import item_uids, llm_batch
 from posttrain.contracts import ContractViolation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import item_uids, llm_batch
 from tests.mutants import buffers
 from tests.outcomes import own_failures
 

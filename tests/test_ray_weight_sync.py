@@ -24,7 +24,7 @@ from posttrain.adapters.torchrl.ray_weight_sync import (
     ray_weight_sync_pair,
 )
 from posttrain.conformance import Status, run
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.testing import tiny_causal_lm
 
 
 @pytest.fixture(scope="module", autouse=True)

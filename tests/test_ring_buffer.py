@@ -9,9 +9,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from posttrain.conformance.data import item_uids, llm_batch
 from posttrain.contracts import ContractViolation
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import item_uids, llm_batch
 
 
 def test_rejected_extend_names_every_key_and_changes_nothing() -> None:

@@ -56,7 +56,7 @@ def test_the_root_version_stamp_lags_an_update() -> None:
 def test_bad_weights_name_the_parameter_and_leave_the_collector_unchanged() -> None:
     import torch
 
-    from posttrain.conformance.policy import tiny_causal_lm
+    from posttrain.testing import tiny_causal_lm
 
     model = tiny_causal_lm()
     src = rollout.llm_collector(model, [[5, 6, 7]], None, max_new_tokens=2, adapted=True)

@@ -9,9 +9,9 @@ import torch
 from tensordict import TensorDictBase
 
 from posttrain.adapters.trl import IGNORE_INDEX, BufferDataset, WorkerRefused, sft_dataset
-from posttrain.conformance.data import item_uids, llm_batch, ragged_llm_batch
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import item_uids, llm_batch, ragged_llm_batch
 
 K = LLM_LAYOUT_V1.key
 

@@ -10,8 +10,8 @@ from tensordict import LazyStackedTensorDict, TensorDict
 
 from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.trl import hf_reward_model, trl_reward, trl_reward_func
-from posttrain.conformance.policy import tiny_causal_lm, tiny_reward_model
 from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.testing import tiny_causal_lm, tiny_reward_model
 
 K = LLM_LAYOUT_V1.key
 SEQS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 0], [3, 4, 5]]  # the third ends in pad id 0

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from posttrain.adapters.trl import CaptureRollouts, SourceClosed, TRLRolloutSource
-from posttrain.conformance.policy import tiny_causal_lm
 from posttrain.contracts import validate
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
+from posttrain.testing import tiny_causal_lm
 
 K = LLM_LAYOUT_V1.key
 

@@ -31,8 +31,8 @@ from posttrain.adapters.trl import (
     to_padded,
     trl_reward_func,
 )
-from posttrain.conformance.policy import tiny_causal_lm, tiny_reward_model
 from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.testing import tiny_causal_lm, tiny_reward_model
 
 K = LLM_LAYOUT_V1.key
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15], [16], [17, 18, 19], [20, 21], [22]]

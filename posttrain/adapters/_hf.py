@@ -18,7 +18,7 @@ def word_level_tokenizer(config: Any) -> Any:
     the special as a new id beyond the model's vocabulary.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> tok = word_level_tokenizer(tiny_causal_lm().config)
         >>> len(tok), tok.eos_token_id
         (64, 2)

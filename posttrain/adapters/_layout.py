@@ -41,7 +41,7 @@ def to_padded(
     have one shape across items and are stacked. A dense batch is returned as it is.
 
     Example:
-        >>> from posttrain.conformance.data import ragged_llm_batch
+        >>> from posttrain.testing import ragged_llm_batch
         >>> dense = to_padded(ragged_llm_batch([4, 6]))
         >>> dense["tokens", "full"].shape, dense["masks", "all_attention_mask"][0].tolist()[4:]
         (torch.Size([2, 6]), [False, False])

@@ -1,114 +1,32 @@
-"""The policy the suites control: a tiny real Hugging Face causal LM, built from a config."""
+"""Deprecated: the tiny policies moved to :mod:`posttrain.testing` (removed in 0.3).
+
+Example:
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always")
+    ...     from posttrain.conformance.policy import tiny_causal_lm
+    >>> str(w[0].message)
+    'posttrain.conformance.policy.tiny_causal_lm moved to posttrain.testing.tiny_causal_lm; import it from there (this alias goes in 0.3)'
+"""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-import torch
+from posttrain.testing import policies as _new
 
-from posttrain._deps import optional_deps
-
-__all__ = ["forced_token_weights", "tiny_causal_lm", "tiny_reward_model"]
-
-
-def tiny_causal_lm(
-    *, vocab_size: int = 64, seed: int = 0, hidden_size: int = 32, layers: int = 1
-) -> Any:
-    """A seeded ``LlamaForCausalLM`` with one layer and hidden size 32 (no download).
-
-    ``policy(input_ids=..., attention_mask=...).logits`` is [B, T, V]; logits at t predict
-    token t+1. Needs ``transformers`` (``pip install 'posttrain[trl]'``).
-
-    Example:
-        >>> m = tiny_causal_lm(vocab_size=64)
-        >>> m(input_ids=torch.zeros(2, 5, dtype=torch.long)).logits.shape
-        torch.Size([2, 5, 64])
-    """
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "the loss and rollout suites build a tiny Hugging Face causal LM: "
-            "install transformers with `pip install 'posttrain[trl]'`"
-        ) from e
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model: Any = LlamaForCausalLM(cfg)
-    model.train(False)
-    return model
+__all__: list[str] = []
+_MOVED = ("forced_token_weights", "tiny_causal_lm", "tiny_reward_model")
 
 
-def tiny_reward_model(*, vocab_size: int = 64, seed: int = 1, hidden_size: int = 32) -> Any:
-    """A seeded one-label ``LlamaForSequenceClassification`` (a reward model, no download).
-
-    Example:
-        >>> rm = tiny_reward_model()
-        >>> rm(input_ids=torch.tensor([[5, 6, 7]])).logits.shape
-        torch.Size([1, 1])
-    """
-    with optional_deps():
-        from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    config: Any = LlamaConfig  # num_labels is a PretrainedConfig kwarg the stubs omit
-    cfg = config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        num_labels=1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        cls: Any = LlamaForSequenceClassification
-        model: Any = cls(cfg)
-    model.train(False)
-    return model
-
-
-def forced_token_weights(model: Any, token: int) -> dict[str, torch.Tensor]:
-    """Weights for a tiny Llama that emits ``token`` after any input, whatever came before.
-
-    The residual stream is the embedding alone (attention and MLP outputs zeroed), every
-    embedding is the first unit vector, and only ``token``'s output row reads that unit: its
-    logit beats every other by ~280. Used to see, through generated tokens alone, that new
-    weights are in use.
-
-    Example:
-        >>> m = tiny_causal_lm(vocab_size=64)
-        >>> _ = m.load_state_dict(forced_token_weights(m, 7))
-        >>> m(input_ids=torch.tensor([[5, 9, 11]])).logits[0, -1].argmax().item()
-        7
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        w = t.detach().clone()
-        if name.endswith("embed_tokens.weight"):
-            w.zero_()
-            w[:, 0] = 1.0
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            w.zero_()
-        elif name.endswith("norm.weight"):
-            w.fill_(1.0)
-        elif name == "lm_head.weight":
-            w.zero_()
-            w[token, 0] = 50.0
-        out[name] = w
-    return out
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"posttrain.conformance.policy.{name} moved to posttrain.testing.{name}; "
+            "import it from there (this alias goes in 0.3)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_new, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

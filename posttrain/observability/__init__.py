@@ -2,7 +2,7 @@
 
 Example:
     >>> from posttrain.observability import Accumulator, rollout_metrics
-    >>> from posttrain.conformance.data import llm_batch
+    >>> from posttrain.testing import llm_batch
     >>> "rollout/reward/mean" in rollout_metrics(llm_batch(2)).values()
     True
 """

@@ -106,7 +106,7 @@ def rollout_metrics(
     do not split a ``group_id``).
 
     Example:
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> vals = rollout_metrics(llm_batch(4, 8), learner_version=9).values()
         >>> vals["staleness/mean"], vals["rollout/response_len/max"] <= 5
         (2.0, True)
@@ -202,7 +202,7 @@ def policy_metrics(
 
     Example:
         >>> import torch
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> td = llm_batch(2, 6, vocab_size=8)
         >>> vals = policy_metrics(td, torch.zeros(2, 6, 8)).values()  # uniform policy
         >>> round(vals["policy/entropy"], 4) == round(float(torch.log(torch.tensor(8.0))), 4)
@@ -330,7 +330,7 @@ def buffer_metrics(
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> rb = RingBuffer(8); _ = rb.extend(llm_batch(2))
         >>> buffer_metrics(rb, writes=2).values()["buffer/utilization"]
         0.25

@@ -40,8 +40,8 @@ class PolicyGradientLoss(torch.nn.Module):
 
     Example:
         >>> import torch
-        >>> from posttrain.conformance.policy import tiny_causal_lm
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import tiny_causal_lm
+        >>> from posttrain.testing import llm_batch
         >>> policy = tiny_causal_lm(vocab_size=64)
         >>> td = llm_batch(2, 8, vocab_size=64)
         >>> out = PolicyGradientLoss(policy, aggregation="seq_mean_token_mean")(td)

@@ -231,7 +231,7 @@ def from_layout(
     the key, what was expected and what was found.
 
     Example:
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> d = from_layout(llm_batch(2, 6))
         >>> d["input_lengths"].dtype, d["token_mask"].dtype, d["advantages"].shape
         (torch.int32, torch.int64, torch.Size([2, 6]))
@@ -529,7 +529,7 @@ def layout_to_wire(td: TensorDictBase, *, layout: Layout = LLM_LAYOUT_V1) -> Ten
     """An LLM-layout batch (dense or ragged) in the data plane's jagged wire format.
 
     Example:
-        >>> from posttrain.conformance.data import ragged_llm_batch
+        >>> from posttrain.testing import ragged_llm_batch
         >>> wire = layout_to_wire(ragged_llm_batch([4, 6]))
         >>> wire["input_ids"].is_nested, wire["input_lengths"].dtype
         (True, torch.int32)
@@ -542,7 +542,7 @@ def wire_to_layout(td: TensorDictBase, *, layout: Layout = LLM_LAYOUT_V1) -> Laz
     """The data plane's jagged wire format as a ragged LLM-layout batch (one item per row).
 
     Example:
-        >>> from posttrain.conformance.data import ragged_llm_batch
+        >>> from posttrain.testing import ragged_llm_batch
         >>> back = wire_to_layout(layout_to_wire(ragged_llm_batch([4, 6])))
         >>> [x["tokens", "full"].shape[-1] for x in back.tensordicts] <= [4, 6]
         True

@@ -34,7 +34,7 @@ class NemoGeneration:
 
     Example:
         >>> import torch
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> from posttrain.reference_impls import ThreadGenerationServer
         >>> gen = NemoGeneration(ThreadGenerationServer(tiny_causal_lm(), max_new_tokens=2))
         >>> out = gen.generate({"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),

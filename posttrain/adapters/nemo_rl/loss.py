@@ -207,8 +207,8 @@ class NemoLossModule(torch.nn.Module):
 
     Example:
         >>> from posttrain.reference_impls import PolicyGradientLoss
-        >>> from posttrain.conformance.policy import tiny_causal_lm
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import tiny_causal_lm
+        >>> from posttrain.testing import llm_batch
         >>> module = NemoLossModule(ContractAsNemoLoss(PolicyGradientLoss), tiny_causal_lm())
         >>> module(llm_batch(2, 6, vocab_size=64))["loss_objective"].shape
         torch.Size([])
@@ -262,7 +262,7 @@ def nemo_loss_module(policy: Any, aggregation: str = "token_mean", **overrides: 
     ``LossModuleV1``: the loss suite then checks that both wrappers keep every property.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> type(nemo_loss_module(tiny_causal_lm())).__name__
         'NemoLossModule'
     """

@@ -203,8 +203,8 @@ assert loss.entropy_coeff == 0.01         # the intended 0.5 went into **kwargs 
         "prompt_mean returns loss terms of shape [1] instead of scalars",
         """# Needs an actor; with posttrain installed the suite's tiny policy is at hand:
 from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.testing import llm_batch
+from posttrain.testing import tiny_causal_lm
 from torchrl.objectives.llm import GRPOLoss
 
 loss = GRPOLoss(transformers_actor(tiny_causal_lm()), masking_strategy="rlhf", aggregation="prompt_mean")
@@ -217,8 +217,8 @@ assert out.loss_objective.shape == (1,)
         "GRPOLoss (and DAPO, CISPOLoss)",
         "entropy, clip_fraction and kl_approx are averaged over every position of the padded batch, so padding and prompt length change them",
         """from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.testing import llm_batch
+from posttrain.testing import tiny_causal_lm
 from torchrl.objectives.llm import GRPOLoss
 import torch
 
@@ -237,8 +237,8 @@ for name in ("entropy", "clip_fraction", "kl_approx"):
         "GRPOLoss (and DAPO, CISPOLoss)",
         "a mask of the wrong dtype is not refused by name: a float assistant mask fails on '~' naming no key, an int64 attention mask is accepted",
         """from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.testing import llm_batch
+from posttrain.testing import tiny_causal_lm
 from torchrl.objectives.llm import GRPOLoss
 import torch
 
@@ -262,8 +262,8 @@ assert torch.isfinite(out.loss_objective).all()
         "GRPOLoss (and DAPO, CISPOLoss)",
         "an advantage of shape [B, 1] (TorchRL's [B, 1, 1]) is broadcast along the tokens instead of refused",
         """from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.testing import llm_batch
+from posttrain.testing import tiny_causal_lm
 from torchrl.objectives.llm import GRPOLoss
 import torch
 
@@ -279,8 +279,8 @@ assert torch.isfinite(out.loss_objective).all()
         "GRPOLoss (and DAPO, CISPOLoss) with kl_to_ref_coeff",
         "the KL to the reference is averaged over every position of the padded batch, so padding dilutes it",
         """from posttrain.adapters.torchrl.loss import to_torchrl_layout, transformers_actor
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.testing import llm_batch
+from posttrain.testing import tiny_causal_lm
 from torchrl.objectives.llm import GRPOLoss
 import torch
 
@@ -301,7 +301,7 @@ assert b < a  # three padding columns shrank the KL penalty (it is .mean() over 
 _COLLECTOR_HEAD = """import tensordict
 import torch
 from posttrain.adapters.torchrl.rollout import llm_collector  # LLMCollector + TransformersWrapper
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.testing import tiny_causal_lm
 
 tensordict.set_list_to_stack(True).set()
 model = tiny_causal_lm()
@@ -335,7 +335,7 @@ from tensordict import TensorDict, lazy_stack
 from torchrl.modules.llm import TransformersWrapper
 from torchrl.modules.llm.policies import Tokens
 from posttrain.adapters.torchrl._tokenizer import word_level_tokenizer  # a local WordLevel tokenizer
-from posttrain.conformance.policy import tiny_causal_lm  # a 1-layer Llama built from a config
+from posttrain.testing import tiny_causal_lm  # a 1-layer Llama built from a config
 
 model = tiny_causal_lm()
 gen = TransformersWrapper(model, tokenizer=word_level_tokenizer(model.config), input_mode="tokens",

@@ -88,7 +88,7 @@ class DistSchemeSender:
     """The raw sending end: ``send(weights, version=v)`` onto the scheme's synchronous send.
 
     Example (not run by the doctests: it spawns a process; see tests/test_dist_weight_sync.py):
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> sender, receiver = dist_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
         >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=4)  # doctest: +SKIP
         >>> sender.completed()[0]  # doctest: +SKIP
@@ -119,7 +119,7 @@ class DistReceiver:
     """This process's view of the receiving process: version, weights, pid.
 
     Example (not run by the doctests: it spawns a process; see tests/test_dist_weight_sync.py):
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> trainer = tiny_causal_lm(seed=1)
         >>> sender, receiver = dist_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
         >>> sender.send(trainer.state_dict(), version=1); receiver.receive()  # doctest: +SKIP
@@ -201,7 +201,7 @@ def dist_weight_sync_pair(
     process group per process).
 
     Example (not run by the doctests: it spawns a process; see tests/test_dist_weight_sync.py):
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> sender, receiver = dist_weight_sync_pair(tiny_causal_lm(), adapted=True)  # doctest: +SKIP
         >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=2)  # doctest: +SKIP
         >>> receiver.receive(); receiver.version  # doctest: +SKIP

@@ -35,7 +35,7 @@ def transformers_actor(
     defaults to :func:`word_level_tokenizer` of the policy's config (nothing downloaded).
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm  # doctest: +SKIP
+        >>> from posttrain.testing import tiny_causal_lm  # doctest: +SKIP
         >>> actor = transformers_actor(tiny_causal_lm())  # doctest: +SKIP
     """
     with optional_deps():
@@ -56,7 +56,7 @@ def to_torchrl_layout(td: TensorDictBase) -> TensorDictBase:
     """A shallow copy whose advantage has GRPOLoss's shape [B, T, 1] (a view, no data copy).
 
     Example:
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> to_torchrl_layout(llm_batch(2, 5)).get("advantage").shape
         torch.Size([2, 5, 1])
     """
@@ -87,8 +87,8 @@ class ContractLoss(torch.nn.Module):
 
     Example:
         >>> from torchrl.objectives.llm import GRPOLoss
-        >>> from posttrain.conformance.data import llm_batch
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import llm_batch
+        >>> from posttrain.testing import tiny_causal_lm
         >>> actor = transformers_actor(tiny_causal_lm())
         >>> loss = ContractLoss(GRPOLoss(actor, masking_strategy="rlhf", aggregation="prompt_mean"))
         >>> loss(llm_batch(2, 8, vocab_size=64))["loss_objective"].shape  # TorchRL's is [1]

@@ -104,7 +104,7 @@ class RaySchemeSender:
     shape is mapped by adding those buffers, as the receiving model holds them (``extras``).
 
     Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> sender, receiver = ray_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
         >>> sorted(sender.extras)  # doctest: +SKIP
         ['model.rotary_emb.inv_freq', 'model.rotary_emb.original_inv_freq']
@@ -135,7 +135,7 @@ class RayReceiver:
     """This process's view of the receiving actor: its version, weights and process.
 
     Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> trainer = tiny_causal_lm(seed=1)
         >>> sender, receiver = ray_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
         >>> sender.send(trainer.state_dict(), version=1)  # doctest: +SKIP
@@ -181,7 +181,7 @@ def non_persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors ``TensorDict.from_module`` holds and ``state_dict`` leaves out (copies).
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> sorted(non_persistent_buffers(tiny_causal_lm()))
         ['model.rotary_emb.inv_freq', 'model.rotary_emb.original_inv_freq']
     """
@@ -208,7 +208,7 @@ def ray_weight_sync_pair(
     ``receiver.state_dict()``. Joins the running Ray cluster or starts a local one.
 
     Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> sender, receiver = ray_weight_sync_pair(tiny_causal_lm(), adapted=True)  # doctest: +SKIP
         >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=3)  # doctest: +SKIP
         >>> receiver.receive(); receiver.version  # doctest: +SKIP

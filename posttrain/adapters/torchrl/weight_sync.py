@@ -112,7 +112,7 @@ class TorchRLSender:
     """The raw sending end: ``send(weights, version=v)`` mapped onto TorchRL's call.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> model, twin = tiny_causal_lm(seed=0), tiny_causal_lm(seed=1)
         >>> sender, receiver = weight_sync_pair(model, "shared_mem")
         >>> sender.send(twin.state_dict(), version=7); receiver.receive(); receiver.version
@@ -146,7 +146,7 @@ class CheckedSender:
     synchronous ``send`` blocks forever). Checking first makes every send all-or-nothing.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> model = tiny_causal_lm()
         >>> sender, receiver = weight_sync_pair(model, "vanilla", adapted=True)
         >>> w = {k: v.clone() for k, v in model.state_dict().items()}
@@ -256,7 +256,7 @@ def weight_sync_pair(
     """A (sender, receiver) pair over one of TorchRL's transports (see ``TRANSPORTS``).
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> model, twin = tiny_causal_lm(seed=0), tiny_causal_lm(seed=1)
         >>> sender, receiver = weight_sync_pair(model, "vanilla")
         >>> sender.send(twin.state_dict(), version=1); receiver.receive()

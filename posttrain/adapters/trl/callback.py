@@ -93,7 +93,7 @@ def install(trainer: Any, callback: Any) -> Any:
     Example:
         >>> import tempfile
         >>> from transformers import Trainer, TrainingArguments
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> args = TrainingArguments(tempfile.mkdtemp(), report_to=["tensorboard"], use_cpu=True)
         >>> trainer = Trainer(tiny_causal_lm(), args)
         >>> cb = install(trainer, CatalogueCallback())

@@ -33,7 +33,7 @@ def sequences(
     batch is a lazy stack along dim 0 of single items.
 
     Example:
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> td = llm_batch(2, 6)
         >>> shape, toks, asst = sequences(td)
         >>> shape, [len(t) for t in toks] == td["masks", "all_attention_mask"].sum(-1).tolist()
@@ -79,7 +79,7 @@ class RewardModule(torch.nn.Module):
     A failing score writes nothing.
 
     Example:
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> lengths = RewardModule(lambda td: td["masks", "all_attention_mask"].sum(-1))
         >>> td = lengths(llm_batch(2, 6))
         >>> td["next", "reward"].dtype, td["next", "reward"].shape
@@ -121,7 +121,7 @@ def hf_reward_model(
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForSequenceClassification
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
         ...                   num_hidden_layers=1, num_attention_heads=2, num_labels=1,
         ...                   pad_token_id=0)
@@ -213,8 +213,8 @@ def trl_reward(
     (TRL's "unscored"). Extra ``kwargs`` are passed on, plus ``prompt_ids``.
 
     Example:
-        >>> from posttrain.conformance.data import llm_batch
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import llm_batch
+        >>> from posttrain.testing import tiny_causal_lm
         >>> from posttrain.adapters._hf import word_level_tokenizer
         >>> def n_tokens(prompts, completions, completion_ids, **kw):
         ...     return [float(len(c)) for c in completion_ids]
@@ -273,7 +273,7 @@ def trl_reward_func(
     mask covers ``completion_ids``. Conversational prompts need ``prompt_ids``.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> from posttrain.adapters._hf import word_level_tokenizer
         >>> tok = word_level_tokenizer(tiny_causal_lm().config)
         >>> lengths = RewardModule(lambda td: td["masks", "all_assistant_mask"].sum(-1))

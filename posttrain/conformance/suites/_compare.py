@@ -8,8 +8,8 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from posttrain.conformance.context import ConformanceError
-from posttrain.conformance.data import item_uids
 from posttrain.contracts.layout import key_str, norm_key
+from posttrain.testing import item_uids
 
 __all__ = ["Table", "bits_equal", "id_list", "leaves"]
 
@@ -52,7 +52,7 @@ class Table:
     """What was written, by uid: the model a buffer's samples are checked against.
 
     Example:
-        >>> from posttrain.conformance.data import llm_batch
+        >>> from posttrain.testing import llm_batch
         >>> t = Table()
         >>> t.add(llm_batch(2))
         >>> t.check_sample(llm_batch(2)[1:], allowed={0, 1})

@@ -24,10 +24,10 @@ from tensordict import TensorDictBase
 from posttrain._checkpoint import MANIFEST, reseal, why_unsafe
 from posttrain._deps import optional_deps
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
-from posttrain.conformance.data import item_uids, llm_batch, ragged_llm_batch
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import Table, id_list, leaves
 from posttrain.contracts.layout import LLM_LAYOUT_V1, key_str
+from posttrain.testing import item_uids, llm_batch, ragged_llm_batch
 
 CAP = 8
 T = 8

@@ -23,9 +23,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
-from posttrain.conformance.policy import forced_token_weights, tiny_causal_lm
 from posttrain.conformance.registry import requirement
 from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY, RESPONSE_LOG_PROBS_KEY
+from posttrain.testing import forced_token_weights, tiny_causal_lm
 
 V = 64
 MAX_NEW = 3

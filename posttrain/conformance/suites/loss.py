@@ -21,12 +21,11 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from posttrain.conformance.context import ConformanceError, Context
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import bits_equal, leaves
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, key_str
+from posttrain.testing import llm_batch, tiny_causal_lm
 
 V, B, T = 64, 4, 10
 K = LLM_LAYOUT_V1.key

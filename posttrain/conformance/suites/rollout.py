@@ -18,11 +18,11 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from posttrain.conformance.context import ConformanceError, Context
-from posttrain.conformance.policy import forced_token_weights, tiny_causal_lm
 from posttrain.conformance.registry import requirement
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.validation import validate
+from posttrain.testing import forced_token_weights, tiny_causal_lm
 
 V = 64
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15, 16]]
@@ -49,7 +49,7 @@ def scripted_weights(model: Any, k: int) -> dict[str, torch.Tensor]:
     """Weights ``k`` for a tiny Llama whose next token depends on the last token only.
 
     After 9 or 16 it emits ``20 + k`` and then EOS; after any other token it emits ``40 + k``.
-    Like :func:`~posttrain.conformance.policy.forced_token_weights`, the residual stream is the
+    Like :func:`~posttrain.testing.forced_token_weights`, the residual stream is the
     embedding alone; each token's embedding is the unit vector of its class and only the class's
     next token reads it, so every response is known in advance and names ``k``.
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
-from posttrain.conformance.policy import tiny_causal_lm
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import bits_equal
+from posttrain.testing import tiny_causal_lm
 
 Weights = dict[str, torch.Tensor]
 
