@@ -1,7 +1,8 @@
 """posttrain's contracts: Protocols, key contracts and requirement catalogues (v1).
 
 Depends on torch, tensordict and pydantic only; everything else in posttrain imports from here,
-never the other way round.
+never the other way round. A contract's catalogue is ``get_contract(id)``; a layout checks a
+batch with ``LLM_LAYOUT_V1.check(td)`` (raises) or ``LLM_LAYOUT_V1.violations(td)`` (returns).
 
 Example:
     >>> from posttrain.contracts import CONTRACTS, LLM_LAYOUT_V1
@@ -11,72 +12,103 @@ Example:
     ('masks', 'all_assistant_mask')
 """
 
+from typing import Any
+
+from posttrain._deprecated import deprecated_attr
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.buffer import (
-    BUFFER,
     ReplayBufferV1,
     SupportsCheckpoint,
     SupportsPriority,
     SupportsRead,
 )
-from posttrain.contracts.contract import Capability, Contract, DeclarationError, Option
-from posttrain.contracts.generation import GENERATION, GenerationClientV1, GenerationServerV1
+from posttrain.contracts.contract import Contract, DeclarationError
+from posttrain.contracts.generation import GenerationClientV1, GenerationServerV1
 from posttrain.contracts.implementation import Implementation
-from posttrain.contracts.layout import LLM_LAYOUT_V1, Key, Layout, LayoutField, key_str, norm_key
-from posttrain.contracts.loss import AGGREGATIONS, LOSS, LossModuleV1, LossOutput
-from posttrain.contracts.metrics import METRIC_NAME, METRICS, MetricSinkV1
-from posttrain.contracts.registry import CONTRACTS, get_contract
-from posttrain.contracts.requirements import Level, Requirement
-from posttrain.contracts.rollout import ROLLOUT, RolloutSourceV1
-from posttrain.contracts.validation import (
-    LAYOUT_REQUIREMENTS,
-    ContractViolation,
-    Violation,
-    check,
-    validate,
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.contracts.loss import (
+    AGGREGATIONS,
+    GlobalCounts,
+    LossModuleV1,
+    LossOutput,
+    SupportsGlobalCounts,
 )
-from posttrain.contracts.weight_sync import WEIGHT_SYNC, WeightReceiverV1, WeightSenderV1
+from posttrain.contracts.metrics import MetricSinkV1
+from posttrain.contracts.registry import CONTRACTS, get_contract
+from posttrain.contracts.requirements import Requirement
+from posttrain.contracts.rollout import RolloutSourceV1
+from posttrain.contracts.validation import ContractViolation, Violation
+from posttrain.contracts.weight_sync import WeightReceiverV1, WeightSenderV1
 
 __all__ = [
     "AGGREGATIONS",
-    "BUFFER",
     "CONTRACTS",
-    "GENERATION",
-    "LAYOUT_REQUIREMENTS",
     "LLM_LAYOUT_V1",
-    "LOSS",
-    "METRICS",
-    "METRIC_NAME",
-    "ROLLOUT",
-    "WEIGHT_SYNC",
-    "Capability",
     "Contract",
     "ContractViolation",
     "DeclarationError",
     "GenerationClientV1",
     "GenerationServerV1",
+    "GlobalCounts",
     "Implementation",
-    "Key",
     "Layout",
-    "LayoutField",
-    "Level",
     "LossModuleV1",
     "LossOutput",
     "MetricSinkV1",
-    "Option",
     "ReplayBufferV1",
     "Requirement",
     "RolloutSourceV1",
     "SupportsCheckpoint",
+    "SupportsGlobalCounts",
     "SupportsPriority",
     "SupportsRead",
     "Violation",
     "WeightReceiverV1",
     "WeightSenderV1",
-    "check",
     "get_contract",
-    "key_str",
-    "norm_key",
     "token_log_probs",
-    "validate",
 ]
+
+
+def _contract(cid: str, const: str) -> tuple[str, str]:
+    return f"posttrain.contracts.{cid}:{const}", f"use get_contract({cid!r})"
+
+
+_MOVED = {
+    "check": (
+        "posttrain.contracts.validation:check",
+        "use Layout.check: LLM_LAYOUT_V1.check(td, ...) raises the same ContractViolation",
+    ),
+    "validate": (
+        "posttrain.contracts.validation:validate",
+        "use Layout.violations: LLM_LAYOUT_V1.violations(td, ...) returns the same list",
+    ),
+    "BUFFER": _contract("buffer", "BUFFER"),
+    "GENERATION": _contract("generation", "GENERATION"),
+    "LOSS": _contract("loss", "LOSS"),
+    "METRICS": _contract("metrics", "METRICS"),
+    "ROLLOUT": _contract("rollout", "ROLLOUT"),
+    "WEIGHT_SYNC": _contract("weight_sync", "WEIGHT_SYNC"),
+    "LAYOUT_REQUIREMENTS": (
+        "posttrain.contracts.validation:LAYOUT_REQUIREMENTS",
+        "import it from posttrain.contracts.validation",
+    ),
+    "Capability": ("posttrain.contracts.contract:Capability", "see Contract.capabilities"),
+    "Option": ("posttrain.contracts.contract:Option", "see Contract.options"),
+    "Key": ("posttrain.contracts.layout:Key", "a key is a str or a tuple of str"),
+    "LayoutField": ("posttrain.contracts.layout:LayoutField", "use Layout.field(name)"),
+    "Level": ("posttrain.contracts.requirements:Level", "use Requirement.level"),
+    "METRIC_NAME": (
+        "posttrain.contracts.metrics:METRIC_NAME",
+        "import it from posttrain.contracts.metrics",
+    ),
+    "key_str": ("posttrain.contracts.layout:key_str", "import it from posttrain.contracts.layout"),
+    "norm_key": (
+        "posttrain.contracts.layout:norm_key",
+        "import it from posttrain.contracts.layout",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_attr(__name__, name, _MOVED)

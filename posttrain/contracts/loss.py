@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, Union
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from posttrain.contracts.contract import Capability, Contract, Option
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.contracts.mapping import LOSS_COUNT_FRAMEWORKS, LOSS_COUNT_KEYS
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = ["AGGREGATIONS", "LOSS", "LossModuleV1", "LossOutput"]
+__all__ = [
+    "AGGREGATIONS",
+    "LOSS",
+    "GlobalCounts",
+    "LossModuleV1",
+    "LossOutput",
+    "SupportsGlobalCounts",
+]
 
 LossOutput = Union[TensorDictBase, Mapping[str, torch.Tensor]]
 """What a loss returns: ``loss_*`` scalars that sum to the objective, plus diagnostics."""
@@ -25,7 +36,77 @@ AGGREGATIONS = (
 """How per-token terms become one scalar; the weight of token t of sequence i (m = assistant
 mask, L_i = its count in row i, B = rows, T_norm = a declared constant):
 token_mean m/sum(m); seq_mean_token_mean m/(B*L_i); seq_mean_token_sum m/B;
-seq_mean_token_sum_norm m/(B*T_norm)."""
+seq_mean_token_sum_norm m/(B*T_norm). Under capability ``global_counts`` sum(m) is
+``counts.tokens`` and B is ``counts.sequences`` (see :class:`GlobalCounts`)."""
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` as a count: an integral number >= 0 (a 0-dim tensor after an all-reduce too)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not float(value) >= 0 or float(value) != int(float(value)):  # type: ignore[arg-type]
+        raise ValueError(f"GlobalCounts.{name}: expected a whole number >= 0, found {value!r}")
+    return int(float(value))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """The counts a loss normalizes by, taken over the *global* batch: every micro-batch of an
+    optimizer step on every data-parallel rank.
+
+    ``tokens``: assistant tokens (``assistant_mask`` and ``attention_mask`` True, position 0
+    excluded: no logit predicts it). ``sequences``: rows holding at least one such token; a
+    row without one weighs nothing and is not counted (verl's rule; TRL's grpo ``.mean()``
+    and NeMo-RL's ``sample_mask`` sum count such a row, see the mapping table in the spec).
+
+    A loss under capability ``global_counts`` is called ``loss(td, counts=counts)`` on each
+    micro-batch; the micro-batches' ``loss_*`` terms (and their gradients) then add up to the
+    whole batch's, so gradient accumulation is a plain sum and data-parallel ranks all-reduce
+    gradients by sum. Counts are a call argument, not layout fields: they describe the global
+    batch, not a row, and a row-sliced field would travel into buffers and be cut with the
+    batch (NeMo-RL's ``global_valid_toks``/``global_valid_seqs`` and TRL's
+    ``num_items_in_batch`` are call arguments too). A frozen pair keeps the two together.
+
+    Example:
+        >>> from posttrain.testing import llm_batch
+        >>> td = llm_batch(4, 8)
+        >>> whole = GlobalCounts.of(td)
+        >>> GlobalCounts.of(td[:1]) + GlobalCounts.of(td[1:]) == whole
+        True
+        >>> GlobalCounts(tokens=3, sequences=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: GlobalCounts.sequences: expected a whole number >= 0, found -1
+    """
+
+    tokens: int
+    sequences: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", _count("tokens", self.tokens))
+        object.__setattr__(self, "sequences", _count("sequences", self.sequences))
+
+    def __add__(self, other: GlobalCounts) -> GlobalCounts:
+        """The counts of two disjoint parts of a batch together."""
+        return GlobalCounts(self.tokens + other.tokens, self.sequences + other.sequences)
+
+    @classmethod
+    def of(cls, td: TensorDictBase, layout: Layout = LLM_LAYOUT_V1) -> GlobalCounts:
+        """The counts of one batch (padded, or a lazy stack of ragged items).
+
+        Sum them over micro-batches, or all-reduce ``[tokens, sequences]`` over ranks, for the
+        global batch.
+        """
+        k = layout.key
+        items = list(td.tensordicts) if isinstance(td, LazyStackedTensorDict) else [td]
+        toks = seqs = 0
+        for item in items:
+            m = item.get(k("assistant_mask")) & item.get(k("attention_mask"))
+            per_row = m[..., 1:].reshape(-1, m.shape[-1] - 1).sum(-1)
+            toks += int(per_row.sum())
+            seqs += int((per_row > 0).sum())
+        return cls(toks, seqs)
 
 
 class LossModuleV1(Protocol):
@@ -47,6 +128,29 @@ class LossModuleV1(Protocol):
         ...
 
 
+class SupportsGlobalCounts(Protocol):
+    """Capability ``global_counts``: ``loss(td, counts=GlobalCounts(...))`` normalizes by the
+    global batch's counts; without ``counts`` by ``GlobalCounts.of(td)``.
+
+    Example:
+        >>> from posttrain.contracts import GlobalCounts, SupportsGlobalCounts
+        >>> def micro_step(loss: SupportsGlobalCounts, part, whole: GlobalCounts):
+        ...     out = loss(part, counts=whole)
+        ...     return sum(v for k, v in out.items() if k.startswith("loss_"))
+    """
+
+    def __call__(self, td: TensorDictBase, /, *, counts: GlobalCounts | None = None) -> Any:
+        """The loss terms of ``td`` as a part of the batch ``counts`` describes."""
+        ...
+
+
+def _counts_table() -> str:
+    head = "| count | " + " | ".join(LOSS_COUNT_FRAMEWORKS) + " |"
+    rule = "|---|" + "---|" * len(LOSS_COUNT_FRAMEWORKS)
+    rows = [f"| `{k}` | " + " | ".join(v) + " |" for k, v in LOSS_COUNT_KEYS.items()]
+    return "\n".join([head, rule, *rows])
+
+
 _M, _S = Level.MUST, Level.SHOULD
 
 LOSS = Contract(
@@ -56,15 +160,26 @@ LOSS = Contract(
         "Turns a batch in the LLM layout (tokens, masks, behaviour log-probs, advantages) and a "
         "policy into scalar loss terms. The `loss_*` entries sum to the objective; "
         "`loss_objective` is the policy-gradient term. Only assistant-masked tokens may "
-        "influence anything."
+        "influence anything.\n\n"
+        "Nobody trains on one batch in one process: under capability `global_counts` a loss "
+        "takes the global batch's counts (all micro-batches, all data-parallel ranks) as "
+        "`loss(td, counts=GlobalCounts(tokens=..., sequences=...))`, so micro-batch losses "
+        "add up to the whole batch's (gradient accumulation is a plain sum, ranks all-reduce "
+        "gradients by sum). A call argument, not layout fields: the counts describe the global "
+        "batch, not a row. `tokens` counts assistant tokens (position 0 excluded); `sequences` "
+        "counts rows holding at least one (verl's rule: a row without one weighs nothing and is "
+        "not counted). Without `counts` a loss keeps its single-batch meaning. Where the "
+        "frameworks take these counts:\n\n" + _counts_table()
     ),
     protocol=LossModuleV1,
-    version="1.2",
+    extra_protocols=(SupportsGlobalCounts, GlobalCounts),
+    version="1.3",
     factory=(
         "factory(policy, **overrides) -> LossModuleV1  # policy: an HF-style causal LM the suite "
         "supplies; overrides only in LOSS-008 (a declared option's name, a misspelt keyword); "
         "seq_mean_token_sum_norm reads Implementation.extras['t_norm'], capability clip "
-        "extras['clip_epsilon'] (and 'dual_clip')"
+        "extras['clip_epsilon'] (and 'dual_clip'); capability global_counts: "
+        "loss(td, counts=GlobalCounts(...)) on micro-batches (LOSS-016 to LOSS-018)"
     ),
     uses_layout=True,
     capabilities=(
@@ -73,6 +188,7 @@ LOSS = Contract(
         Capability(name="ragged", text="Accepts ragged batches (lazy stacks / jagged tensors)."),
         Capability(name="diagnostics", text="Returns `clip_fraction`, `kl_approx` and `entropy` alongside the loss terms."),
         Capability(name="clip", text="Clips the ratio r = exp(logp - sample_log_probs) PPO-style: per token max(-A·r, -A·clip(r, 1 - ε_low, 1 + ε_high)), and with dual clip c > 1 its min with -A·c where A < 0. The bounds are declared in `Implementation.extras`: `clip_epsilon` (ε, or the pair (ε_low, ε_high)) and, for dual clip, `dual_clip` (c)."),
+        Capability(name="global_counts", text="`loss(td, counts=GlobalCounts(tokens=..., sequences=...))` normalizes by the global batch's counts (all micro-batches, all data-parallel ranks): sum(m) becomes `counts.tokens` and B `counts.sequences` in the aggregation weights, and diagnostics are sums divided by `counts.tokens`; without `counts`, by `GlobalCounts.of(td)`. Since 1.3."),
     ),
     options=(
         Option(name="aggregation", values=AGGREGATIONS, default="token_mean", text="How per-token terms are reduced to a scalar (see the weights above)."),
@@ -108,5 +224,11 @@ LOSS = Contract(
             text="At ratios on both sides of the declared clip bounds and advantages A of both signs, `loss_objective` MUST equal the sum over tokens of the aggregation's weight w times the declared clipped surrogate, and its gradient with respect to each token's log-prob MUST be -A·r·w where the unclipped term is the active one and 0 where a clipped one is (r > 1 + ε_high with A > 0, r < 1 - ε_low with A < 0, r > c with A < 0 under dual clip c).", depends_on=("LOSS-003",)),
         Requirement(id="LOSS-015", level=_S, title="mis-shaped fields rejected", since="1.1",
             text="A batch whose advantage or log-probs it reads have a shape outside the layout's (an advantage [B, 1] or [B, T - 1], log-probs one position short or long of the tokens) SHOULD raise an error naming the key: nothing is broadcast, padded or cut into place (a SHOULD until v2: no 1.0 sentence asked for it)."),
+        Requirement(id="LOSS-016", level=_M, title="global counts normalize", capability="global_counts", since="1.3",
+            text="`loss(td, counts=GlobalCounts(tokens=N, sequences=S))` MUST weight every term as the declared aggregation does with the token count sum(m) replaced by N and the row count B by S, whatever the batch's own counts; `loss(td)` MUST equal `loss(td, counts=GlobalCounts.of(td))`, whose `sequences` holds only rows with at least one assistant token (a row without one weighs nothing and is not counted).", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-017", level=_M, title="micro-batches add up", since="1.3",
+            text="Under capability `global_counts`, for every aggregation and any split of a batch into micro-batches (uneven, a single row, one without any assistant token), each called with the whole batch's `GlobalCounts`, the micro-batches' `loss_*` terms MUST sum to the whole batch's (called without counts) and the policy-parameter gradients of their sums to its gradient, within 1e-5 of the largest magnitude in float32 (1e-10 in float64). A loss without the capability is not failed but measured: the suite reports (NOT_APPLICABLE) the gradient weight one token of a short and of a long answer gets in one batch and when they land in different micro-batches accumulated as users write it (the mean of the micro-batch losses).", depends_on=("LOSS-002",)),
+        Requirement(id="LOSS-018", level=_M, title="diagnostics add up", capability="global_counts", since="1.3",
+            text="Under capabilities `global_counts` and `diagnostics`, with `counts`, `clip_fraction`, `kl_approx` and `entropy` MUST be sums over the micro-batch's assistant tokens divided by `counts.tokens`, so the micro-batches' values sum to the whole batch's and the metric catalogue's `tok` reduction of the pairs (value x `counts.tokens`, the micro-batch's token count) gives it exactly, never a mean of micro-batch means (within the tolerance of LOSS-017).", depends_on=("LOSS-001",)),
     ),
 )  # fmt: skip

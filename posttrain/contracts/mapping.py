@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["FRAMEWORKS", "FRAMEWORK_KEYS"]
-
 FRAMEWORKS = ("TorchRL 0.14", "TRL 1.16 GRPOTrainer", "NeMo-RL train_data")
 
 # Sources: torchrl/envs/llm and torchrl/objectives/llm/grpo.py (default keys);
@@ -52,3 +50,32 @@ FRAMEWORK_KEYS: dict[str, tuple[str, str, str]] = {
         "implicit: identical prompt rows",
     ),
 }
+
+LOSS_COUNT_FRAMEWORKS = ("TorchRL 0.14", "TRL 1.16 GRPOTrainer", "NeMo-RL", "verl")
+
+# Sources: torchrl/objectives/llm/grpo.py (GRPOLoss._aggregate_loss_value); trl GRPOTrainer
+# _compute_loss (loss_type) and _generate_and_score_completions (num_items_in_batch);
+# nemo_rl/algorithms/loss_functions.py (ClippedPGLossFn, masked_mean with
+# global_normalization_factor) and the workers' all-reduced counts; verl
+# trainer/ppo/core_algos.py agg_loss (batch_num_tokens, global_batch_size, dp_size).
+LOSS_COUNT_KEYS: dict[str, tuple[str, str, str, str]] = {
+    "tokens": (
+        "none: `GRPOLoss` divides by its own micro-batch's `mask.sum()`",
+        "`num_items_in_batch`: completion tokens gathered over processes; `loss_type='dapo'` "
+        "divides the local sum by `num_items_in_batch / num_processes` (DDP then averages ranks)",
+        "`global_valid_toks`: sum of `token_mask[:, 1:] * sample_mask` over micro-batches and "
+        "all-reduced over DP ranks; token-level losses divide the local sum by it",
+        "`batch_num_tokens`: `response_mask` tokens of the global mini-batch; `agg_loss` "
+        "'token-mean' divides the local sum by it times `dp_size` (FSDP averages ranks)",
+    ),
+    "sequences": (
+        "none: `prompt_mean` averages the micro-batch's rows",
+        "none: `loss_type='grpo'` takes `.mean()` over the micro-batch's rows, a row without "
+        "completion tokens included; `dr_grpo` divides by rows x `max_completion_length`",
+        "`global_valid_seqs`: sum of `sample_mask`, all-reduced; a sample with no valid token "
+        "still counts (map: `sample_mask` = the row has an assistant token)",
+        "`global_batch_size`: rows with `response_mask.sum() > 0` (its `seq_mask`), the same "
+        "rule as posttrain; 'seq-mean-*' divide by it times `dp_size`",
+    ),
+}
+"""Where each framework takes the global batch's counts a loss normalizes by (loss 1.3)."""

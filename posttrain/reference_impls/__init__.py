@@ -21,16 +21,6 @@ from posttrain.reference_impls.weight_sync import (
 )
 
 __all__ = [
-    "GENERATION_SERVER",
-    "HF_ROLLOUT",
-    "IN_PROCESS_WEIGHT_SYNC",
-    "JSONL_SINK",
-    "PG_LOSSES",
-    "PG_LOSS_SEQ_MEAN_TOKEN_MEAN",
-    "PG_LOSS_SEQ_MEAN_TOKEN_SUM",
-    "PG_LOSS_SEQ_MEAN_TOKEN_SUM_NORM",
-    "PG_LOSS_TOKEN_MEAN",
-    "RING_BUFFER",
     "HFRolloutSource",
     "InProcessReceiver",
     "InProcessSender",
@@ -39,9 +29,10 @@ __all__ = [
     "RingBuffer",
     "ThreadGenerationServer",
     "in_process_weight_sync",
-    "make_ring_buffer",
     "read_jsonl",
 ]
+# The entry points' declarations (RING_BUFFER, PG_LOSS_*, HF_ROLLOUT, ...) below are module
+# attributes that pyproject.toml's entry points and `--conformance-impl` name, not API.
 
 
 def make_ring_buffer(capacity: int) -> RingBuffer:
@@ -79,7 +70,7 @@ def _pg_loss(aggregation: str) -> Implementation:
             t_norm=16,
         ),
         name=f"posttrain.PolicyGradientLoss[{aggregation}]",
-        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "clip"},
+        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "clip", "global_counts"},
         options={"aggregation": aggregation},
         extras={"t_norm": 16, "clip_epsilon": _CLIP},
         description="Reference clipped policy-gradient loss with k3 KL to reference and entropy.",

@@ -11,7 +11,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
-from posttrain.contracts.loss import AGGREGATIONS
+from posttrain.contracts.loss import AGGREGATIONS, GlobalCounts
 from posttrain.contracts.validation import check
 
 __all__ = ["PolicyGradientLoss"]
@@ -37,6 +37,10 @@ class PolicyGradientLoss(torch.nn.Module):
     to the reference, if ``kl_coef > 0``), ``loss_entropy`` (``-entropy_coef`` times entropy, if
     ``entropy_coef > 0``) and the diagnostics ``clip_fraction``, ``kl_approx`` (k3 KL from the
     behaviour policy), ``entropy`` — all over assistant tokens, token-mean.
+
+    Capability ``global_counts``: ``loss(micro_batch, counts=GlobalCounts.of(whole_batch))``
+    normalizes by the whole batch's counts, so micro-batch losses (and their gradients and
+    diagnostics) add up to the whole batch's; a row without assistant tokens is not a sequence.
 
     Example:
         >>> import torch
@@ -99,11 +103,13 @@ class PolicyGradientLoss(torch.nn.Module):
         need = ["sample_log_probs", "advantage"] + (["ref_log_probs"] if kl_coef > 0 else [])
         self._require = tuple(need)
 
-    def _weights(self, mask: torch.Tensor) -> torch.Tensor:
+    def _weights(self, mask: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
+        """Each token's weight: the aggregation's, over the global batch ``counts`` describes
+        (``mask`` is this micro-batch's: a sequence's own length L_i is always local)."""
         m = mask.float()
-        b = m.shape[0]
+        n, b = max(counts.tokens, 1), max(counts.sequences, 1)
         if self.aggregation == "token_mean":
-            return m / m.sum().clamp_min(1)
+            return m / n
         if self.aggregation == "seq_mean_token_mean":
             return m / (b * m.sum(-1, keepdim=True).clamp_min(1))
         if self.aggregation == "seq_mean_token_sum":
@@ -120,8 +126,15 @@ class PolicyGradientLoss(torch.nn.Module):
         clipped = pg2 > pg1
         return torch.where(clipped, pg2, pg1), clipped
 
-    def forward(self, td: TensorDictBase) -> TensorDict:
-        """Compute the loss terms and diagnostics for ``td`` (never mutated)."""
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        """Compute the loss terms and diagnostics for ``td`` (never mutated).
+
+        ``counts``: the global batch's (every micro-batch, every rank) when ``td`` is one
+        micro-batch of it; the terms and diagnostics of the micro-batches then add up to the
+        whole batch's. Default: ``GlobalCounts.of(td)``.
+        """
+        if counts is not None and not isinstance(counts, GlobalCounts):
+            raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
         # Float fields in any floating dtype (bf16 log-probs from a bf16 model, float64
         # advantages) are cast to the policy's precision below; integer and bool fields must
         # be exact (a float mask is refused, not used as weights).
@@ -145,10 +158,20 @@ class PolicyGradientLoss(torch.nn.Module):
         log_ratio = logp - old
         ratio = torch.where(mask, log_ratio.exp(), 1.0)
         per_token, active = self._surrogate(adv, ratio)
-        w = self._weights(mask)
+        own = GlobalCounts(int(mask.sum()), int(mask.any(-1).sum()))
+        if counts is None:
+            counts = own
+        elif own.tokens > counts.tokens or own.sequences > counts.sequences:
+            raise ValueError(
+                f"counts: this batch alone holds {own.tokens} assistant tokens in "
+                f"{own.sequences} sequences, more than the global {counts}"
+            )
+        w = self._weights(mask, counts)
         out: dict[str, torch.Tensor] = {"loss_objective": (per_token * w).sum()}
 
-        tm = mask.float() / mask.float().sum().clamp_min(1)  # token-mean weights for diagnostics
+        # Diagnostics: sums over the assistant tokens / the global token count, so that the
+        # micro-batches' values add up to the whole batch's token mean.
+        tm = mask.float() / max(counts.tokens, 1)
         if self.kl_coef > 0:
             ref = torch.where(mask, td.get(k("ref_log_probs")).to(logp.dtype), 0.0)
             d = ref - logp

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.contracts import AGGREGATIONS, LLM_LAYOUT_V1, Implementation
+from posttrain.contracts import AGGREGATIONS, LLM_LAYOUT_V1, GlobalCounts, Implementation
 from posttrain.reference_impls import PolicyGradientLoss
 
 __all__ = ["DUAL_CLIP", "EXTRA_MUTANTS", "MUTANTS"]
@@ -37,8 +37,8 @@ class _Edit(PolicyGradientLoss):
     def post(self, out: TensorDict, td: TensorDictBase) -> TensorDict:
         return out
 
-    def forward(self, td: TensorDictBase) -> TensorDict:
-        return self.post(super().forward(self.pre(td)), td)
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        return self.post(super().forward(self.pre(td), counts=counts), td)
 
 
 class ShapeOneObjective(_Edit):  # GRPOLoss's prompt_mean bug
@@ -54,7 +54,7 @@ class Detached(_Edit):
 
 
 class TokenMeanWhateverDeclared(PolicyGradientLoss):
-    def _weights(self, mask: torch.Tensor) -> torch.Tensor:
+    def _weights(self, mask: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
         m = mask.float()
         return m / m.sum()
 
@@ -71,7 +71,7 @@ class TrainsOnPrompt(_Edit):
 
 
 class DividesByAllPositions(PolicyGradientLoss):
-    def _weights(self, mask: torch.Tensor) -> torch.Tensor:
+    def _weights(self, mask: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
         return mask.float() / mask.numel()
 
 
@@ -242,10 +242,10 @@ class RatioInDataDtype(PolicyGradientLoss):
 
     _data_dtype = torch.float32
 
-    def forward(self, td: TensorDictBase) -> TensorDict:
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
         slp = td.get(SLP, None)
         self._data_dtype = slp.dtype if slp is not None else torch.float32
-        return super().forward(td)
+        return super().forward(td, counts=counts)
 
     def _surrogate(
         self, adv: torch.Tensor, ratio: torch.Tensor
@@ -366,6 +366,71 @@ class PerRowForwardPadsLeft(PerRowForward):
     pad_left = True
 
 
+class _Counted(PolicyGradientLoss):
+    """The reference with the counts it is given rewritten by :meth:`recount` first."""
+
+    def recount(self, td: TensorDictBase, counts: GlobalCounts | None) -> GlobalCounts | None:
+        return counts
+
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        return super().forward(td, counts=self.recount(td, counts))
+
+
+class IgnoresCounts(_Counted):
+    """Takes ``counts`` and drops it: every micro-batch is normalized as a whole batch."""
+
+    def recount(self, td: TensorDictBase, counts: GlobalCounts | None) -> GlobalCounts | None:
+        return None
+
+
+class LocalTokenMean(_Counted):
+    """Token mean over the micro-batch's own tokens under accumulation (the sequence count is
+    the global one): what a loss computing ``mask.sum()`` locally does."""
+
+    def recount(self, td: TensorDictBase, counts: GlobalCounts | None) -> GlobalCounts | None:
+        return (
+            None if counts is None else GlobalCounts(GlobalCounts.of(td).tokens, counts.sequences)
+        )
+
+
+class LocalSequenceMean(_Counted):
+    """Sequence mean over the micro-batch's own sequences (the token count is the global one)."""
+
+    def recount(self, td: TensorDictBase, counts: GlobalCounts | None) -> GlobalCounts | None:
+        return (
+            None if counts is None else GlobalCounts(counts.tokens, GlobalCounts.of(td).sequences)
+        )
+
+
+class PaddedWidthCounts(_Counted):
+    """Token count taken from the padded width: sequences x the batch's width T (dr_grpo's
+    ``max_completion_length`` read off the micro-batch)."""
+
+    def recount(self, td: TensorDictBase, counts: GlobalCounts | None) -> GlobalCounts | None:
+        c = counts or GlobalCounts.of(td)
+        return GlobalCounts(c.sequences * td.get(K("tokens")).shape[1], c.sequences)
+
+
+class CountsEveryRow(_Counted):
+    """Counts every row as a sequence, one without assistant tokens included (TRL grpo's
+    ``.mean()`` over rows)."""
+
+    def recount(self, td: TensorDictBase, counts: GlobalCounts | None) -> GlobalCounts | None:
+        return counts or GlobalCounts(GlobalCounts.of(td).tokens, td.batch_size[0])
+
+
+class DiagnosticsPerMicroBatch(PolicyGradientLoss):
+    """Loss terms over the global counts, but diagnostics averaged over the micro-batch alone
+    (a mean of means once micro-batches are combined)."""
+
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        out = super().forward(td, counts=counts)
+        local = super().forward(td)
+        for k in ("clip_fraction", "kl_approx", "entropy"):
+            out.set(k, local.get(k))
+        return out
+
+
 _CLIP = (0.2, 0.28)
 
 
@@ -394,6 +459,8 @@ def _impl(req: str, cls: type, agg: str = "seq_mean_token_mean", **kw: Any) -> I
     )
 
 
+_COUNTED = {"kl_to_ref", "per_token_advantage", "diagnostics", "global_counts"}
+
 MUTANTS: dict[str, Implementation] = {
     "LOSS-001": _impl("LOSS-001", ShapeOneObjective),
     "LOSS-002": _impl("LOSS-002", Detached),
@@ -410,6 +477,9 @@ MUTANTS: dict[str, Implementation] = {
     "LOSS-013": _impl("LOSS-013", PolicyGradientLoss, capabilities={"ragged"}),
     "LOSS-014": _clip_impl("LOSS-014", NoClip),
     "LOSS-015": _impl("LOSS-015", BroadcastsAdvantage),
+    "LOSS-016": _impl("LOSS-016", IgnoresCounts, capabilities=_COUNTED),
+    "LOSS-017": _impl("LOSS-017", LocalTokenMean, agg="token_mean", capabilities=_COUNTED),
+    "LOSS-018": _impl("LOSS-018", DiagnosticsPerMicroBatch, capabilities=_COUNTED),
 }
 """Requirement id -> a loss that breaks exactly that requirement."""
 
@@ -425,6 +495,10 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-003", _impl("LOSS-003", ShiftedTokenAdvantage)),
     ("LOSS-003", _impl("LOSS-003", PerRowForwardPadsLeft)),
     ("LOSS-012", _impl("LOSS-012", ShiftedEntropy)),
+    ("LOSS-017", _impl("LOSS-017", LocalSequenceMean, capabilities=_COUNTED)),
+    ("LOSS-017", _impl("LOSS-017", IgnoresCounts, agg="token_mean", capabilities=_COUNTED)),
+    ("LOSS-017", _impl("LOSS-017", PaddedWidthCounts, agg="token_mean", capabilities=_COUNTED)),
+    ("LOSS-016", _impl("LOSS-016", CountsEveryRow, capabilities=_COUNTED)),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from posttrain.conformance.context import ConformanceError, Context
+from posttrain.conformance.context import ConformanceError, Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import bits_equal, leaves
 from posttrain.contracts.alignment import token_log_probs
@@ -154,6 +154,10 @@ def _expected_weights(ctx: Context, mask: torch.Tensor) -> torch.Tensor:
         return m / (b * m.sum(-1, keepdim=True))
     if agg == "seq_mean_token_sum":
         return m / b
+    return m / (b * _t_norm(ctx))
+
+
+def _t_norm(ctx: Context) -> float:
     t_norm = ctx.impl.extras.get("t_norm")
     # The spec asks for "a declared constant": any positive number (16 or 16.0), not a bool.
     if isinstance(t_norm, bool) or not isinstance(t_norm, int | float) or not t_norm > 0:
@@ -161,7 +165,7 @@ def _expected_weights(ctx: Context, mask: torch.Tensor) -> torch.Tensor:
             "seq_mean_token_sum_norm is declared but Implementation.extras['t_norm'] (a positive "
             f"number) is {t_norm!r}"
         )
-    return m / (b * float(t_norm))
+    return float(t_norm)
 
 
 def _call_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -767,3 +771,249 @@ def mis_shaped_fields_rejected(ctx: Context) -> None:
         problem = _must_refuse(loss, _with(td0.clone(), key, value), key, what)
         if problem is not None:
             raise _fail(problem)
+
+
+# --- global counts: micro-batches and data-parallel ranks (loss 1.3) ---------------------------
+
+_EMPTY_ROW = 2  # the row of _counted_batch without any assistant token
+_SPLITS = (
+    ((0,), (1, 2, 3, 4)),  # one row, then the rest
+    ((0, 1, 3), (2,), (4,)),  # uneven; a micro-batch without any assistant token
+    ((3, 1), (4, 0, 2)),  # shuffled rows
+)
+_TOL32 = 1e-5
+
+
+def _counted_batch(policy: Any, ctx: Context) -> TensorDictBase:
+    """A batch of 5 rows at ratio 1 whose row 2 has no assistant token (prompt only)."""
+    td = _batch(policy, ctx, b=5, seed=16)
+    asst = td.get(ASST).clone()
+    asst[_EMPTY_ROW] = False
+    td.set(ASST, asst)
+    for key in (SLP, RLP):
+        td.set(key, torch.where(asst, td.get(key), float("nan")))
+    return td
+
+
+def _counts_of(mask: torch.Tensor) -> tuple[int, int]:
+    m = mask[:, 1:]
+    return int(m.sum()), int(m.any(-1).sum())
+
+
+def _weights_for(ctx: Context, mask: torch.Tensor, tokens: int, seqs: int) -> torch.Tensor:
+    """The declared aggregation's weights with sum(m) -> ``tokens`` and B -> ``seqs``."""
+    m = mask.double()
+    agg = ctx.options["aggregation"]
+    if agg == "token_mean":
+        return m / tokens
+    if agg == "seq_mean_token_mean":
+        return m / (seqs * m.sum(-1, keepdim=True).clamp_min(1))
+    if agg == "seq_mean_token_sum":
+        return m / seqs
+    return m / (seqs * _t_norm(ctx))
+
+
+def _call_counted(loss: Any, td: TensorDictBase, counts: Any) -> Any:
+    try:
+        return loss(td, counts=counts)
+    except TypeError as e:
+        if "counts" in str(e) and "unexpected keyword" in str(e):
+            raise _fail(
+                f"capability global_counts declared, but loss(td, counts=...) raised: {e}"
+            ) from None
+        raise
+
+
+def _trimmed(td: TensorDictBase) -> TensorDictBase:
+    """``td`` cut to its longest row (a micro-batch padded to its own width, as loaders do)."""
+    n = max(int(td.get(ATT).sum(-1).max()), 2)
+    out = td.empty()
+    for key, v in leaves(td).items():
+        out.set(key, v[:, :n] if v.ndim == 2 and v.shape[1] == td.get(TOK).shape[1] else v)
+    return out
+
+
+@requirement("LOSS-016")
+def global_counts_normalize(ctx: Context) -> None:
+    from posttrain.contracts.loss import GlobalCounts
+
+    policy, loss = _setup(ctx)
+    td = _counted_batch(policy, ctx)
+    mask, adv = td.get(ASST), td.get(ADV).double()
+    n, s = _counts_of(mask)
+    every_row = mask.shape[0]
+    cases = [
+        ("loss(td), no counts", None, n, s),
+        ("counts=GlobalCounts.of(td)", GlobalCounts.of(td), n, s),
+        (f"counts of a larger global batch ({3 * n + 5} tokens, {2 * s + 3} sequences)",
+         GlobalCounts(3 * n + 5, 2 * s + 3), 3 * n + 5, 2 * s + 3),
+    ]  # fmt: skip
+    for what, counts, tokens, seqs in cases:
+        with torch.no_grad():
+            out = loss(td) if counts is None else _call_counted(loss, td, counts)
+        got = float(_loss_terms(out)["loss_objective"])
+        want = float((-adv[:, None] * _weights_for(ctx, mask, tokens, seqs)).sum())
+        if math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7):
+            continue
+        hint = ""
+        if ctx.options["aggregation"] != "token_mean":
+            all_rows = float((-adv[:, None] * _weights_for(ctx, mask, tokens, every_row)).sum())
+            if counts is None and math.isclose(got, all_rows, rel_tol=1e-5, abs_tol=1e-7):
+                hint = f" (it counted the row without an assistant token: {every_row} sequences)"
+        raise _fail(
+            f"aggregation {ctx.options['aggregation']!r}, a batch of {every_row} rows, one "
+            f"without assistant tokens, {what}: loss_objective at ratio 1 is {got:.6g}, expected "
+            f"{want:.6g} (normalized by {tokens} tokens and {seqs} sequences){hint}"
+        )
+
+
+def _value_and_grads(
+    policy: Any, loss: Any, td: TensorDictBase, counts: Any
+) -> tuple[dict[str, float], torch.Tensor]:
+    out = loss(td) if counts is None else _call_counted(loss, td, counts)
+    terms = _loss_terms(out)
+    total = sum(terms.values())
+    params = [p for p in policy.parameters() if p.requires_grad]
+    grads: tuple[torch.Tensor | None, ...] = (None,) * len(params)
+    if isinstance(total, torch.Tensor) and total.requires_grad:
+        grads = torch.autograd.grad(total, params, allow_unused=True)
+    flat = torch.cat(
+        [
+            (g if g is not None else torch.zeros_like(p)).detach().double().flatten()
+            for g, p in zip(grads, params, strict=True)
+        ]
+    )
+    return {k: float(v.detach().reshape(())) for k, v in terms.items()}, flat
+
+
+def _split_name(split: tuple[tuple[int, ...], ...]) -> str:
+    return " + ".join("[" + ", ".join(map(str, part)) + "]" for part in split)
+
+
+@requirement("LOSS-017")
+def micro_batches_add_up(ctx: Context) -> None:
+    if "global_counts" not in ctx.capabilities:
+        raise NotApplicable(_micro_batch_dependence(ctx))
+    from posttrain.contracts.loss import GlobalCounts
+
+    policy, loss = _setup(ctx)
+    td = _counted_batch(policy, ctx)
+    counts = GlobalCounts.of(td)
+    full, g_full = _value_and_grads(policy, loss, td, None)
+    g_tol = _TOL32 * max(float(g_full.abs().max()), 1e-12)
+    agg = ctx.options["aggregation"]
+    for split in _SPLITS:
+        parts = [_value_and_grads(policy, loss, _trimmed(td[list(p)]), counts) for p in split]
+        where = (
+            f"aggregation {agg!r}, a batch of {td.shape[0]} rows (row {_EMPTY_ROW} without "
+            f"assistant tokens) split into micro-batches {_split_name(split)}, each called with "
+            f"the whole batch's counts ({counts.tokens} tokens, {counts.sequences} sequences)"
+        )
+        names = set(full)
+        for terms, _ in parts:
+            names |= set(terms)
+        for name in sorted(names, key=lambda n: (n != "loss_objective", n)):
+            got = sum(terms.get(name, 0.0) for terms, _ in parts)
+            want = full.get(name, 0.0)
+            scale = max([abs(want)] + [abs(t.get(name, 0.0)) for t, _ in parts])
+            if abs(got - want) > _TOL32 * max(scale, 1e-6):
+                raise _fail(
+                    f"{where}: the micro-batches' {name} sum to {got:.6g}, the whole batch's "
+                    f"is {want:.6g}"
+                )
+        g_sum = torch.stack([g for _, g in parts]).sum(0)
+        err = float((g_sum - g_full).abs().max())
+        if err > g_tol:
+            raise _fail(
+                f"{where}: the sum of the micro-batches' parameter gradients differs from the "
+                f"whole batch's by up to {err:.3g} (largest entry {float(g_full.abs().max()):.3g})"
+            )
+
+
+def _micro_batch_dependence(ctx: Context) -> str:
+    """What a loss without global counts does to one token of a short and of a long answer
+    that land in different micro-batches, accumulated as the mean of the micro-batch losses."""
+    head = (
+        "capability global_counts not declared, so the loss cannot be told the whole batch's counts"
+    )
+    try:
+        policy, loss = _setup(ctx)
+        lengths, prompt = (2, 8, 5), 3
+        t = prompt + max(lengths) + 1
+        td = llm_batch(len(lengths), t, vocab_size=V, seed=ctx.seed * 7919 + 17)
+        pos = torch.arange(t).expand(len(lengths), t)
+        att = pos < (prompt + torch.tensor(lengths))[:, None]
+        td.set(ATT, att)
+        td.set(ASST, att & (pos >= prompt))
+        lp = torch.where(td.get(ASST), _own_log_probs(policy, td), float("nan"))
+        td.set(SLP, lp)
+        td.set(RLP, lp.clone())
+        td.set(ADV, torch.ones(len(lengths)))
+        _, g = _logp_grads(policy, loss, td)
+        one = (-float(g[0, prompt]), -float(g[1, prompt]))
+        _, g_short = _logp_grads(policy, loss, td[[0]])
+        _, g_long = _logp_grads(policy, loss, td[[1, 2]])
+        acc = (-float(g_short[0, prompt]) / 2, -float(g_long[0, prompt]) / 2)
+    except Exception as e:
+        return f"{head}; its dependence on micro-batching could not be measured: {type(e).__name__}: {e}"
+    same = all(
+        math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-8) for a, b in zip(one, acc, strict=True)
+    )
+    verdict = (
+        "this split leaves its gradient unchanged (other splits may not)"
+        if same
+        else "its gradient depends on how the batch is split into micro-batches"
+    )
+    return (
+        f"{head}. Measured with aggregation {ctx.options['aggregation']!r} on answers of 2, 8 and "
+        f"5 tokens (advantage 1): in one batch a token of the 2-token answer gets gradient "
+        f"weight {one[0]:.4g} and one of the 8-token answer {one[1]:.4g}; in micro-batches "
+        f"[2-token] + [8-token, 5-token] accumulated as the mean of the 2 micro-batch losses, "
+        f"{acc[0]:.4g} and {acc[1]:.4g}: {verdict}"
+    )
+
+
+_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy")
+
+
+@requirement("LOSS-018")
+def diagnostics_add_up(ctx: Context) -> None:
+    if "diagnostics" not in ctx.capabilities:
+        raise NotApplicable("needs capability diagnostics as well as global_counts")
+    from posttrain.contracts.loss import GlobalCounts
+    from posttrain.observability.reduce import Accumulator
+
+    policy, loss = _setup(ctx, peaked=True)
+    td = _counted_batch(policy, ctx)
+    td.set(ADV, td.get(ADV).abs())
+    # Ratio e on rows 0 and 3 (all clipped, KL > 0), 1 elsewhere: per-row diagnostics differ.
+    shift = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0])[:, None]
+    td.set(SLP, td.get(SLP) - shift)
+    counts = GlobalCounts.of(td)
+    with torch.no_grad():
+        full = _scalars(loss(td))
+    missing = [n for n in _DIAGNOSTICS if n not in full]
+    if missing:
+        raise _fail(f"capability diagnostics declared but {missing} missing from {sorted(full)}")
+    for split in _SPLITS:
+        with torch.no_grad():
+            parts = [
+                (_scalars(_call_counted(loss, _trimmed(td[list(p)]), counts)), p) for p in split
+            ]
+        for name in _DIAGNOSTICS:
+            acc = Accumulator()  # the catalogue's tok reduction: (sum, count) pairs
+            for values, rows in parts:
+                if name not in values:
+                    raise _fail(f"{name} missing from a micro-batch's outputs {sorted(values)}")
+                local = GlobalCounts.of(td[list(rows)]).tokens
+                acc.add("policy/entropy", values[name] * counts.tokens, local)
+            got, want = acc.values()["policy/entropy"], full[name]
+            if not math.isclose(got, want, rel_tol=_TOL32, abs_tol=1e-7):
+                shown = ", ".join(f"{v[name]:.4g}" for v, _ in parts)
+                raise _fail(
+                    f"a batch split into micro-batches {_split_name(split)}, each called with the "
+                    f"whole batch's counts ({counts.tokens} tokens): {name} came out {shown}, "
+                    f"whose token-weighted reduction (value x {counts.tokens} over each "
+                    f"micro-batch's tokens) is {got:.6g}; the whole batch's is {want:.6g} (each "
+                    f"must be its sum over assistant tokens / counts.tokens)"
+                )
