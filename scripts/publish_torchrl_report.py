@@ -79,10 +79,10 @@ def main(out_dir: Path) -> tuple[Path, int]:
         lines += [
             f"### {', '.join(d.requirements)}: {d.title}",
             "",
-            f"Component: {d.component}.",
+            f"Component: {d.component}. Repro: `tests/torchrl_repros/{d.path.name}`.",
             "",
             "```python",
-            d.repro.rstrip(),
+            d.source().rstrip(),
             "```",
             "",
         ]

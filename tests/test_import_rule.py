@@ -86,6 +86,30 @@ def test_no_upward_or_sideways_imports(sub: str, forbidden: tuple[str, ...]) -> 
     assert not bad
 
 
+REPROS = PKG.parent / "tests" / "torchrl_repros"
+# What a TorchRL maintainer has after `pip install 'posttrain[torchrl]'`: the public test data
+# builders, the TorchRL adapter, and the rollout suite's scripted weights.
+REPRO_MAY_IMPORT = (
+    "posttrain.testing",
+    "posttrain.adapters.torchrl",
+    "posttrain.conformance.suites.rollout",
+)
+
+
+@pytest.mark.parametrize(
+    "path", sorted(set(REPROS.glob("[a-z]*.py")) - {REPROS / "conftest.py"}), ids=lambda p: p.stem
+)
+def test_torchrl_repros_import_posttrain_through_public_modules_only(path: Path) -> None:
+    bad = [
+        m
+        for m in _imports(path, False)
+        if m.split(".")[0] == "posttrain" and not m.startswith(REPRO_MAY_IMPORT)
+    ]
+    assert bad == [], (
+        f"{path.name}: expected posttrain imports from {REPRO_MAY_IMPORT}, found {bad}"
+    )
+
+
 def test_adapters_never_import_each_other() -> None:
     bad = []
     for d in (

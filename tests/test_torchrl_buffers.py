@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import runpy
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -78,7 +80,7 @@ def test_adapter_adds_no_copy() -> None:
 
 @pytest.mark.parametrize("deviation", DEVIATIONS, ids=lambda d: "-".join(d.requirements))
 def test_each_published_repro_still_reproduces(deviation: Deviation) -> None:
-    exec(compile(deviation.repro, f"<repro {deviation.title}>", "exec"), {})
+    runpy.run_path(str(deviation.path), run_name="__main__")  # as `python <repro>` runs it
 
 
 def test_every_raw_failure_has_a_published_repro() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import runpy
 from typing import Any
 
 import pytest
@@ -34,4 +35,4 @@ def test_raw_inference_server_fails_exactly_the_published_requirements() -> None
 
 @pytest.mark.parametrize("deviation", GENERATION_DEVIATIONS, ids=lambda d: "-".join(d.requirements))
 def test_each_published_generation_repro_still_reproduces(deviation: Deviation) -> None:
-    exec(compile(deviation.repro, f"<repro {deviation.title}>", "exec"), {})
+    runpy.run_path(str(deviation.path), run_name="__main__")  # as `python <repro>` runs it

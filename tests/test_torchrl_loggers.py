@@ -90,7 +90,7 @@ else:
 @pytest.mark.parametrize("deviation", LOGGER_DEVIATIONS, ids=lambda d: "-".join(d.requirements))
 def test_each_published_logger_repro_still_reproduces(deviation: Deviation) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", deviation.repro], capture_output=True, text=True, env=_fresh_env()
+        [sys.executable, str(deviation.path)], capture_output=True, text=True, env=_fresh_env()
     )
     assert out.returncode == 0, out.stderr[-2000:]
 

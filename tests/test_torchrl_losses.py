@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import runpy
+
 import pytest
 
 from posttrain.adapters.torchrl.deviations import LOSS_DEVIATIONS, Deviation
@@ -24,4 +26,4 @@ def test_torchrl_losses(name: str) -> None:
 
 @pytest.mark.parametrize("deviation", LOSS_DEVIATIONS, ids=lambda d: "-".join(d.requirements))
 def test_each_published_loss_repro_still_reproduces(deviation: Deviation) -> None:
-    exec(compile(deviation.repro, f"<repro {deviation.title}>", "exec"), {})
+    runpy.run_path(str(deviation.path), run_name="__main__")  # as `python <repro>` runs it

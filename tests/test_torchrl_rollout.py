@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import runpy
 from typing import Any
 
 import pytest
@@ -77,4 +78,4 @@ def test_bad_weights_name_the_parameter_and_leave_the_collector_unchanged() -> N
 
 @pytest.mark.parametrize("deviation", ROLLOUT_DEVIATIONS, ids=lambda d: "-".join(d.requirements))
 def test_each_published_rollout_repro_still_reproduces(deviation: Deviation) -> None:
-    exec(compile(deviation.repro, f"<repro {deviation.title}>", "exec"), {})
+    runpy.run_path(str(deviation.path), run_name="__main__")  # as `python <repro>` runs it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import runpy
 import threading
 import time
 
@@ -94,4 +95,4 @@ def test_adapted_send_is_all_or_nothing_and_names_the_parameter() -> None:
     ids=lambda d: "-".join(d.requirements) + "-" + d.component.split()[0],
 )
 def test_each_published_weight_sync_repro_still_reproduces(deviation: Deviation) -> None:
-    exec(compile(deviation.repro, f"<repro {deviation.title}>", "exec"), {})
+    runpy.run_path(str(deviation.path), run_name="__main__")  # as `python <repro>` runs it

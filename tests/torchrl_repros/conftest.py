@@ -1,0 +1,3 @@
+# The repros are scripts: importing one runs it (a Ray cluster, a W&B run). pytest would
+# import them for --doctest-modules; tests/test_torchrl_repros.py runs them instead.
+collect_ignore_glob = ["*.py"]

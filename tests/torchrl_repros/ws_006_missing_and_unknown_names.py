@@ -1,0 +1,16 @@
+"""WS-006: a missing name keeps the old tensor and an unknown name is ignored, both silently."""
+
+import torch
+from tensordict import TensorDict
+from torchrl.collectors import VanillaWeightUpdater  # update_policy_weights_'s local path
+
+first, last = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+receiver = torch.nn.Sequential(first, last)
+updater = VanillaWeightUpdater(policy_weights=TensorDict.from_module(receiver).data)
+before = {k: v.clone() for k, v in receiver.state_dict().items()}
+new = {k: torch.randn_like(v) for k, v in before.items()}
+del new["1.bias"]
+new["2.weight"] = torch.zeros(1)  # no such parameter
+with torch.no_grad():
+    updater.push_weights(TensorDict(new).unflatten_keys("."))
+assert torch.equal(last.bias, before["1.bias"])  # stale, silently
