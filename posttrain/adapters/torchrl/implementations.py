@@ -123,7 +123,7 @@ def _impl(
 _SPARES_AHEAD = 2
 """Actors started ahead of need by the Ray rows' factory (see :func:`_ray_served`)."""
 
-_spares: dict[str, Any] = {"key": None, "buffers": collections.deque()}
+_spares: dict[str, Any] = {"last": None, "pools": {}}
 
 
 def _ray_served(capacity: int, *, adapted: bool) -> Any:
@@ -131,22 +131,26 @@ def _ray_served(capacity: int, *, adapted: bool) -> Any:
 
     Every call hands out a new, empty buffer that nothing else holds. An actor's process spends
     ~2 s importing torch and torchrl before its first answer, and the suite makes a fresh buffer
-    for every check (BUF-003's state machine alone makes 12), so the factory keeps
-    ``_SPARES_AHEAD`` actors of the last capacity asked for booting in the background: a check
-    then waits for what is left of a boot, not for a whole one.
+    for every check (BUF-003's state machine alone makes several), so the factory keeps actors
+    of the capacity asked for booting in the background: a check then waits for what is left of
+    a boot, not for a whole one. One spare after a first request for a capacity, two while
+    requests repeat it; spares of the two most recent capacities are kept.
     """
     from posttrain.adapters._ray import ensure_cluster
 
     ray = ensure_cluster()  # joined, not owned, by TorchRL: its close() never shuts Ray down
-    # A spare belongs to one cluster and one capacity; after a ray.shutdown() its handle is dead.
-    key = f"{ray.get_runtime_context().get_job_id()}/{capacity}"
-    spares: collections.deque[Any] = _spares["buffers"]
-    if _spares["key"] != key:
-        spares.clear()  # dropping them kills their actors (weakref.finalize below)
-        _spares["key"] = key
-    rb = spares.popleft() if spares else _new_ray_served(ray, capacity)
-    while len(spares) < _SPARES_AHEAD:
-        spares.append(_new_ray_served(ray, capacity))
+    # A spare belongs to one cluster; after a ray.shutdown() its handle is dead.
+    key = (ray.get_runtime_context().get_job_id(), capacity)
+    pools: dict[Any, collections.deque[Any]] = _spares["pools"]
+    pool = pools.pop(key, None) or collections.deque()
+    rb = pool.popleft() if pool else _new_ray_served(ray, capacity)
+    ahead = _SPARES_AHEAD if _spares["last"] == key else 1
+    while len(pool) < ahead:
+        pool.append(_new_ray_served(ray, capacity))
+    _spares["last"] = key
+    for old in list(pools)[:-1]:  # dropping a spare kills its actor (weakref.finalize below)
+        del pools[old]
+    pools[key] = pool  # most recent last
     return ValidatedReplayBuffer(rb) if adapted else rb
 
 

@@ -219,8 +219,8 @@ def _stateful_fifo(ctx: Context) -> None:
     run_state_machine_as_test(
         FifoMachine,
         settings=settings(
-            max_examples=12,
-            stateful_step_count=8,
+            max_examples=6,
+            stateful_step_count=16,
             deadline=None,
             derandomize=True,
             database=None,
