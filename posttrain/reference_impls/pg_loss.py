@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import AGGREGATIONS, GlobalCounts
 from posttrain.contracts.validation import check
@@ -17,8 +16,21 @@ from posttrain.contracts.validation import check
 __all__ = ["PolicyGradientLoss"]
 
 
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Over the vocabulary, from position 0 to T - 2 (each predicts the next token); bf16 and
+    fp16 logits upcast to float32, float64 kept (a float64 run stays float64 throughout)."""
+    x = logits[:, :-1]
+    return torch.log_softmax(x.float() if x.dtype in (torch.bfloat16, torch.float16) else x, -1)
+
+
+def _token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """:func:`posttrain.contracts.token_log_probs` in the logits' own precision (float32 at least)."""
+    picked = _log_softmax(logits).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    lp = _log_softmax(logits)
     h = -(lp.exp() * lp).sum(-1)
     return torch.cat([torch.zeros_like(h[:, :1]), h], dim=1)
 
@@ -106,7 +118,7 @@ class PolicyGradientLoss(torch.nn.Module):
     def _weights(self, mask: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
         """Each token's weight: the aggregation's, over the global batch ``counts`` describes
         (``mask`` is this micro-batch's: a sequence's own length L_i is always local)."""
-        m = mask.float()
+        m = mask.double()  # cast to the loss's precision by the caller
         n, b = max(counts.tokens, 1), max(counts.sequences, 1)
         if self.aggregation == "token_mean":
             return m / n
@@ -149,7 +161,7 @@ class PolicyGradientLoss(torch.nn.Module):
         mask = td.get(k("assistant_mask")) & attn
         mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
         logits = self.policy(input_ids=tokens, attention_mask=attn.long()).logits
-        logp = torch.where(mask, token_log_probs(logits, tokens), 0.0)
+        logp = torch.where(mask, _token_log_probs(logits, tokens), 0.0)
         old = torch.where(mask, td.get(k("sample_log_probs")).to(logp.dtype), 0.0)
         adv = td.get(k("advantage")).to(logp.dtype)
         adv = adv[:, None].expand_as(logp) if adv.ndim == 1 else adv
@@ -166,12 +178,12 @@ class PolicyGradientLoss(torch.nn.Module):
                 f"counts: this batch alone holds {own.tokens} assistant tokens in "
                 f"{own.sequences} sequences, more than the global {counts}"
             )
-        w = self._weights(mask, counts)
+        w = self._weights(mask, counts).to(logp.dtype)
         out: dict[str, torch.Tensor] = {"loss_objective": (per_token * w).sum()}
 
         # Diagnostics: sums over the assistant tokens / the global token count, so that the
         # micro-batches' values add up to the whole batch's token mean.
-        tm = mask.float() / max(counts.tokens, 1)
+        tm = mask.to(logp.dtype) / max(counts.tokens, 1)
         if self.kl_coef > 0:
             ref = torch.where(mask, td.get(k("ref_log_probs")).to(logp.dtype), 0.0)
             d = ref - logp
@@ -182,7 +194,7 @@ class PolicyGradientLoss(torch.nn.Module):
         if self.entropy_coef > 0:
             out["loss_entropy"] = -self.entropy_coef * (torch.where(mask, ent, 0.0) * w).sum()
         with torch.no_grad():
-            out["clip_fraction"] = ((active & mask).float() * tm).sum()
+            out["clip_fraction"] = ((active & mask).to(tm.dtype) * tm).sum()
             d_old = old - logp
             out["kl_approx"] = (torch.where(mask, d_old.exp() - d_old - 1, 0.0) * tm).sum()
             out["entropy"] = (torch.where(mask, ent, 0.0) * tm).sum()
