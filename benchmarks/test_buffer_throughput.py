@@ -16,8 +16,8 @@ from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from benchmarks.conftest import record, synced, torchrl_missing
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
-from posttrain.contracts import validate
 from posttrain.contracts.schema import ItemSchema
+from posttrain.contracts.validation import validate
 from posttrain.reference_impls import RingBuffer
 from posttrain.testing import llm_batch, ragged_llm_batch
 

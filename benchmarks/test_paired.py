@@ -27,8 +27,8 @@ from benchmarks.test_buffer_throughput import (
     _nbytes,
 )
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
-from posttrain.contracts import validate
 from posttrain.contracts.schema import ItemSchema
+from posttrain.contracts.validation import validate
 from posttrain.testing import llm_batch
 
 B, T, ROUNDS = 64, 512, 1000

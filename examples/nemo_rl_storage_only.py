@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
 
-from posttrain.adapters.nemo_rl import NemoReplayBuffer, flatten_message_logs
+from posttrain.adapters.nemo_rl import NemoReplayBuffer
+from posttrain.adapters.nemo_rl.batching import flatten_message_logs
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 
 

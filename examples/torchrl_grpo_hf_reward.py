@@ -9,7 +9,8 @@ import torch
 
 from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.adapters.torchrl.rollout import llm_collector
-from posttrain.adapters.trl import hf_reward_model, to_padded
+from posttrain.adapters.trl import hf_reward_model
+from posttrain.adapters.trl.dataset import to_padded
 from posttrain.testing import tiny_causal_lm, tiny_reward_model
 
 

@@ -17,4 +17,4 @@ from posttrain.errors import PosttrainError, ServerClosed, SourceClosed
 
 __version__ = "0.1.0"
 
-__all__ = ["PosttrainError", "ServerClosed", "SourceClosed", "__version__"]
+__all__ = ["PosttrainError", "ServerClosed", "SourceClosed"]

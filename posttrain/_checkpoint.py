@@ -24,16 +24,6 @@ from typing import Any
 
 from posttrain.errors import PosttrainError
 
-__all__ = [
-    "MANIFEST",
-    "CheckpointError",
-    "atomic_dir",
-    "load_verified",
-    "reseal",
-    "verify_dir",
-    "why_unsafe",
-]
-
 MANIFEST = "manifest.json"
 _FORMAT = "posttrain-checkpoint/1"
 _CHUNK = 1 << 20

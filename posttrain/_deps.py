@@ -6,8 +6,6 @@ import contextlib
 import importlib.util
 from collections.abc import Iterator
 
-__all__ = ["optional_deps"]
-
 EXTRAS = {
     "torchrl": "torchrl",
     "trl": "trl",

@@ -15,15 +15,6 @@ import torch
 
 from posttrain.contracts.schema import RAGGED, Column, ItemSchema
 
-__all__ = [
-    "DTYPES",
-    "bad",
-    "checked_int",
-    "checked_tensor",
-    "distinct_indices",
-    "schema_from_state",
-]
-
 DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
     for dt in (

@@ -13,8 +13,6 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["PosttrainError", "ServerClosed", "SourceClosed"]
-
 
 class PosttrainError(Exception):
     """Base of every exception posttrain defines: ``except PosttrainError`` catches them all.

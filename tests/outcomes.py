@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from posttrain.conformance import Implementation, run
+from posttrain.conformance.runner import run
+from posttrain.contracts.implementation import Implementation
 
 
 def own_failures(impl: Implementation) -> dict[str, str]:

@@ -9,8 +9,9 @@ from functools import partial
 import torch
 from tensordict import TensorDictBase
 
-from posttrain.conformance import Implementation, Status, run
-from posttrain.conformance.runner import Session
+from posttrain.conformance import Status
+from posttrain.conformance.runner import Session, run
+from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import RingBuffer
 from tests.mutants import buffers
 

@@ -117,7 +117,8 @@ def test_inert_without_options(pytester: pytest.Pytester) -> None:
 
 
 def test_every_registered_entry_point_is_an_implementation() -> None:
-    from posttrain.conformance import Implementation, discover
+    from posttrain.conformance import discover
+    from posttrain.contracts.implementation import Implementation
 
     eps = discover()
     assert {"reference-buffer", "reference-loss-token-mean"} <= set(eps)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.conformance import Implementation, Status, checks_for, run
-from posttrain.conformance.runner import Session
+from posttrain.conformance import Status
+from posttrain.conformance.registry import checks_for
+from posttrain.conformance.runner import Session, run
 from posttrain.contracts import CONTRACTS
+from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import (
     GENERATION_SERVER,
     HF_ROLLOUT,

@@ -11,20 +11,19 @@ import posttrain.conformance
 import posttrain.contracts
 import posttrain.reference_impls
 from posttrain.contracts import (
-    BUFFER,
     CONTRACTS,
-    LAYOUT_REQUIREMENTS,
-    LOSS,
-    Capability,
     Contract,
     DeclarationError,
     Implementation,
-    Level,
-    Option,
     ReplayBufferV1,
     Requirement,
     get_contract,
 )
+from posttrain.contracts.buffer import BUFFER
+from posttrain.contracts.contract import Capability, Option
+from posttrain.contracts.loss import LOSS
+from posttrain.contracts.requirements import Level
+from posttrain.contracts.validation import LAYOUT_REQUIREMENTS
 
 PREFIX = {
     "buffer": "BUF",

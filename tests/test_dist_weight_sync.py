@@ -12,7 +12,8 @@ from posttrain.adapters.torchrl.implementations import (
     ADAPTED_DIST_WEIGHT_SYNC,
     RAW_DIST_WEIGHT_SYNC,
 )
-from posttrain.conformance import Status, run
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 from posttrain.testing import tiny_causal_lm
 
 

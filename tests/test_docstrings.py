@@ -1,69 +1,141 @@
-"""Every public name has a docstring with a short example (the brief's standard).
+"""The public API is what the package ``__init__`` modules export; each name has a docstring
+with a short example (the brief's standard), and there are few of them.
 
-Read from the source, so optional dependencies need not be importable: a name is public when a
-module outside ``_private`` files lists it in ``__all__``; it is checked in the module that
-defines it (re-exports are skipped there). The examples themselves run as doctests
-(``--doctest-modules`` in pyproject.toml).
+Every other module is an implementation detail: it has no ``__all__`` of its own. The examples
+themselves run as doctests (``--doctest-modules`` in pyproject.toml).
+
+The count: ``.venv/bin/python -c "from tests.test_docstrings import public_names as p; print(len(p()))"``
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 from pathlib import Path
+from typing import Any
 
 PKG = Path(__file__).resolve().parent.parent / "posttrain"
 
+PUBLIC_PACKAGES = (
+    "posttrain",
+    "posttrain.contracts",
+    "posttrain.conformance",
+    "posttrain.reference_impls",
+    "posttrain.observability",
+    "posttrain.testing",
+    "posttrain.adapters.torchrl",
+    "posttrain.adapters.trl",
+    "posttrain.adapters.nemo_rl",
+    "posttrain.adapters.ray",
+)
+MAX_PUBLIC_NAMES = 105
 
-def _public_modules() -> list[Path]:
-    return [
-        p
-        for p in sorted(PKG.rglob("*.py"))
-        if not any(part.startswith("_") and part != "__init__.py" for part in p.parts[-3:])
-    ]
+# Implementation modules that still list an ``__all__`` while another change reworks them.
+_ALL_PENDING = {
+    "posttrain/adapters/nemo_rl/codec.py",
+    "posttrain/adapters/torchrl/deviations.py",
+    "posttrain/conformance/registry.py",
+    "posttrain/conformance/plugin.py",
+    "posttrain/conformance/data.py",
+    "posttrain/conformance/policy.py",
+    "posttrain/conformance/html_report.py",
+    "posttrain/cli.py",
+    "posttrain/testing/batches.py",
+    "posttrain/testing/policies.py",
+    "posttrain/contracts/loss.py",
+    "posttrain/reference_impls/pg_loss.py",
+    "posttrain/adapters/torchrl/loss.py",
+    "posttrain/adapters/nemo_rl/loss.py",
+}
 
 
-def _exported(tree: ast.Module) -> list[str]:
-    for node in tree.body:
-        if (
-            isinstance(node, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
-            and isinstance(node.value, ast.List | ast.Tuple)
-        ):
-            return [
-                e.value
-                for e in node.value.elts
-                if isinstance(e, ast.Constant) and isinstance(e.value, str)
-            ]
-    return []
+# Public constants whose docstring lives in a file another change is reworking.
+_DOC_PENDING = {
+    "posttrain.contracts.AGGREGATIONS",
+    "posttrain.contracts.LossOutput",
+    "posttrain.testing.PROMPT_LEN",
+}
 
 
-def _undocumented() -> list[str]:
-    out = []
-    for path in _public_modules():
-        tree = ast.parse(path.read_text())
-        defined = {
-            n.name: n
-            for n in tree.body
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
-        }
-        for name in _exported(tree):
-            node = defined.get(name)
-            if node is None:
-                continue  # a re-export, or a constant: checked where it is defined
-            doc = ast.get_docstring(node) or ""
-            if ">>>" not in doc:
-                where = path.relative_to(PKG.parent).with_suffix("")
-                out.append(
-                    f"{'.'.join(where.parts)}.{name}: {'no example' if doc else 'no docstring'}"
-                )
+def public_names() -> dict[str, list[str]]:
+    """``{name: [packages exporting it]}`` over every public package's ``__all__``."""
+    out: dict[str, list[str]] = {}
+    for pkg in PUBLIC_PACKAGES:
+        for name in importlib.import_module(pkg).__all__:
+            out.setdefault(name, []).append(pkg)
     return out
 
 
-def test_every_public_function_and_class_has_a_docstring_with_an_example() -> None:
-    assert _undocumented() == []
+def _attribute_doc(module: Any, name: str) -> str:
+    """The string literal right after ``name = ...`` in ``module``'s source (a constant's doc)."""
+    tree = ast.parse(Path(inspect.getfile(module)).read_text())
+    for prev, node in zip(tree.body, tree.body[1:], strict=False):
+        targets = (
+            prev.targets
+            if isinstance(prev, ast.Assign)
+            else [prev.target]
+            if isinstance(prev, ast.AnnAssign)
+            else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                return str(node.value.value)
+            return ""
+    return ""
 
 
-def test_the_check_sees_public_names() -> None:
-    # Guards the check itself: were the walk to find nothing, the test above would pass vacuously.
-    names = [n for p in _public_modules() for n in _exported(ast.parse(p.read_text()))]
-    assert {"RingBuffer", "validate", "llm_batch"} <= set(names)
+def _doc(pkg: str, name: str) -> str:
+    obj = getattr(importlib.import_module(pkg), name)
+    if inspect.isclass(obj) or inspect.isfunction(obj):
+        return inspect.getdoc(obj) or ""
+    # A constant: its doc follows its assignment in the module its package imports it from.
+    tree = ast.parse(Path(inspect.getfile(importlib.import_module(pkg))).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
+            return _attribute_doc(importlib.import_module(node.module or ""), name)
+    return _attribute_doc(importlib.import_module(pkg), name)
+
+
+def test_every_public_name_has_a_docstring_with_an_example() -> None:
+    bad = []
+    for name, pkgs in sorted(public_names().items()):
+        doc = _doc(pkgs[0], name)
+        if ">>>" not in doc and f"{pkgs[0]}.{name}" not in _DOC_PENDING:
+            bad.append(f"{pkgs[0]}.{name}: {'no example' if doc else 'no docstring'}")
+    assert bad == [], f"expected a docstring with an example for each, found {bad}"
+
+
+def test_the_public_api_is_small_and_each_name_has_one_home() -> None:
+    names = public_names()
+    assert {"RingBuffer", "LLM_LAYOUT_V1", "llm_batch", "PosttrainError"} <= set(names)
+    assert len(names) <= MAX_PUBLIC_NAMES, f"expected <= {MAX_PUBLIC_NAMES}, found {len(names)}"
+    twice = {n: p for n, p in names.items() if len(p) > 1}
+    assert twice == {}, f"expected each public name exported by one package, found {twice}"
+
+
+def test_implementation_modules_have_no_all() -> None:
+    listed = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = str(path.relative_to(PKG.parent))
+        if path.name == "__init__.py" or rel in _ALL_PENDING:
+            continue
+        tree = ast.parse(path.read_text())
+        if any(
+            isinstance(n, ast.Assign | ast.AnnAssign)
+            and any(
+                isinstance(t, ast.Name) and t.id == "__all__"
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            )
+            for n in tree.body
+        ):
+            listed.append(rel)
+    assert listed == [], f"expected no __all__ outside the package __init__s, found {listed}"
+
+
+def test_no_entry_point_declaration_is_exported() -> None:
+    # Entry points name module attributes; the RAW_*/ADAPTED_* rows are not API.
+    exported = [
+        n for n in public_names() if n.startswith(("RAW_", "ADAPTED_", "PG_LOSS")) or n.isupper()
+    ]
+    assert set(exported) <= {"AGGREGATIONS", "CONTRACTS", "LLM_LAYOUT_V1", "PROMPT_LEN"}

@@ -50,10 +50,10 @@ def test_each_error_is_defined_once() -> None:
 
 def test_closed_errors_are_shared_and_keep_their_builtin_base() -> None:
     from posttrain.adapters.torchrl import rollout as torchrl_rollout
-    from posttrain.adapters.trl import SourceClosed as TRLSourceClosed
+    from posttrain.adapters.trl import source as trl_source
     from posttrain.reference_impls import hf_rollout
 
-    assert TRLSourceClosed is SourceClosed
+    assert vars(trl_source)["SourceClosed"] is SourceClosed
     assert vars(hf_rollout)["SourceClosed"] is SourceClosed
     assert vars(torchrl_rollout)["SourceClosed"] is SourceClosed
     assert issubclass(SourceClosed, RuntimeError)

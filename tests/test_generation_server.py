@@ -14,7 +14,8 @@ import pytest
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.conformance import Status, run
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 from posttrain.contracts import Implementation
 from posttrain.contracts.generation import (
     PROMPT_KEY,

@@ -11,9 +11,10 @@ import jsonschema
 import pytest
 import torch
 
-from posttrain.conformance import Implementation, Status, check
+from posttrain.conformance import Status, check
 from posttrain.conformance.outcome import report_schema
 from posttrain.conformance.runner import Session, target_of
+from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import RingBuffer
 
 pytest_plugins = ["pytester"]

@@ -6,7 +6,8 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict
 
-from posttrain.contracts import LLM_LAYOUT_V1, ContractViolation, check, validate
+from posttrain.contracts import LLM_LAYOUT_V1, ContractViolation
+from posttrain.contracts.validation import check, validate
 from posttrain.testing import llm_batch
 
 K = LLM_LAYOUT_V1.key

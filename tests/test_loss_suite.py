@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.conformance import Implementation, Status, run
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
+from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import PolicyGradientLoss
 from tests.mutants.losses import DUAL_CLIP, PerRowForward
 

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from posttrain.adapters.torchrl import implementations as trl_impls
-from posttrain.conformance import Implementation, Status
+from posttrain.conformance import Status
 from posttrain.conformance import matrix as matrix_mod
 from posttrain.conformance.outcome import Report, Result
 from posttrain.conformance.target import discover
+from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import make_ring_buffer
 
 IDS = ["BUF-009", "BUF-010", "BUF-013", "BUF-016", "BUF-018"]

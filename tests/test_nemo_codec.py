@@ -14,20 +14,21 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.adapters.nemo_rl.codec import (
-    NemoFormatError,
+from posttrain.adapters.nemo_rl.batching import (
     flatten_message_logs,
     from_batches,
-    from_layout,
+    shard_by_batch_size,
+)
+from posttrain.adapters.nemo_rl.train_data import NemoFormatError, from_layout, to_layout
+from posttrain.adapters.nemo_rl.wire import (
     layout_to_wire,
     materialize,
     pack_jagged_fields,
-    shard_by_batch_size,
-    to_layout,
     wire_to_layout,
 )
-from posttrain.contracts import ContractViolation, validate
+from posttrain.contracts import ContractViolation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.contracts.validation import validate
 from posttrain.testing import llm_batch, ragged_llm_batch
 
 K = LLM_LAYOUT_V1.key

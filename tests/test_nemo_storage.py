@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.adapters.nemo_rl import flatten_message_logs, from_layout
+from posttrain.adapters.nemo_rl import from_layout
+from posttrain.adapters.nemo_rl.batching import flatten_message_logs
 from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
 from posttrain.reference_impls import RingBuffer
 from posttrain.testing import llm_batch

@@ -10,7 +10,7 @@ from tensordict import TensorDictBase
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability import policy_metrics
-from posttrain.observability.check import CHECKED, check_policy_hook
+from posttrain.observability.check import CHECKED, compare_policy_hook
 
 K = LLM_LAYOUT_V1.key
 
@@ -65,31 +65,31 @@ def _hook(mask_of: str, sign_aware: bool = True) -> Hook:
 
 
 def test_posttrain_hooks_pass_every_crafted_case() -> None:
-    findings = check_policy_hook(lambda td, logits: policy_metrics(td, logits).values())
+    findings = compare_policy_hook(lambda td, logits: policy_metrics(td, logits).values())
     assert len(findings) == 3 * len(CHECKED)
     assert [str(f) for f in findings if not f.ok] == []
 
 
 def test_means_over_every_position_fail_on_padding() -> None:
-    bad = {(f.case, f.metric) for f in check_policy_hook(_hook("every_position")) if not f.ok}
+    bad = {(f.case, f.metric) for f in compare_policy_hook(_hook("every_position")) if not f.ok}
     assert ("padding", "policy/kl_ref/k3") in bad
     assert ("padding", "policy/entropy") in bad
 
 
 def test_prompt_tokens_in_the_kl_fail() -> None:
-    bad = {(f.case, f.metric) for f in check_policy_hook(_hook("attention")) if not f.ok}
+    bad = {(f.case, f.metric) for f in compare_policy_hook(_hook("attention")) if not f.ok}
     assert ("prompt_tokens", "policy/kl_ref/k3") in bad
 
 
 def test_sign_blind_clipping_fails() -> None:
     bad = {
         (f.case, f.metric)
-        for f in check_policy_hook(_hook("assistant", sign_aware=False))
+        for f in compare_policy_hook(_hook("assistant", sign_aware=False))
         if not f.ok
     }
     assert ("clip_signs", "policy/clip_frac/low") in bad or (
         "clip_signs",
         "policy/clip_frac/high",
     ) in bad
-    good = {(f.case, f.metric) for f in check_policy_hook(_hook("assistant")) if not f.ok}
+    good = {(f.case, f.metric) for f in compare_policy_hook(_hook("assistant")) if not f.ok}
     assert good == set()  # the same hook, sign-aware and masked, is right: the check is fair

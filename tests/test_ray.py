@@ -20,7 +20,8 @@ from posttrain.adapters.ray import serve_buffer
 from posttrain.adapters.ray.implementations import SERVED_RING_BUFFER
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 from posttrain.adapters.torchrl.deviations import RAY_DEVIATIONS, Deviation
-from posttrain.conformance import Status, run
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 from posttrain.contracts import ContractViolation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer

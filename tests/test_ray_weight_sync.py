@@ -23,7 +23,8 @@ from posttrain.adapters.torchrl.ray_weight_sync import (
     non_persistent_buffers,
     ray_weight_sync_pair,
 )
-from posttrain.conformance import Status, run
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 from posttrain.testing import tiny_causal_lm
 
 

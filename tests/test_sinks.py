@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.conformance import Status, run
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 from posttrain.observability.implementations import MLFLOW_SINK, WANDB_SINK
 from posttrain.observability.sinks import WANDB_STEP, WandbSink, quiet_wandb_settings, read_wandb
 from posttrain.reference_impls import JsonlSink, read_jsonl

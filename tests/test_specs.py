@@ -8,7 +8,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from posttrain.contracts import CONTRACTS, LAYOUT_REQUIREMENTS
+from posttrain.contracts import CONTRACTS
+from posttrain.contracts.validation import LAYOUT_REQUIREMENTS
 from posttrain.specgen import main, render_all
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"

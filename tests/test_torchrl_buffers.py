@@ -11,7 +11,8 @@ from tensordict import TensorDict
 import posttrain.adapters.torchrl.implementations as trl_impls
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 from posttrain.adapters.torchrl.deviations import DEVIATIONS, Deviation
-from posttrain.conformance import Status, run
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 from posttrain.contracts import ContractViolation
 from tests.outcomes import own_failures
 
@@ -46,7 +47,7 @@ def test_raw_messages_are_precise() -> None:
     # and tests/test_dist_weight_sync.py.
     [
         n
-        for n in trl_impls.__all__
+        for n in sorted(vars(trl_impls))
         if n.startswith("ADAPTED_") and "_RAY_" not in n and "_DIST_" not in n
     ],
 )

@@ -13,7 +13,8 @@ from posttrain.adapters.torchrl.implementations import (
     ADAPTED_INFERENCE_SERVER_MP,
     RAW_INFERENCE_SERVER,
 )
-from posttrain.conformance import Status, run
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 
 
 @pytest.mark.parametrize(

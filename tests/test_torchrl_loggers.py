@@ -11,7 +11,8 @@ import pytest
 
 import posttrain.adapters.torchrl.implementations as trl_impls
 from posttrain.adapters.torchrl.deviations import LOGGER_DEVIATIONS, Deviation
-from posttrain.conformance import Status, run
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 
 
 def _fresh_env() -> dict[str, str]:

@@ -10,7 +10,8 @@ import pytest
 from posttrain.adapters.torchrl import rollout
 from posttrain.adapters.torchrl.deviations import ROLLOUT_DEVIATIONS, Deviation
 from posttrain.adapters.torchrl.implementations import ADAPTED_LLM_COLLECTOR, RAW_LLM_COLLECTOR
-from posttrain.conformance import Implementation, run
+from posttrain.conformance.runner import run
+from posttrain.contracts.implementation import Implementation
 from tests.outcomes import own_failures
 
 

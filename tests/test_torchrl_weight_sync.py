@@ -13,8 +13,8 @@ import torch
 from posttrain.adapters.torchrl.deviations import WEIGHT_SYNC_DEVIATIONS, Deviation
 from posttrain.adapters.torchrl.implementations import WEIGHT_SYNCS
 from posttrain.adapters.torchrl.weight_sync import weight_sync_pair
-from posttrain.conformance import Status, run
-from posttrain.conformance.runner import Session
+from posttrain.conformance import Status
+from posttrain.conformance.runner import Session, run
 from posttrain.testing import tiny_causal_lm
 
 # What TorchRL 0.14.1 really does; a change upstream changes this set and this test says so.

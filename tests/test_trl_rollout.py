@@ -7,9 +7,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from posttrain.adapters.trl import CaptureRollouts, SourceClosed, TRLRolloutSource
-from posttrain.contracts import validate
+from posttrain import SourceClosed
+from posttrain.adapters.trl import CaptureRollouts, TRLRolloutSource
 from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.contracts.validation import validate
 from posttrain.reference_impls import RingBuffer
 from posttrain.testing import tiny_causal_lm
 

@@ -23,14 +23,13 @@ from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.trl import (
-    IGNORE_INDEX,
     CaptureRollouts,
     hf_reward_model,
     prompt_dataset,
     sft_dataset,
-    to_padded,
     trl_reward_func,
 )
+from posttrain.adapters.trl.dataset import IGNORE_INDEX, to_padded
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.testing import tiny_causal_lm, tiny_reward_model
 

@@ -7,8 +7,6 @@ from typing import Any
 
 from posttrain._deps import optional_deps
 
-__all__ = ["word_level_tokenizer"]
-
 
 def word_level_tokenizer(config: Any) -> Any:
     """Token ``i`` is the word ``t<i>``; pad/bos/eos own the model's special ids.

@@ -9,8 +9,6 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, key_str, leaf_items
 
-__all__ = ["fill_mask", "pad_values", "to_padded"]
-
 
 def fill_mask(shapes: list[torch.Size], device: torch.device | None = None) -> torch.Tensor:
     """[B, max length] True on each item's own positions."""

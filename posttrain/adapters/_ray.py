@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["ensure_cluster", "ray_get", "ray_module"]
-
 LOCAL_CLUSTER = {
     "num_cpus": 2,
     "include_dashboard": False,

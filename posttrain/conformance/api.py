@@ -7,8 +7,6 @@ from posttrain.conformance.runner import DEFAULT_TIMEOUT_S, run
 from posttrain.conformance.target import resolve
 from posttrain.contracts.implementation import Implementation
 
-__all__ = ["check"]
-
 
 def check(
     contract: str,

@@ -14,8 +14,6 @@ import torch
 from posttrain.contracts.implementation import Implementation
 from posttrain.errors import PosttrainError
 
-__all__ = ["ConformanceError", "Context", "NotApplicable"]
-
 
 class ConformanceError(PosttrainError, AssertionError):
     """A check found the implementation breaking its requirement (reported as FAIL).

@@ -1,24 +1,25 @@
 """The conformance matrix of every registered implementation (``make report``).
 
-``python -m posttrain.conformance.matrix --out reports`` runs each entry point of group
-``posttrain.implementations`` through its contract's suite and writes ``conformance.md``,
-``conformance.html`` and ``conformance.json``.
+``posttrain report --out reports`` (or ``python -m posttrain.conformance.matrix --out reports``)
+runs each entry point of group ``posttrain.implementations`` through its contract's suite and
+writes ``conformance.md``, ``conformance.html`` and ``conformance.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import html
+import fnmatch
+import os
 import sys
 import time
 from pathlib import Path
 
+from posttrain.conformance import html_report
 from posttrain.conformance.outcome import Report, Status, md_cell, reports_json
 from posttrain.conformance.runner import run
-from posttrain.conformance.target import discover
+from posttrain.conformance.target import ENTRY_POINT_GROUP, TargetError, discover
 from posttrain.contracts.implementation import Implementation
-
-__all__ = ["main", "render_html", "render_markdown", "run_all"]
+from posttrain.contracts.registry import CONTRACTS
 
 _MARK = {
     Status.PASS: "PASS",
@@ -28,22 +29,105 @@ _MARK = {
 }
 
 
-def run_all(seed: int = 0) -> dict[str, Report]:
-    """Run every registered implementation; reports by entry-point name.
+def some_names(names: list[str], limit: int = 10) -> str:
+    """At most ``limit`` names, comma-separated, then how many more.
+
+    Example:
+        >>> some_names(["a", "b", "c"], limit=2)
+        'a, b ... and 1 more'
+    """
+    if not names:
+        return "(none)"
+    head = ", ".join(names[:limit])
+    return head + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def implementations() -> dict[str, Implementation]:
+    """Every registered implementation, by entry-point name, sorted (loads each entry point).
+
+    Example:
+        >>> implementations()["reference-buffer"].contract
+        'buffer'
+    """
+    out: dict[str, Implementation] = {}
+    for name, ep in sorted(discover().items()):
+        obj = ep.load()
+        if not isinstance(obj, Implementation):
+            raise TypeError(f"entry point {name!r} ({ep.value}) is not a posttrain Implementation")
+        out[name] = obj
+    return out
+
+
+def framework_of(target: str) -> str:
+    """The framework a registered implementation (or a ``module:attr``) comes from.
+
+    ``posttrain.adapters.<framework>`` names it; the reference implementations are
+    ``posttrain``'s; a bundled sink is named after its backend (``mlflow-sink``); anything
+    else is its top-level package.
+
+    Example:
+        >>> framework_of("torchrl-raw-lazy-tensor"), framework_of("reference-buffer")
+        ('torchrl', 'posttrain')
+        >>> framework_of("mlflow-sink"), framework_of("mypkg.buffers:MINE")
+        ('mlflow', 'mypkg')
+    """
+    ep = discover().get(target)
+    module = (ep.value if ep is not None else target).partition(":")[0]
+    parts = module.split(".")
+    if parts[:2] == ["posttrain", "adapters"] and len(parts) > 2:
+        return parts[2]
+    if parts[:2] == ["posttrain", "observability"] and ep is not None:
+        return target.split("-")[0]
+    if parts[0] == "posttrain" or not module:
+        return "posttrain"
+    return parts[0]
+
+
+def select(contract: str | None = None, impl_glob: str | None = None) -> dict[str, Implementation]:
+    """The registered implementations of ``contract`` whose names match the ``fnmatch`` glob.
+
+    Raises ``ValueError`` naming what was given and the valid names when nothing is selected.
+
+    Example:
+        >>> sorted(select("buffer", "reference*"))
+        ['reference-buffer']
+        >>> select("bufer")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown contract 'bufer'; valid: buffer, rollout, weight_sync, loss, metrics, generation
+    """
+    if contract is not None and contract not in CONTRACTS:
+        raise ValueError(f"unknown contract {contract!r}; valid: {some_names(list(CONTRACTS))}")
+    impls = {
+        n: impl
+        for n, impl in implementations().items()
+        if contract is None or impl.contract == contract
+    }
+    chosen = {n: i for n, i in impls.items() if impl_glob is None or fnmatch.fnmatch(n, impl_glob)}
+    if not chosen:
+        where = f" of contract {contract!r}" if contract else ""
+        raise TargetError(
+            f"no implementation{where} matches {impl_glob!r} (entry points of group "
+            f"{ENTRY_POINT_GROUP!r}); valid: {some_names(sorted(impls))}"
+        )
+    return chosen
+
+
+def run_all(
+    seed: int = 0, *, contract: str | None = None, impl_glob: str | None = None
+) -> dict[str, Report]:
+    """Run every registered implementation (or those :func:`select` picks); reports by name.
 
     Every entry point in group ``posttrain.implementations`` runs its contract's whole suite
     (twenty minutes on two cores for the bundled ones: Ray and process groups included).
 
     Example:
-        >>> reports = run_all(seed=0)  # doctest: +SKIP
-        >>> exit_status(reports)  # doctest: +SKIP
-        0
+        >>> reports = run_all(seed=0, contract="buffer", impl_glob="reference*")
+        >>> list(reports), exit_status(reports)
+        (['reference-buffer'], 0)
     """
     out: dict[str, Report] = {}
-    for name, ep in sorted(discover().items()):
-        obj = ep.load()
-        if not isinstance(obj, Implementation):
-            raise TypeError(f"entry point {name!r} ({ep.value}) is not a posttrain Implementation")
+    for name, obj in select(contract, impl_glob).items():
         start = time.perf_counter()
         rep = run(obj, target=name, seed=seed)
         rep.run["duration_s"] = round(time.perf_counter() - start, 2)
@@ -139,48 +223,26 @@ def render_markdown(reports: dict[str, Report]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_html(reports: dict[str, Report]) -> str:
-    """The matrix as a standalone HTML page (one table per contract, coloured cells).
+def render_html(reports: dict[str, Report], *, spec_base: str = "../") -> str:
+    """The matrix as one self-contained HTML page (see :mod:`posttrain.conformance.html_report`).
+
+    Frameworks come from :func:`framework_of`; ``spec_base`` leads from the page's folder to
+    the folder that holds ``specs/``.
 
     Example:
         >>> from posttrain.conformance.outcome import Result
         >>> row = Result("BUF-013", "MUST", "empty sample raises", Status.FAIL, "BUF-013: no error")
         >>> page = render_html({"mine": Report(run={"contract": "buffer"}, results=[row])})
-        >>> "<h2>buffer</h2>" in page, "title='BUF-013: no error'>FAIL</td>" in page
+        >>> "does not conform" in page, "<pre class='message'>BUF-013: no error</pre>" in page
         (True, True)
     """
-    colour = {
-        Status.PASS: "#c8f7c5",
-        Status.FAIL: "#f7c5c5",
-        Status.ERROR: "#f7dcc5",
-        Status.NOT_APPLICABLE: "#eeeeee",
-    }
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>posttrain conformance matrix</title>",
-        "<style>body{font-family:sans-serif}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #999;padding:3px 8px;text-align:left}</style></head><body>",
-        "<h1>posttrain conformance matrix</h1>",
-    ]
-    for contract, names in _by_contract(reports).items():
-        parts.append(f"<h2>{html.escape(contract)}</h2><table><tr><th>requirement</th>")
-        parts += [f"<th>{html.escape(n)}</th>" for n in names]
-        parts.append("</tr>")
-        first = reports[names[0]].results
-        for i, head in enumerate(first):
-            parts.append(f"<tr><td>{html.escape(head.id)} {html.escape(head.title)}</td>")
-            for n in names:
-                r = reports[n].results[i]
-                tip = html.escape(r.message, quote=True)
-                parts.append(
-                    f"<td style='background:{colour[r.status]}' title='{tip}'>{_MARK[r.status]}</td>"
-                )
-            parts.append("</tr>")
-        parts.append("</table>")
-    parts.append("</body></html>\n")
-    return "".join(parts)
+    frameworks = {n: framework_of(n) for n in reports}
+    return html_report.render(reports, frameworks, spec_base=spec_base)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None, prog: str = "python -m posttrain.conformance.matrix"
+) -> int:
     """Run the matrix, print it, write the files; exit 1 if any row is UNEXPECTED.
 
     A raw upstream component that fails exactly its declared ``known_failures`` is expected;
@@ -190,15 +252,28 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["--out", "reports"])  # doctest: +SKIP
         0
     """
-    p = argparse.ArgumentParser(prog="python -m posttrain.conformance.matrix", description=__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--out", type=Path, default=Path("reports"), help="folder for the three files")
     p.add_argument("--seed", type=int, default=0, help="seed of every suite's random data")
+    p.add_argument("--contract", default=None, help="only the implementations of this contract")
+    p.add_argument(
+        "--impl",
+        default=None,
+        metavar="GLOB",
+        help="only the implementations whose entry-point name matches this fnmatch glob",
+    )
     args = p.parse_args(argv)
-    reports = run_all(args.seed)
+    try:
+        select(args.contract, args.impl)
+    except ValueError as e:
+        p.error(str(e))
+    reports = run_all(args.seed, contract=args.contract, impl_glob=args.impl)
     md = render_markdown(reports)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "conformance.md").write_text(md)
-    (args.out / "conformance.html").write_text(render_html(reports))
+    # The page links each requirement to specs/ beside the current directory (a checkout).
+    spec_base = Path(os.path.relpath(Path.cwd(), args.out.resolve())).as_posix() + "/"
+    (args.out / "conformance.html").write_text(render_html(reports, spec_base=spec_base))
     (args.out / "conformance.json").write_text(reports_json(list(reports.values())))
     sys.stdout.write(md)
     print(

@@ -10,16 +10,6 @@ from typing import Any
 
 from posttrain.contracts.requirements import Level
 
-__all__ = [
-    "REPORT_FORMAT",
-    "Report",
-    "Result",
-    "Status",
-    "md_cell",
-    "report_schema",
-    "reports_json",
-]
-
 # Characters that start Markdown formatting, links, HTML or a table cell inside running text.
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~&])")
 

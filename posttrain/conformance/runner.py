@@ -25,8 +25,6 @@ from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.registry import get_contract
 from posttrain.contracts.requirements import Requirement
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Session", "run"]
-
 DEFAULT_TIMEOUT_S = 120.0
 """How long the pytest plugin and ``check()`` let one requirement's check run before it is
 FAIL "no answer in N s"."""

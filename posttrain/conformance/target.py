@@ -9,8 +9,6 @@ from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.registry import get_contract
 from posttrain.errors import PosttrainError
 
-__all__ = ["ENTRY_POINT_GROUP", "TargetError", "discover", "resolve"]
-
 ENTRY_POINT_GROUP = "posttrain.implementations"
 
 

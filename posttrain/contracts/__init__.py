@@ -12,7 +12,7 @@ Example:
     ('masks', 'all_assistant_mask')
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain._deprecated import deprecated_attr
 from posttrain.contracts.alignment import token_log_probs
@@ -39,6 +39,25 @@ from posttrain.contracts.requirements import Requirement
 from posttrain.contracts.rollout import RolloutSourceV1
 from posttrain.contracts.validation import ContractViolation, Violation
 from posttrain.contracts.weight_sync import WeightReceiverV1, WeightSenderV1
+
+if TYPE_CHECKING:  # the deprecated names below, typed for code that still uses them
+    from posttrain.contracts.buffer import BUFFER as BUFFER
+    from posttrain.contracts.contract import Capability as Capability
+    from posttrain.contracts.contract import Option as Option
+    from posttrain.contracts.generation import GENERATION as GENERATION
+    from posttrain.contracts.layout import Key as Key
+    from posttrain.contracts.layout import LayoutField as LayoutField
+    from posttrain.contracts.layout import key_str as key_str
+    from posttrain.contracts.layout import norm_key as norm_key
+    from posttrain.contracts.loss import LOSS as LOSS
+    from posttrain.contracts.metrics import METRIC_NAME as METRIC_NAME
+    from posttrain.contracts.metrics import METRICS as METRICS
+    from posttrain.contracts.requirements import Level as Level
+    from posttrain.contracts.rollout import ROLLOUT as ROLLOUT
+    from posttrain.contracts.validation import LAYOUT_REQUIREMENTS as LAYOUT_REQUIREMENTS
+    from posttrain.contracts.validation import check as check
+    from posttrain.contracts.validation import validate as validate
+    from posttrain.contracts.weight_sync import WEIGHT_SYNC as WEIGHT_SYNC
 
 __all__ = [
     "AGGREGATIONS",

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["token_log_probs"]
-
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Per-token log-probs aligned like ``("log_probs", "full")``; position 0 (never predicted) is 0.

@@ -11,15 +11,6 @@ from posttrain.contracts._counts import as_count
 from posttrain.contracts.contract import Capability, Contract, Option
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = [
-    "BUFFER",
-    "ReplayBufferV1",
-    "SupportsCheckpoint",
-    "SupportsPriority",
-    "sample_size",
-    "storage_indices",
-]
-
 
 class ReplayBufferV1(Protocol):
     """A replay buffer: TorchRL's ``ReplayBuffer`` surface, reduced to what every loop uses.

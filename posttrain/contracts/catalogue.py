@@ -20,8 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from posttrain.contracts.metrics import METRIC_NAME
 
-__all__ = ["CATALOGUE_V1", "FRAMEWORKS", "Catalogue", "MetricDef", "Reduction"]
-
 Reduction = Literal["tok", "seq", "sum", "min", "max", "last", "rate"]
 FRAMEWORKS = ("trl", "nemo_rl", "torchrl", "verl")
 

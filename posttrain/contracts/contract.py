@@ -9,14 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from posttrain.contracts.requirements import Requirement
 from posttrain.errors import PosttrainError
 
-__all__ = ["Capability", "Contract", "DeclarationError", "Option"]
-
 
 class DeclarationError(PosttrainError, ValueError):
     """An implementation declared a capability or option value the contract does not have.
 
     Example:
-        >>> from posttrain.contracts import BUFFER
+        >>> from posttrain.contracts import get_contract
+        >>> BUFFER = get_contract("buffer")
         >>> try:
         ...     BUFFER.check_declaration(capabilities=["teleport"])
         ... except DeclarationError as e:
@@ -73,7 +72,8 @@ class Contract(BaseModel):
     and the conformance suite's ids all come from it.
 
     Example:
-        >>> from posttrain.contracts import BUFFER
+        >>> from posttrain.contracts import get_contract
+        >>> BUFFER = get_contract("buffer")
         >>> BUFFER.id, BUFFER.version, BUFFER.requirement("BUF-001").level.value
         ('buffer', '1.4', 'MUST')
     """

@@ -22,16 +22,6 @@ from tensordict import TensorDictBase
 from posttrain.contracts.contract import Capability, Contract, Option
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = [
-    "GENERATION",
-    "PROMPT_KEY",
-    "RESPONSE_KEY",
-    "RESPONSE_LOG_PROBS_KEY",
-    "GenerationClientV1",
-    "GenerationServerV1",
-    "request_problem",
-]
-
 PROMPT_KEY = ("tokens", "prompt")
 RESPONSE_KEY = ("tokens", "response")
 RESPONSE_LOG_PROBS_KEY = ("log_probs", "response")

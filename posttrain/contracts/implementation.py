@@ -8,8 +8,6 @@ from typing import Any
 
 from posttrain.contracts.registry import get_contract
 
-__all__ = ["Implementation"]
-
 
 @dataclass(frozen=True)
 class Implementation:

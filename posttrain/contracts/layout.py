@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = [
-    "LLM_LAYOUT_V1",
-    "DTypeName",
-    "Key",
-    "Layout",
-    "LayoutField",
-    "key_str",
-    "leaf_column",
-    "leaf_items",
-    "norm_key",
-]
+if TYPE_CHECKING:
+    from posttrain.contracts.validation import Violation
 
 Key = Union[str, tuple[str, ...]]
 """A TensorDict key: a string or a tuple of strings for nested keys."""
@@ -217,6 +208,80 @@ class Layout(BaseModel):
         )
         return Layout(name=self.name, version=self.version, fields=fields, implies=self.implies)
 
+    def violations(
+        self,
+        td: TensorDictBase,
+        *,
+        require: tuple[str, ...] = (),
+        strict: bool = False,
+        ragged: bool = False,
+        deep: bool = False,
+        any_float: bool = False,
+    ) -> list[Violation]:
+        """Every violation of this layout by ``td`` (empty when it conforms); never raises.
+
+        Metadata only (keys, dtypes, shapes, requires_grad) unless ``deep=True``, which also
+        reads mask and log-prob values (LAY-004, LAY-007). ``require`` adds fields the consumer
+        needs; ``strict`` rejects keys outside the layout; ``ragged`` lets 'T' differ between
+        items; ``any_float`` accepts any floating dtype for a float field (for a consumer that
+        casts). :meth:`check` raises instead.
+
+        Example:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> td = TensorDict({("tokens", "full"): torch.zeros(2, 3, dtype=torch.int64),
+            ...                  ("masks", "all_attention_mask"): torch.ones(2, 3, dtype=torch.bool),
+            ...                  ("masks", "all_assistant_mask"): torch.ones(2, 3)}, batch_size=[2])
+            >>> [str(v) for v in LLM_LAYOUT_V1.violations(td)]
+            ["LAY-002 key ('masks', 'all_assistant_mask'): expected dtype bool, found dtype float32"]
+        """
+        from posttrain.contracts.validation import validate  # validation imports this module
+
+        return validate(
+            td, self, require=require, strict=strict, ragged=ragged, deep=deep, any_float=any_float
+        )
+
+    def check(
+        self,
+        td: TensorDictBase,
+        *,
+        require: tuple[str, ...] = (),
+        strict: bool = False,
+        ragged: bool = False,
+        deep: bool = False,
+        any_float: bool = False,
+        context: str = "",
+    ) -> None:
+        """Raise one ``ContractViolation`` listing every :meth:`violations`; return quietly
+        when ``td`` conforms. ``context`` prefixes the message (what was being done).
+
+        Example:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> td = TensorDict({("tokens", "full"): torch.zeros(2, 3, dtype=torch.int64),
+            ...                  ("masks", "all_attention_mask"): torch.ones(2, 3, dtype=torch.bool),
+            ...                  ("masks", "all_assistant_mask"): torch.ones(2, 3, dtype=torch.bool)},
+            ...                 batch_size=[2])
+            >>> LLM_LAYOUT_V1.check(td)
+            >>> LLM_LAYOUT_V1.check(td, require=("advantage",))
+            Traceback (most recent call last):
+            ...
+            posttrain.contracts.validation.ContractViolation: 1 contract violation(s)
+              - LAY-001 key 'advantage': expected advantage (float32 [*B]), found no such key
+        """
+        from posttrain.contracts.validation import check
+
+        check(
+            td,
+            self,
+            require=require,
+            strict=strict,
+            ragged=ragged,
+            deep=deep,
+            any_float=any_float,
+            context=context,
+        )
+
 
 LLM_LAYOUT_V1 = Layout(
     name="llm",
@@ -295,4 +360,9 @@ LLM_LAYOUT_V1 = Layout(
     ),
     implies=(("assistant_mask", "attention_mask"),),
 )
-"""The LLM layout v1: TorchRL's default keys, dtypes and shapes relative to batch dims."""
+"""The LLM layout v1: TorchRL's default keys, dtypes and shapes relative to batch dims.
+
+Example:
+    >>> LLM_LAYOUT_V1.key("assistant_mask"), LLM_LAYOUT_V1.field("tokens").dtype
+    (('masks', 'all_assistant_mask'), 'int64')
+"""

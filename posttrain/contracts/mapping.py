@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-FRAMEWORKS = ("TorchRL 0.14", "TRL 1.16 GRPOTrainer", "NeMo-RL train_data")
+from typing import Any
+
+# The column heads of FRAMEWORK_KEYS (the catalogue's framework ids are catalogue.FRAMEWORKS).
+KEY_MAP_FRAMEWORKS = ("TorchRL 0.14", "TRL 1.16 GRPOTrainer", "NeMo-RL train_data")
 
 # Sources: torchrl/envs/llm and torchrl/objectives/llm/grpo.py (default keys);
 # trl/trainer/grpo_trainer.py `_generate_and_score_completions` output dict;
@@ -79,3 +82,17 @@ LOSS_COUNT_KEYS: dict[str, tuple[str, str, str, str]] = {
     ),
 }
 """Where each framework takes the global batch's counts a loss normalizes by (loss 1.3)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FRAMEWORKS":  # renamed: catalogue.FRAMEWORKS is the one FRAMEWORKS
+        import warnings
+
+        warnings.warn(
+            "posttrain.contracts.mapping.FRAMEWORKS is deprecated and will be removed in "
+            "posttrain 0.2: use KEY_MAP_FRAMEWORKS",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return KEY_MAP_FRAMEWORKS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,15 +10,6 @@ from posttrain.contracts._counts import as_count
 from posttrain.contracts.contract import Capability, Contract
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = [
-    "METRICS",
-    "METRIC_NAME",
-    "METRIC_NAME_MAX",
-    "MetricSinkV1",
-    "NextStep",
-    "metric_point",
-]
-
 METRIC_NAME = re.compile(r"^[a-z0-9_]+(/[a-z0-9_]+)*$")
 """Metric names: lowercase path segments, e.g. ``policy/kl_ref/k3``."""
 

@@ -10,12 +10,15 @@ from posttrain.contracts.metrics import METRICS
 from posttrain.contracts.rollout import ROLLOUT
 from posttrain.contracts.weight_sync import WEIGHT_SYNC
 
-__all__ = ["CONTRACTS", "get_contract"]
-
 CONTRACTS: dict[str, Contract] = {
     c.id: c for c in (BUFFER, ROLLOUT, WEIGHT_SYNC, LOSS, METRICS, GENERATION)
 }
-"""The v1 contracts in dependency order."""
+"""The v1 contracts by id, in dependency order.
+
+Example:
+    >>> list(CONTRACTS)
+    ['buffer', 'rollout', 'weight_sync', 'loss', 'metrics', 'generation']
+"""
 
 
 def get_contract(contract_id: str) -> Contract:

@@ -7,8 +7,6 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["Level", "Requirement"]
-
 _ID = re.compile(r"^[A-Z]+-[0-9]{3}$")
 
 

@@ -11,8 +11,6 @@ from tensordict import TensorDictBase
 from posttrain.contracts.contract import Capability, Contract
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = ["ROLLOUT", "RolloutSourceV1"]
-
 
 class RolloutSourceV1(Protocol):
     """A pull-style rollout source (TorchRL's ``LLMCollector`` surface).

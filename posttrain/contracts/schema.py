@@ -11,15 +11,6 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_column, leaf_items
 from posttrain.contracts.validation import ContractViolation, Violation
 
-__all__ = [
-    "RAGGED",
-    "Column",
-    "ItemSchema",
-    "batch_violations",
-    "leaf_items",
-    "leaf_violations",
-]
-
 RAGGED = -1
 """An item dimension whose size differs between items."""
 

@@ -21,8 +21,6 @@ from posttrain.contracts.layout import (
 from posttrain.contracts.requirements import Level, Requirement
 from posttrain.errors import PosttrainError
 
-__all__ = ["LAYOUT_REQUIREMENTS", "ContractViolation", "Violation", "check", "validate"]
-
 LAYOUT_REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(
         id="LAY-001",

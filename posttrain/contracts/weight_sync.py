@@ -10,8 +10,6 @@ import torch
 from posttrain.contracts.contract import Capability, Contract
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = ["WEIGHT_SYNC", "WeightReceiverV1", "WeightSenderV1"]
-
 
 class WeightSenderV1(Protocol):
     """The trainer side: publishes a full set of named weights under a version.

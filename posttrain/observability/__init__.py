@@ -7,6 +7,7 @@ Example:
     True
 """
 
+from posttrain.observability.check import compare_policy_hook
 from posttrain.observability.hooks import (
     Timers,
     buffer_metrics,
@@ -17,11 +18,15 @@ from posttrain.observability.hooks import (
     rollout_metrics,
 )
 from posttrain.observability.reduce import Accumulator
+from posttrain.observability.sinks import MlflowSink, WandbSink
 
 __all__ = [
     "Accumulator",
+    "MlflowSink",
     "Timers",
+    "WandbSink",
     "buffer_metrics",
+    "compare_policy_hook",
     "generation_server_metrics",
     "loss_metrics",
     "optim_metrics",

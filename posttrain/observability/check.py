@@ -8,7 +8,7 @@ formulas, independently of :mod:`posttrain.observability.hooks`.
 
 Example:
     >>> from posttrain.observability import policy_metrics
-    >>> [f for f in check_policy_hook(lambda td, logits: policy_metrics(td, logits).values()) if not f.ok]
+    >>> [f for f in compare_policy_hook(lambda td, logits: policy_metrics(td, logits).values()) if not f.ok]
     []
 """
 
@@ -17,13 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain._deprecated import deprecated_attr
 from posttrain.contracts.layout import LLM_LAYOUT_V1
-
-__all__ = ["CASES", "Finding", "check_policy_hook", "crafted_cases", "expected"]
 
 K = LLM_LAYOUT_V1.key
 CLIP = (0.2, 0.2)
@@ -166,7 +166,7 @@ def expected(td: TensorDictBase, logits: torch.Tensor) -> dict[str, float]:
     return {k: s / n if n else math.nan for k, s in sums.items()}
 
 
-def check_policy_hook(
+def compare_policy_hook(
     hook: Callable[[TensorDictBase, torch.Tensor], Mapping[str, float]],
 ) -> list[Finding]:
     """Every checked metric on every crafted case: ``hook(td, logits) -> {name: value}``.
@@ -175,7 +175,7 @@ def check_policy_hook(
         >>> from posttrain.observability import policy_metrics
         >>> def hook(td, logits):  # posttrain's hook with its entropy broken
         ...     return policy_metrics(td, logits).values() | {"policy/entropy": 0.0}
-        >>> print(*[f for f in check_policy_hook(hook) if not f.ok], sep="\\n")
+        >>> print(*[f for f in compare_policy_hook(hook) if not f.ok], sep="\\n")
         padding       policy/entropy          expected 1.11142, found 0.0  DIFFERS
         prompt_tokens policy/entropy          expected 1.5643, found 0.0  DIFFERS
         clip_signs    policy/entropy          expected 0.481371, found 0.0  DIFFERS
@@ -188,3 +188,18 @@ def check_policy_hook(
             v = got.get(metric)
             findings.append(Finding(case, metric, want[metric], None if v is None else float(v)))
     return findings
+
+
+if TYPE_CHECKING:  # the deprecated name, typed for code that still uses it
+    check_policy_hook = compare_policy_hook
+
+_MOVED = {
+    "check_policy_hook": (
+        "posttrain.observability.check:compare_policy_hook",
+        "renamed compare_policy_hook (it compares a hook's values with the catalogue's)",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_attr(__name__, name, _MOVED)

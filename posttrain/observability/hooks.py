@@ -21,16 +21,6 @@ from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.validation import check
 from posttrain.observability.reduce import Accumulator, not_a_number
 
-__all__ = [
-    "Timers",
-    "buffer_metrics",
-    "generation_server_metrics",
-    "loss_metrics",
-    "optim_metrics",
-    "policy_metrics",
-    "rollout_metrics",
-]
-
 
 def _dense(td: TensorDictBase, layout: Layout) -> TensorDictBase:
     if not isinstance(td, LazyStackedTensorDict):

@@ -6,8 +6,6 @@ from typing import Any
 
 from posttrain.contracts.implementation import Implementation
 
-__all__ = ["MLFLOW_SINK", "WANDB_SINK"]
-
 
 def _mlflow(directory: Any) -> Any:
     from posttrain.observability.sinks import MlflowSink

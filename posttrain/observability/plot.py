@@ -16,8 +16,6 @@ from typing import Any
 from posttrain._deps import optional_deps
 from posttrain.contracts.catalogue import CATALOGUE_V1
 
-__all__ = ["PANELS", "dashboard", "main", "read_run"]
-
 Scalars = dict[str, list[tuple[int, float]]]
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (

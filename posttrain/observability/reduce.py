@@ -15,8 +15,6 @@ import torch
 
 from posttrain.contracts.catalogue import CATALOGUE_V1, Catalogue
 
-__all__ = ["Accumulator"]
-
 _KINDS: dict[int, tuple[Catalogue, dict[str, str]]] = {}
 
 

@@ -24,16 +24,6 @@ from typing import Any
 from posttrain._deps import optional_deps
 from posttrain.contracts.metrics import NextStep, metric_point
 
-__all__ = [
-    "MlflowSink",
-    "Tee",
-    "WandbSink",
-    "mlflow_uri",
-    "quiet_wandb_settings",
-    "read_mlflow",
-    "read_wandb",
-]
-
 EXPERIMENT = "posttrain"
 
 

@@ -22,8 +22,6 @@ from posttrain.contracts.generation import (
 )
 from posttrain.errors import ServerClosed
 
-__all__ = ["ServerClosed", "ThreadGenerationServer", "greedy_answers"]
-
 
 @dataclass
 class _Request:

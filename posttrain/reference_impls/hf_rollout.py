@@ -12,8 +12,6 @@ from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.errors import SourceClosed
 
-__all__ = ["HFRolloutSource"]
-
 
 class HFRolloutSource:
     """Generates responses to ``prompts`` with an HF causal LM; conforms to ``RolloutSourceV1``.

@@ -10,8 +10,6 @@ from typing import IO
 
 from posttrain.contracts.metrics import METRIC_NAME, NextStep, metric_point
 
-__all__ = ["FILE_NAME", "JsonlSink", "read_jsonl"]
-
 FILE_NAME = "metrics.jsonl"
 
 

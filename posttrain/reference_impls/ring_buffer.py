@@ -20,11 +20,9 @@ from posttrain._state_checks import (
     schema_from_state,
 )
 from posttrain.contracts.buffer import sample_size, storage_indices
-from posttrain.contracts.layout import key_str
-from posttrain.contracts.schema import ItemSchema, batch_violations, leaf_items
+from posttrain.contracts.layout import key_str, leaf_items
+from posttrain.contracts.schema import ItemSchema, batch_violations
 from posttrain.contracts.validation import ContractViolation
-
-__all__ = ["RingBuffer"]
 
 _ALIGN = 8
 _STATE_FILE = "ring_buffer.pt"

@@ -10,8 +10,6 @@ import torch
 
 from posttrain.errors import PosttrainError
 
-__all__ = ["InProcessReceiver", "InProcessSender", "in_process_weight_sync"]
-
 
 class WeightMismatch(PosttrainError, ValueError):
     """Sent weights do not fit the receiver's model (names, tensors, layouts, shapes, dtypes)."""

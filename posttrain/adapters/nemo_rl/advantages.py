@@ -11,8 +11,6 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["grpo_advantages"]
-
 
 def grpo_advantages(
     prompt_rows: Sequence[Sequence[int]],

@@ -26,8 +26,6 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from posttrain.contracts.schema import ItemSchema
 from posttrain.contracts.validation import ContractViolation
 
-__all__ = ["KVBatchMeta", "NemoDataPlaneClient"]
-
 
 @dataclass
 class KVBatchMeta:

@@ -16,10 +16,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from posttrain.adapters.nemo_rl.codec import batched_data_dict
+from posttrain.adapters.nemo_rl.train_data import batched_data_dict
 from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY, RESPONSE_LOG_PROBS_KEY
-
-__all__ = ["NemoGeneration"]
 
 
 class NemoGeneration:

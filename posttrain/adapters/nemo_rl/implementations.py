@@ -8,8 +8,6 @@ from typing import Any
 from posttrain.adapters.nemo_rl.loss import nemo_loss_module
 from posttrain.contracts.implementation import Implementation
 
-__all__ = ["LOGGER_JSONL", "LOSS_SEQ_MEAN_TOKEN_MEAN", "LOSS_TOKEN_MEAN"]
-
 
 def _loss(aggregation: str) -> Implementation:
     return Implementation(

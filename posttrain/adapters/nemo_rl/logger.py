@@ -15,8 +15,6 @@ from typing import Any
 
 from posttrain.contracts.metrics import METRIC_NAME
 
-__all__ = ["NEMO_TO_CATALOGUE", "NemoLogger", "metric_name"]
-
 NEMO_TO_CATALOGUE = {
     "train/reward": "rollout/reward/mean",
     "train/mean_prompt_length": "rollout/prompt_len/mean",

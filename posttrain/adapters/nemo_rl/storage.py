@@ -17,11 +17,9 @@ from typing import Any
 
 import torch
 
-from posttrain.adapters.nemo_rl.codec import batched_data_dict, from_layout, to_layout
+from posttrain.adapters.nemo_rl.train_data import batched_data_dict, from_layout, to_layout
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.errors import PosttrainError
-
-__all__ = ["NemoReplayBuffer"]
 
 
 @dataclass
@@ -59,7 +57,7 @@ class NemoReplayBuffer:
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
-        >>> from posttrain.adapters.nemo_rl.codec import from_layout
+        >>> from posttrain.adapters.nemo_rl.train_data import from_layout
         >>> from posttrain.testing import llm_batch
         >>> nemo = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
         >>> group = dict(from_layout(llm_batch(2, 6)))

@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["NemoWeightSynchronizer"]
-
 
 class NemoWeightSynchronizer:
     """A ``WeightSynchronizer``-shaped object that sends ``state()`` through posttrain's contract.

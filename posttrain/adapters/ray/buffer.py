@@ -16,8 +16,6 @@ from posttrain.adapters._ray import ensure_cluster, ray_get, ray_module
 from posttrain.contracts.schema import leaf_violations
 from posttrain.contracts.validation import ContractViolation
 
-__all__ = ["BufferHost", "RemoteBuffer", "serve_buffer"]
-
 CALL_TIMEOUT_S = 120.0
 """How long a remote call may take before the client raises ``GetTimeoutError``."""
 

@@ -14,8 +14,6 @@ from posttrain.adapters.ray.buffer import BufferHost, RemoteBuffer, serve_buffer
 from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import RingBuffer
 
-__all__ = ["SERVED_RING_BUFFER", "shared_host"]
-
 _HOSTS: dict[str, Any] = {}
 
 

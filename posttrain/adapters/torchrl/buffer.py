@@ -23,8 +23,6 @@ from posttrain.contracts.buffer import sample_size, storage_indices
 from posttrain.contracts.schema import RAGGED, ItemSchema, batch_violations
 from posttrain.contracts.validation import ContractViolation
 
-__all__ = ["ValidatedReplayBuffer"]
-
 _STATE_FILE = "validated_replay_buffer.pt"
 
 

@@ -28,8 +28,6 @@ from posttrain._deps import optional_deps
 from posttrain.adapters.torchrl.ray_weight_sync import non_persistent_buffers
 from posttrain.adapters.torchrl.weight_sync import CheckedSender, _call_with_timeout, _nested
 
-__all__ = ["DistReceiver", "DistSchemeSender", "dist_weight_sync_pair"]
-
 TIMEOUT_S = 20.0
 """TorchRL's store and process-group timeout for the scheme (its default is 3600 s)."""
 

@@ -28,8 +28,6 @@ from posttrain.contracts.generation import (
 from posttrain.errors import ServerClosed
 from posttrain.reference_impls.generation_server import greedy_answers
 
-__all__ = ["ContractInferenceServer", "GenerateBatch", "inference_server"]
-
 
 class GenerateBatch(torch.nn.Module):
     """The served model: a batch of requests (a lazy stack) -> a lazy stack of responses,

@@ -8,16 +8,6 @@ from typing import Any
 
 from posttrain._deps import optional_deps
 
-__all__ = [
-    "csv_logger",
-    "read_tensorboard",
-    "read_torchrl_csv",
-    "read_torchrl_wandb",
-    "tensorboard_logger",
-    "torchrl_wandb_step_key",
-    "wandb_logger",
-]
-
 EXP_NAME = "run"
 
 

@@ -23,8 +23,6 @@ from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signa
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.errors import SourceClosed
 
-__all__ = ["ContractCollector", "LayoutOnlyCollector", "llm_collector", "token_prompt_env"]
-
 K = LLM_LAYOUT_V1.key
 
 

@@ -27,15 +27,6 @@ from tensordict import TensorDict, TensorDictBase
 
 from posttrain._deps import optional_deps
 
-__all__ = [
-    "CheckedSender",
-    "TorchRLReceiver",
-    "TorchRLSender",
-    "weight_problems",
-    "weight_signature",
-    "weight_sync_pair",
-]
-
 SEND_TIMEOUT_S = 10.0
 """How long a raw ``send`` may block: TorchRL's sync send waits for an ack forever."""
 

@@ -16,8 +16,6 @@ from typing import Any
 
 from posttrain.observability.reduce import Accumulator
 
-__all__ = ["TRL_SAME", "CatalogueCallback", "install"]
-
 TRL_SAME = {
     "kl": "policy/kl_ref/k3",
     "entropy": "policy/entropy",

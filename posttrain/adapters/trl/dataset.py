@@ -18,7 +18,8 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from posttrain._deps import optional_deps
-from posttrain.adapters._layout import fill_mask, pad_values, to_padded
+from posttrain.adapters._layout import fill_mask, pad_values
+from posttrain.adapters._layout import to_padded as to_padded  # re-exported: its old home
 from posttrain.contracts.buffer import ReplayBufferV1
 from posttrain.contracts.layout import (
     LLM_LAYOUT_V1,
@@ -30,16 +31,6 @@ from posttrain.contracts.layout import (
     norm_key,
 )
 from posttrain.errors import PosttrainError
-
-__all__ = [
-    "IGNORE_INDEX",
-    "BufferDataset",
-    "MissingKey",
-    "WorkerRefused",
-    "prompt_dataset",
-    "sft_dataset",
-    "to_padded",
-]
 
 IGNORE_INDEX = -100
 """The label of a position the loss skips (``transformers``' and TRL's convention)."""

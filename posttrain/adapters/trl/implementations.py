@@ -7,8 +7,6 @@ from functools import partial
 from posttrain.adapters.trl.source import TRLRolloutSource
 from posttrain.contracts.implementation import Implementation
 
-__all__ = ["GRPO_ROLLOUT"]
-
 GRPO_ROLLOUT = Implementation(
     "rollout",
     partial(TRLRolloutSource, num_generations=2),

@@ -18,8 +18,6 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, key_str
 
-__all__ = ["RewardModule", "hf_reward_model", "sequences", "trl_reward", "trl_reward_func"]
-
 Score = Callable[[TensorDictBase], torch.Tensor]
 
 

@@ -22,8 +22,6 @@ from posttrain._deps import optional_deps
 from posttrain.contracts.buffer import ReplayBufferV1
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 
-__all__ = ["CaptureRollouts"]
-
 
 class CaptureRollouts:
     """A ``rollout_func`` for ``GRPOTrainer`` that also extends ``buffer`` with every batch.

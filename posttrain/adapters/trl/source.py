@@ -16,8 +16,6 @@ from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.trl.rollout import CaptureRollouts
 from posttrain.errors import SourceClosed
 
-__all__ = ["SourceClosed", "TRLRolloutSource"]
-
 
 class _Discard:
     """The source yields its batches instead of storing them."""

@@ -11,8 +11,6 @@ from posttrain.conformance.context import ConformanceError
 from posttrain.contracts.layout import key_str, norm_key
 from posttrain.testing import item_uids
 
-__all__ = ["Table", "bits_equal", "id_list", "leaves"]
-
 
 def leaves(td: TensorDictBase) -> dict[tuple[str, ...], torch.Tensor]:
     """Leaf tensors by normalised key."""
