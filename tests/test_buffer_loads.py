@@ -23,8 +23,8 @@ import torch
 from tensordict import TensorDict
 
 from posttrain._checkpoint import MANIFEST, reseal
-from posttrain.adapters.nemo_rl.codec import from_layout
 from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
+from posttrain.adapters.nemo_rl.train_data import from_layout
 from posttrain.adapters.ray.buffer import BufferHost
 from posttrain.reference_impls import RingBuffer
 from posttrain.testing import item_uids, llm_batch, ragged_llm_batch

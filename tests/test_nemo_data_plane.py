@@ -8,8 +8,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from posttrain.adapters.nemo_rl.codec import pack_jagged_fields
 from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient
+from posttrain.adapters.nemo_rl.wire import pack_jagged_fields
 from posttrain.contracts.validation import ContractViolation
 from posttrain.reference_impls import RingBuffer
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.adapters.nemo_rl.codec import NemoFormatError
 from posttrain.adapters.nemo_rl.loss import ContractAsNemoLoss, NemoLossModule, global_counts
+from posttrain.adapters.nemo_rl.train_data import NemoFormatError
 from posttrain.reference_impls import PolicyGradientLoss
 from posttrain.testing import llm_batch, tiny_causal_lm
 

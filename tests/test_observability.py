@@ -322,7 +322,7 @@ def test_other_hooks_check_their_inputs_before_any_write(
 def test_hooks_and_the_codec_take_bf16_log_probs_and_float64_rewards() -> None:
     # TorchRL's TransformersWrapper on a bf16 model writes bf16 log-probs; rewards often
     # arrive as float64. Metrics are computed in float32 either way.
-    from posttrain.adapters.nemo_rl.codec import from_layout
+    from posttrain.adapters.nemo_rl.train_data import from_layout
 
     td = llm_batch(2, 6, vocab_size=8)
     mixed = td.clone()

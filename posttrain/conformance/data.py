@@ -1,4 +1,4 @@
-"""Deprecated: the batch builders moved to :mod:`posttrain.testing` (removed in 0.3).
+"""Deprecated: the batch builders moved to :mod:`posttrain.testing` (removed in posttrain 0.2).
 
 Example:
     >>> import warnings
@@ -6,7 +6,7 @@ Example:
     ...     warnings.simplefilter("always")
     ...     from posttrain.conformance.data import llm_batch
     >>> str(w[0].message)
-    'posttrain.conformance.data.llm_batch moved to posttrain.testing.llm_batch; import it from there (this alias goes in 0.3)'
+    'posttrain.conformance.data.llm_batch is deprecated and will be removed in posttrain 0.2: import it from posttrain.testing'
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ from typing import Any
 
 from posttrain.testing import batches as _new
 
-__all__: list[str] = []
 _MOVED = ("PROMPT_LEN", "item_uids", "llm_batch", "ragged_llm_batch")
 
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
         warnings.warn(
-            f"posttrain.conformance.data.{name} moved to posttrain.testing.{name}; "
-            "import it from there (this alias goes in 0.3)",
+            f"{__name__}.{name} is deprecated and will be removed in posttrain 0.2: "
+            "import it from posttrain.testing",
             DeprecationWarning,
             stacklevel=2,
         )

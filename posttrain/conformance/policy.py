@@ -1,4 +1,4 @@
-"""Deprecated: the tiny policies moved to :mod:`posttrain.testing` (removed in 0.3).
+"""Deprecated: the tiny policies moved to :mod:`posttrain.testing` (removed in posttrain 0.2).
 
 Example:
     >>> import warnings
@@ -6,7 +6,7 @@ Example:
     ...     warnings.simplefilter("always")
     ...     from posttrain.conformance.policy import tiny_causal_lm
     >>> str(w[0].message)
-    'posttrain.conformance.policy.tiny_causal_lm moved to posttrain.testing.tiny_causal_lm; import it from there (this alias goes in 0.3)'
+    'posttrain.conformance.policy.tiny_causal_lm is deprecated and will be removed in posttrain 0.2: import it from posttrain.testing'
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ from typing import Any
 
 from posttrain.testing import policies as _new
 
-__all__: list[str] = []
 _MOVED = ("forced_token_weights", "tiny_causal_lm", "tiny_reward_model")
 
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
         warnings.warn(
-            f"posttrain.conformance.policy.{name} moved to posttrain.testing.{name}; "
-            "import it from there (this alias goes in 0.3)",
+            f"{__name__}.{name} is deprecated and will be removed in posttrain 0.2: "
+            "import it from posttrain.testing",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -10,9 +10,13 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 
-__all__ = ["PROMPT_LEN", "item_uids", "llm_batch", "ragged_llm_batch"]
-
 PROMPT_LEN = 3
+"""The prompt length of every item :func:`llm_batch` builds: its response starts at this position.
+
+Example:
+    >>> llm_batch(1).get(("masks", "all_assistant_mask"))[0, :PROMPT_LEN].any().item()
+    False
+"""
 _UID = ("tokens", "full")
 
 

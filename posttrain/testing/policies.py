@@ -8,8 +8,6 @@ import torch
 
 from posttrain._deps import optional_deps
 
-__all__ = ["forced_token_weights", "tiny_causal_lm", "tiny_reward_model"]
-
 
 def tiny_causal_lm(
     *, vocab_size: int = 64, seed: int = 0, hidden_size: int = 32, layers: int = 1

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from posttrain.adapters.nemo_rl.codec import NemoFormatError, from_layout
+from posttrain.adapters.nemo_rl.train_data import NemoFormatError, from_layout
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.validation import check

@@ -11,18 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = [
-    "DEVIATIONS",
-    "GENERATION_DEVIATIONS",
-    "LOGGER_DEVIATIONS",
-    "LOSS_DEVIATIONS",
-    "RAY_DEVIATIONS",
-    "REPRO_DIR",
-    "ROLLOUT_DEVIATIONS",
-    "WEIGHT_SYNC_DEVIATIONS",
-    "Deviation",
-]
-
 REPRO_DIR = Path(__file__).resolve().parents[3] / "tests" / "torchrl_repros"
 """Where the repro scripts lie: in a source checkout, beside the tests that run them."""
 
