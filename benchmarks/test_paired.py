@@ -108,6 +108,16 @@ def _paired(device: str, out: dict[str, float]) -> None:
         }
         _wrap_raw(stacks, ragged=True)
         ragged_group = {f"extend {name}": partial(rb.extend, ragged) for name, rb in stacks.items()}
+        raw_stack = stacks["torchrl LazyStackStorage"]
+        # What the contract asks of a list storage done with TorchRL's own calls: the buffer
+        # must not share the caller's tensors (BUF-006), so copy, then extend.
+        ragged_group["clone + extend torchrl LazyStackStorage"] = lambda: raw_stack.extend(
+            ragged.clone()
+        )
+        shared = ValidatedReplayBuffer(raw_stack, ragged=True, copy=False)
+        ragged_group["extend torchrl LazyStackStorage + adapter(copy=False)"] = partial(
+            shared.extend, ragged
+        )
         for call in ragged_group.values():
             call()
     # Validation and the schema check read metadata on the host: no device work to wait for.
@@ -116,9 +126,16 @@ def _paired(device: str, out: dict[str, float]) -> None:
     med = _medians(groups, ROUNDS // 5)
     if device == "cpu":
         rag = _medians([ragged_group], ROUNDS // 10)
-        out["ragged adapter / raw TorchRL extend time"] = (
+        raw = rag["extend torchrl LazyStackStorage"]
+        out["ragged adapter / raw TorchRL clone + extend time"] = (
             rag["extend torchrl LazyStackStorage + adapter"]
-            / rag["extend torchrl LazyStackStorage"]
+            / rag["clone + extend torchrl LazyStackStorage"]
+        )
+        out["ragged adapter(copy=False) / raw TorchRL extend time"] = (
+            rag["extend torchrl LazyStackStorage + adapter(copy=False)"] / raw
+        )
+        out["ragged adapter / raw TorchRL extend time"] = (
+            rag["extend torchrl LazyStackStorage + adapter"] / raw
         )
     # The absolute figures behind the ratios: a ratio moves with either side.
     out["memcpy GB/s (its own blocks)"] = n / med["memcpy"] / 1e9

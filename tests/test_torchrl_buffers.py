@@ -79,6 +79,22 @@ def test_adapter_adds_no_copy() -> None:
     assert inner.write_count == 3
 
 
+@pytest.mark.parametrize("copy", [True, False])
+def test_list_storage_copies_unless_told_the_batches_are_handed_over(copy: bool) -> None:
+    from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
+
+    rb = ValidatedReplayBuffer(
+        TensorDictReplayBuffer(storage=LazyStackStorage(4)), ragged=True, copy=copy
+    )
+    td = TensorDict({"x": torch.zeros(2, 3)}, batch_size=[2])
+    rb.extend(td)
+    td["x"].add_(1.0)  # the caller writes into its batch after handing it over
+    rb.sample(2)["x"].add_(1.0)  # and into a sample
+    stored = rb.read(torch.tensor([0, 1]))["x"]
+    assert stored.eq(0.0).all().item() is copy
+    assert stored.ge(1.0).all().item() is not copy
+
+
 @pytest.mark.parametrize("deviation", DEVIATIONS, ids=lambda d: "-".join(d.requirements))
 def test_each_published_repro_still_reproduces(deviation: Deviation) -> None:
     runpy.run_path(str(deviation.path), run_name="__main__")  # as `python <repro>` runs it
@@ -118,7 +134,7 @@ def test_adapter_checks_sample_size_and_read_indices() -> None:
     rb.extend(TensorDict({"z": torch.arange(3)}, batch_size=[3]))
     for bad in (-1, 2.5, None, True):
         with pytest.raises(
-            ValueError, match=f"batch_size: expected a non-negative int, found {bad!r}"
+            ValueError, match=f"batch_size: expected an int >= 0, found {bad!r}"
         ):
             rb.sample(bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expected integer indices, found dtype float32"):
