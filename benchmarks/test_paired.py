@@ -126,16 +126,16 @@ def _paired(device: str, out: dict[str, float]) -> None:
     med = _medians(groups, ROUNDS // 5)
     if device == "cpu":
         rag = _medians([ragged_group], ROUNDS // 10)
-        raw = rag["extend torchrl LazyStackStorage"]
+        raw_stack_s = rag["extend torchrl LazyStackStorage"]
         out["ragged adapter / raw TorchRL clone + extend time"] = (
             rag["extend torchrl LazyStackStorage + adapter"]
             / rag["clone + extend torchrl LazyStackStorage"]
         )
         out["ragged adapter(copy=False) / raw TorchRL extend time"] = (
-            rag["extend torchrl LazyStackStorage + adapter(copy=False)"] / raw
+            rag["extend torchrl LazyStackStorage + adapter(copy=False)"] / raw_stack_s
         )
         out["ragged adapter / raw TorchRL extend time"] = (
-            rag["extend torchrl LazyStackStorage + adapter"] / raw
+            rag["extend torchrl LazyStackStorage + adapter"] / raw_stack_s
         )
     # The absolute figures behind the ratios: a ratio moves with either side.
     out["memcpy GB/s (its own blocks)"] = n / med["memcpy"] / 1e9
