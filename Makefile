@@ -35,7 +35,7 @@ pytest: $(STAMP)
 test: lint typecheck specs-check pytest
 
 report: $(STAMP)
-	$(BIN)/python -m posttrain.conformance.matrix --out reports
+	$(BIN)/posttrain report --out reports
 
 specs: $(STAMP)
 	$(BIN)/python -m posttrain.specgen specs
