@@ -22,10 +22,15 @@ import torch
 from tensordict import TensorDictBase
 
 from posttrain._checkpoint import MANIFEST, reseal, why_unsafe
-from posttrain._deps import optional_deps
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import Table, id_list, leaves
+from posttrain.conformance.suites._remote import (
+    EXTENDS_PER_PRODUCER,
+    PER_EXTEND,
+    PRODUCERS,
+    run_producers,
+)
 from posttrain.contracts.layout import LLM_LAYOUT_V1, key_str
 from posttrain.testing import item_uids, llm_batch, ragged_llm_batch
 
@@ -917,55 +922,6 @@ def read_by_index(ctx: Context) -> None:
     raise _fail(f"read([{bad}]) returned data for an index that holds no item (3 of {CAP} written)")
 
 
-PRODUCERS, EXTENDS_PER_PRODUCER, PER_EXTEND = 3, 4, 3
-PRODUCERS_WAIT_S = 120.0
-
-
-class _Gate:
-    """BUF-023's start line, run as a Ray actor: no producer extends before all have started.
-
-    Ray starts the producers' worker processes seconds apart on a small machine; without a
-    start line the first could finish before the last begins, and writes would never race.
-    """
-
-    def __init__(self) -> None:
-        self.arrived = 0
-
-    def arrive(self) -> None:
-        self.arrived += 1
-
-    def count(self) -> int:
-        return self.arrived
-
-
-def _produce(
-    handle: Any, batches: list[TensorDictBase], bad: TensorDictBase | None, gate: Any
-) -> tuple[list[list[int]], str]:
-    """One producer, run as a Ray task: extend each batch (the bad one half-way); report.
-
-    Returns the indices each good extend returned, and what the bad extend did:
-    ``"raised <type>: <message>"``, ``"accepted"``, or ``""`` when there was none.
-    """
-    with optional_deps():
-        import ray
-
-    ray.get(gate.arrive.remote())
-    deadline = time.monotonic() + PRODUCERS_WAIT_S / 2
-    while ray.get(gate.count.remote()) < PRODUCERS and time.monotonic() < deadline:
-        time.sleep(0.005)
-    written: list[list[int]] = []
-    outcome = ""
-    for i, b in enumerate(batches):
-        if bad is not None and i == len(batches) // 2:
-            try:
-                handle.extend(bad)
-                outcome = "accepted"
-            except Exception as e:  # any type; the message must name the key
-                outcome = f"raised {type(e).__name__}: {e}"
-        written.append([int(j) for j in handle.extend(b).tolist()])
-    return written, outcome
-
-
 @requirement("BUF-023")
 def many_producers(ctx: Context) -> None:
     try:
@@ -987,32 +943,17 @@ def many_producers(ctx: Context) -> None:
             r.table.add(b)
     key = LLM_LAYOUT_V1.key("attention_mask")
     bad = r.batch(PER_EXTEND).exclude(key)  # its uids never enter the table: must never show
-    gate: Any = ray.remote(num_cpus=0)(_Gate).remote()
-    task = ray.remote(num_cpus=0)(_produce)
-    refs = [
-        task.remote(client(), bs, bad if i == 0 else None, gate) for i, bs in enumerate(batches)
-    ]
-    allowed, pending, draws, stray = set(r.table.items), list(refs), 0, ""
-    deadline = time.monotonic() + PRODUCERS_WAIT_S
-    while pending and time.monotonic() < deadline:
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.05)
+    allowed, draws, stray = set(r.table.items), 0, ""
+
+    def sample_once() -> None:  # the learner, between polls of the producers
+        nonlocal draws, stray
         try:
             r.table.check_sample(r.rb.sample(min(4, len(r.rb))), allowed)
         except ConformanceError as e:
             stray = stray or f"a sample drawn while they wrote: {e}"
         draws += 1
-    if pending:
-        for ref in pending:  # never leave a producer writing into a buffer the check dropped
-            ray.cancel(ref, force=True)
-        raise _fail(
-            f"{len(pending)} of {PRODUCERS} producers did not finish within {PRODUCERS_WAIT_S:.0f} s"
-        )
-    try:
-        results = ray.get(refs)
-    except Exception as e:
-        raise _fail(f"a producer's good extend raised {type(e).__name__}: {str(e)[:300]}") from None
-    finally:
-        ray.kill(gate, no_restart=True)
+
+    results = run_producers(client, batches, bad, sample_once)
     problems = [stray] if stray else []
     outcome = results[0][1]
     if not outcome.startswith("raised"):
