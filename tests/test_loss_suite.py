@@ -120,3 +120,40 @@ def test_a_loss_calling_the_policy_on_parts_of_the_batch_conforms(
         extras={"t_norm": 16, "clip_epsilon": 0.2},
     )
     assert _bad(impl) == {}
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "one_batch", "accumulated"),
+    [
+        ("token_mean", "0.06667 and one of the 8-token answer 0.06667", "0.25 and 0.03846"),
+        ("seq_mean_token_sum", "0.3333 and one of the 8-token answer 0.3333", "0.5 and 0.25"),
+    ],
+)
+def test_a_loss_without_global_counts_is_measured_not_failed(
+    aggregation: str, one_batch: str, accumulated: str
+) -> None:
+    impl = Implementation(
+        "loss",
+        partial(PolicyGradientLoss, aggregation=aggregation),
+        name="no-global-counts",
+        options={"aggregation": aggregation},
+    )
+    rep = run(impl)
+    row = {r.id: r for r in rep.results}["LOSS-017"]
+    assert row.status is Status.NOT_APPLICABLE
+    assert f"gradient weight {one_batch}" in row.message
+    assert f"mean of the 2 micro-batch losses, {accumulated}: its gradient depends" in row.message
+    assert rep.ok
+    assert not _bad(impl)
+
+
+def test_global_counts_smaller_than_the_batch_are_refused_by_the_reference() -> None:
+    from posttrain.contracts import GlobalCounts
+    from posttrain.testing import llm_batch, tiny_causal_lm
+
+    td = llm_batch(3, 8, vocab_size=64)
+    loss = PolicyGradientLoss(tiny_causal_lm())
+    with pytest.raises(ValueError, match="counts: this batch alone holds"):
+        loss(td, counts=GlobalCounts(1, 1))
+    with pytest.raises(TypeError, match="counts: expected a GlobalCounts"):
+        loss(td, counts=(10, 3))

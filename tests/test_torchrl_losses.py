@@ -27,3 +27,13 @@ def test_torchrl_losses(name: str) -> None:
 @pytest.mark.parametrize("deviation", LOSS_DEVIATIONS, ids=lambda d: "-".join(d.requirements))
 def test_each_published_loss_repro_still_reproduces(deviation: Deviation) -> None:
     runpy.run_path(str(deviation.path), run_name="__main__")  # as `python <repro>` runs it
+
+
+def test_raw_token_mean_loss_gets_a_measured_micro_batch_verdict() -> None:
+    # No global counts in TorchRL: LOSS-017 is not failed but measured (NOT_APPLICABLE).
+    from posttrain.conformance import Status, run
+
+    row = {r.id: r for r in run(LOSSES["torchrl-raw-grpoloss-token-mean"]).results}["LOSS-017"]
+    assert row.status is Status.NOT_APPLICABLE
+    assert "gradient weight 0.06667 and one of the 8-token answer 0.06667" in row.message
+    assert "0.25 and 0.03846: its gradient depends on how the batch is split" in row.message

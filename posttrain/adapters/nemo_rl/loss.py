@@ -23,6 +23,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from posttrain.adapters.nemo_rl.train_data import NemoFormatError, from_layout
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.contracts.loss import GlobalCounts
 from posttrain.contracts.validation import check
 
 __all__ = ["ContractAsNemoLoss", "NemoLossModule", "global_counts", "nemo_loss_module"]
@@ -165,14 +166,24 @@ class ContractAsNemoLoss:
         terms = {k: v for k, v in out.items() if isinstance(k, str) and k.startswith("loss_")}
         loss = torch.stack([v.reshape(()) for v in terms.values()]).sum()
         seqs, toks = global_counts(d)
+        # The wrapped loss averages over its own sequences holding a valid token (a sample
+        # without one weighs nothing): rescaling by that count over NeMo-RL's global one gives
+        # NeMo-RL's sum over sequences / global_valid_seqs, whichever rows it counts.
+        with_tokens = ((d["token_mask"][:, 1:] > 0) & (d["sample_mask"] > 0)[:, None]).any(-1)
         local, total = (
-            (toks, global_valid_toks) if self._level == "token_level" else (seqs, global_valid_seqs)
+            (toks, global_valid_toks)
+            if self._level == "token_level"
+            else (with_tokens.sum().float(), global_valid_seqs)
         )
         scale = local / torch.as_tensor(total, dtype=torch.float32).clamp_min(1e-8)
+        # Metrics are token means in NeMo-RL whatever the loss type (masked_mean over tokens
+        # with global_normalization_factor=global_valid_toks).
+        tok_scale = toks / torch.as_tensor(global_valid_toks, dtype=torch.float32).clamp_min(1e-8)
         metrics: dict[str, Any] = {"loss": float((loss * scale).detach())}
         for k in ("clip_fraction", "kl_approx", "kl_to_ref", *terms):
             if k in out.keys():  # noqa: SIM118 - a TensorDict's `in` is not its keys
-                metrics[k] = float((out.get(k) * scale).detach())
+                s = scale if k.startswith("loss_") else tok_scale
+                metrics[k] = float((out.get(k) * s).detach())
         metrics["num_valid_samples"] = float(seqs)
         return loss * scale, metrics
 
@@ -220,8 +231,16 @@ class NemoLossModule(torch.nn.Module):
         self.policy = policy
         self.layout = layout
 
-    def forward(self, td: TensorDictBase) -> TensorDict:
-        """NeMo-RL's loss of the policy on ``td`` (never mutated)."""
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        """NeMo-RL's loss of the policy on ``td`` (never mutated).
+
+        ``counts``: the global batch's, passed as ``global_valid_toks`` and
+        ``global_valid_seqs`` (capability ``global_counts``); default ``GlobalCounts.of(td)``,
+        whose sequences are the rows holding an assistant token (posttrain's rule: NeMo-RL's
+        ``sample_mask`` sum would count a row without one).
+        """
+        if counts is not None and not isinstance(counts, GlobalCounts):
+            raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
         check(
             td,
             self.layout,
@@ -234,7 +253,7 @@ class NemoLossModule(torch.nn.Module):
             data = dict(from_layout(td, layout=self.layout))
         attn = torch.arange(data["input_ids"].shape[1]) < data["input_lengths"][:, None]
         logits = self.policy(input_ids=data["input_ids"], attention_mask=attn.long()).logits
-        seqs, toks = global_counts(data)
+        c = counts if counts is not None else GlobalCounts.of(td, layout=self.layout)
         kind = str(getattr(self.loss_fn.input_type, "value", self.loss_fn.input_type))
         inputs: dict[str, Any]
         if kind == "logprob":
@@ -244,7 +263,10 @@ class NemoLossModule(torch.nn.Module):
         else:
             raise ValueError(f"input_type: expected 'logprob' or 'logit', found {kind!r}")
         loss, metrics = self.loss_fn(
-            data=data, global_valid_seqs=seqs, global_valid_toks=toks, **inputs
+            data=data,
+            global_valid_seqs=torch.tensor(float(c.sequences)),
+            global_valid_toks=torch.tensor(float(c.tokens)),
+            **inputs,
         )
         out: dict[str, torch.Tensor] = {"loss_objective": loss.reshape(())}
         for k, v in metrics.items():

@@ -260,6 +260,7 @@ def _loss(cls_name: str, aggregation: str, *, adapted: bool, kl: bool = False) -
         partial(make_loss(cls_name, adapted=adapted), aggregation=aggregation, **extra),
         name=f"{wrapper}{cls_name}(TransformersWrapper, aggregation={torchrl_name!r}{shown}){')' if adapted else ''}",
         capabilities={"diagnostics"}
+        | ({"global_counts"} if adapted else set())
         | ({"kl_to_ref"} if kl else set())
         | ({"clip"} if clip is not None else set()),
         options={"aggregation": aggregation},

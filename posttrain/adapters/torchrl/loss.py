@@ -11,6 +11,7 @@ from tensordict import TensorDict, TensorDictBase
 from posttrain._deps import optional_deps
 from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.contracts.loss import GlobalCounts
 from posttrain.contracts.validation import check
 
 __all__ = ["TORCHRL_AGGREGATIONS", "ContractLoss", "to_torchrl_layout", "transformers_actor"]
@@ -85,6 +86,13 @@ class ContractLoss(torch.nn.Module):
     averages them over every position of the padded batch; its values are 0 outside the mask,
     so a rescale is exact). The KL term is then a token mean whatever the aggregation.
 
+    Capability ``global_counts``: ``loss(td, counts=GlobalCounts(...))`` rescales TorchRL's
+    micro-batch means to the global batch (``token_mean`` by this batch's tokens over
+    ``counts.tokens``, ``prompt_mean`` by its rows over ``counts.sequences``; token means, the
+    KL term and diagnostics, by the token ratio), so micro-batches add up. Without ``counts``,
+    ``GlobalCounts.of(td)``: a row without assistant tokens is no sequence (TorchRL's
+    ``prompt_mean`` averages over every row).
+
     Example:
         >>> from torchrl.objectives.llm import GRPOLoss
         >>> from posttrain.testing import llm_batch
@@ -99,9 +107,25 @@ class ContractLoss(torch.nn.Module):
         super().__init__()
         self.loss = loss
 
-    def forward(self, td: TensorDictBase) -> TensorDict:
-        """Compute the wrapped loss on ``td`` (never mutated)."""
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        """Compute the wrapped loss on ``td`` (never mutated), as a part of the batch ``counts``
+        describes (default: ``td`` is the whole batch)."""
         check(td, require=("sample_log_probs", "advantage"), context=type(self.loss).__name__)
+        if counts is not None and not isinstance(counts, GlobalCounts):
+            raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
+        own = GlobalCounts.of(td)
+        c = counts if counts is not None else own
+        if own.tokens > c.tokens or own.sequences > c.sequences:
+            raise ValueError(
+                f"counts: this batch alone holds {own.tokens} assistant tokens in "
+                f"{own.sequences} sequences, more than the global {c}"
+            )
+        per_token = own.tokens / max(c.tokens, 1)
+        per_row = (
+            per_token
+            if getattr(self.loss, "aggregation", "token_mean") == "token_mean"
+            else td.batch_size[0] / max(c.sequences, 1)  # prompt_mean: a mean over every row
+        )
         out = self.loss(to_torchrl_layout(td))
         flat = out.to_tensordict() if hasattr(out, "to_tensordict") else out
         terms = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
@@ -114,7 +138,12 @@ class ContractLoss(torch.nn.Module):
         share = mask.numel() / mask.sum().clamp_min(1)
         for k in _POSITION_MEANS:
             if k in terms:
-                terms[k] = terms[k] * share
+                terms[k] = terms[k] * share * per_token
+        for k, v in terms.items():
+            if k.startswith("loss_") and k not in _POSITION_MEANS:
+                terms[k] = v * per_row
+        if own.tokens == 0:  # TorchRL's means of nothing are NaN; this part weighs nothing
+            terms = {k: torch.zeros_like(v.detach()) for k, v in terms.items()}
         return TensorDict(terms, batch_size=[])
 
 
