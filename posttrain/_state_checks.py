@@ -13,26 +13,8 @@ from typing import Any
 
 import torch
 
+from posttrain._dtypes import DTYPES
 from posttrain.contracts.schema import RAGGED, Column, ItemSchema
-
-DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    )
-}
-"""The dtypes a saved schema may name: ``'float32'`` -> ``torch.float32`` and so on."""
 
 
 def _short(found: object) -> str:

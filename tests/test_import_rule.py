@@ -44,7 +44,13 @@ def _files(sub: str) -> list[Path]:
 
 # The base every layer may import: the error classes and the private primitives (argument
 # checks, dtype names, deprecation shims). They import nothing else from posttrain.
-BASE = ("posttrain.errors", "posttrain._args", "posttrain._dtypes", "posttrain._deprecated")
+BASE = (
+    "posttrain.errors",
+    "posttrain._args",
+    "posttrain._dtypes",
+    "posttrain._deprecated",
+    "posttrain._futures",
+)
 
 
 def test_the_base_modules_import_only_each_other() -> None:

@@ -7,7 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import TensorDictBase
 
-from posttrain.contracts._counts import as_count
+from posttrain._args import non_negative_int
 from posttrain.contracts.contract import Capability, Contract, Option
 from posttrain.contracts.requirements import Level, Requirement
 
@@ -115,12 +115,9 @@ def sample_size(batch_size: Any) -> int:
         >>> sample_size(2.5)
         Traceback (most recent call last):
         ...
-        ValueError: batch_size: expected a non-negative int, found 2.5
+        ValueError: batch_size: expected an int >= 0, found 2.5
     """
-    n = as_count(batch_size)
-    if n is None:
-        raise ValueError(f"batch_size: expected a non-negative int, found {batch_size!r}")
-    return n
+    return non_negative_int("batch_size", batch_size)
 
 
 def storage_indices(indices: Any, length: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import re
 import threading
 from typing import Any, Protocol
 
-from posttrain.contracts._counts import as_count
+from posttrain._args import as_count
 from posttrain.contracts.contract import Capability, Contract
 from posttrain.contracts.requirements import Level, Requirement
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from posttrain._dtypes import dtype_name
 from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_column, leaf_items
 from posttrain.contracts.validation import ContractViolation, Violation
 
@@ -30,7 +31,7 @@ class Column:
     def describe(self) -> str:
         """``dtype [shape]`` as the error messages show it."""
         dims = ", ".join("ragged" if d == RAGGED else str(d) for d in self.shape)
-        return f"{str(self.dtype).removeprefix('torch.')} [{dims}]"
+        return f"{dtype_name(self.dtype)} [{dims}]"
 
 
 def batch_violations(data: Any) -> list[Violation]:
@@ -84,7 +85,7 @@ def _faults(v: torch.Tensor) -> list[tuple[str, str, str]]:
     if v.is_meta:
         out.append(("a tensor holding data (any device but meta)", "device meta", "BUF-011"))
     if v.layout is not _STRIDED and not v.is_nested:
-        layout = str(v.layout).removeprefix("torch.")
+        layout = dtype_name(v.layout)
         out.append(("a dense tensor (layout strided)", f"layout {layout}", "BUF-011"))
     if v.requires_grad:
         out.append(
@@ -297,7 +298,12 @@ class ItemSchema:
             else:
                 if c.dtype != col.dtype:
                     out.append(
-                        Violation(k, f"dtype {_dt(col.dtype)}", f"dtype {_dt(c.dtype)}", "BUF-011")
+                        Violation(
+                            k,
+                            f"dtype {dtype_name(col.dtype)}",
+                            f"dtype {dtype_name(c.dtype)}",
+                            "BUF-011",
+                        )
                     )
                 if not _shape_fits(c.shape, col.shape):
                     out.append(
@@ -423,7 +429,7 @@ class ItemSchema:
 
     def to_state(self) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
         """A picklable, ``weights_only``-loadable form."""
-        return [(k, _dt(c.dtype), c.shape) for k, c in self.columns.items()]
+        return [(k, dtype_name(c.dtype), c.shape) for k, c in self.columns.items()]
 
     @classmethod
     def from_state(cls, state: list[Any]) -> ItemSchema:
@@ -527,7 +533,3 @@ def _shape_fits(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
 
 def _dims(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join("ragged" if d == RAGGED else str(d) for d in shape) + "]"
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

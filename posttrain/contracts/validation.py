@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from posttrain._dtypes import DTYPES, dtype_name
 from posttrain.contracts.layout import (
     LLM_LAYOUT_V1,
     Layout,
@@ -125,17 +126,7 @@ class ContractViolation(PosttrainError, ValueError):
         return list(dict.fromkeys(v.requirement for v in self.violations))
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool, "int32": torch.int32, "int64": torch.int64,
-    "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float32": torch.float32, "float64": torch.float64,
-}  # fmt: skip
-
 _RAGGED = -1
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _fmt_shape(shape: tuple[int, ...]) -> str:
@@ -161,10 +152,7 @@ def _meta(td: TensorDictBase, key: tuple[str, ...]) -> tuple[torch.dtype, tuple[
             raise _ItemsDiffer("LAY-001", "in every item", f"missing from items {missing}")
         dtypes = list(dict.fromkeys(p.dtype for p in parts))  # in the items' order
         if len(dtypes) > 1:
-            by = {
-                str(d).removeprefix("torch."): [i for i, p in enumerate(parts) if p.dtype == d]
-                for d in dtypes
-            }
+            by = {dtype_name(d): [i for i, p in enumerate(parts) if p.dtype == d] for d in dtypes}
             raise _ItemsDiffer("LAY-002", "in every item", f"dtypes {by} (by items)")
         # A lazy stack of unequal items cannot be densified; ask it for the shape instead.
         shape = tuple(int(d) for d in td.get_item_shape(key))
@@ -191,23 +179,7 @@ def validate(
     deep: bool = False,
     any_float: bool = False,
 ) -> list[Violation]:
-    """Return every violation of ``layout`` by ``td`` (empty when it conforms).
-
-    Metadata only (keys, dtypes, shapes, requires_grad) unless ``deep=True``, which also reads
-    mask and log-prob values (LAY-004, LAY-007). ``require`` adds fields the consumer needs;
-    ``strict`` rejects keys outside the layout; ``ragged`` lets 'T' differ between items;
-    ``any_float`` accepts any floating dtype for a float field (for a consumer that casts, as
-    metrics do with bf16 log-probs or float64 rewards).
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> td = TensorDict({("tokens", "full"): torch.zeros(2, 3, dtype=torch.int64),
-        ...                  ("masks", "all_attention_mask"): torch.ones(2, 3, dtype=torch.bool),
-        ...                  ("masks", "all_assistant_mask"): torch.ones(2, 3)}, batch_size=[2])
-        >>> [str(v) for v in validate(td)]
-        ["LAY-002 key ('masks', 'all_assistant_mask'): expected dtype bool, found dtype float32"]
-    """
+    """Every violation of ``layout`` by ``td`` (:meth:`Layout.violations`, which says more)."""
     plain = type(td) is TensorDict  # skips two abstract-class isinstance checks per call
     quick = (
         _flat_signature(td, layout, require, strict, ragged, any_float)
@@ -278,10 +250,10 @@ def validate(
             out.append(Violation(f.key, f"{expected} {where}", found, rid))
             continue
         fine = True
-        want = _DTYPES[f.dtype]
+        want = DTYPES[f.dtype]
         if dtype != want and not (any_float and dtype.is_floating_point and want.is_floating_point):
             out.append(
-                Violation(f.key, f"dtype {f.dtype}", f"dtype {_dtype_name(dtype)}", "LAY-002")
+                Violation(f.key, f"dtype {f.dtype}", f"dtype {dtype_name(dtype)}", "LAY-002")
             )
             fine = False
         shape_problem = _match_shape(f, shape, batch, bound, ragged)
@@ -483,22 +455,7 @@ def check(
     any_float: bool = False,
     context: str = "",
 ) -> None:
-    """Raise one :class:`ContractViolation` listing every violation; return quietly otherwise.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> td = TensorDict({("tokens", "full"): torch.zeros(2, 3, dtype=torch.int64),
-        ...                  ("masks", "all_attention_mask"): torch.ones(2, 3, dtype=torch.bool),
-        ...                  ("masks", "all_assistant_mask"): torch.ones(2, 3, dtype=torch.bool)},
-        ...                 batch_size=[2])
-        >>> check(td)
-        >>> check(td, require=("advantage",))
-        Traceback (most recent call last):
-        ...
-        posttrain.contracts.validation.ContractViolation: 1 contract violation(s)
-          - LAY-001 key 'advantage': expected advantage (float32 [*B]), found no such key
-    """
+    """Raise one :class:`ContractViolation` listing every violation (:meth:`Layout.check`)."""
     violations = validate(
         td, layout, require=require, strict=strict, ragged=ragged, deep=deep, any_float=any_float
     )

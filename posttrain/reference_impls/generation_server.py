@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain._args import positive_int
+from posttrain._futures import settle
 from posttrain.contracts.generation import (
     PROMPT_KEY,
     RESPONSE_KEY,
@@ -71,9 +72,8 @@ class ThreadGenerationServer:
     ) -> None:
         if on_shutdown not in ("fail", "drain"):
             raise ValueError(f"on_shutdown: expected 'fail' or 'drain', found {on_shutdown!r}")
-        for key, v in (("max_new_tokens", max_new_tokens), ("max_batch_size", max_batch_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{key}: expected a positive int, found {v!r}")
+        max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
+        max_batch_size = positive_int("max_batch_size", max_batch_size)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
             raise ValueError(f"timeout: expected seconds >= 0, found {timeout!r}")
         self.policy = policy
@@ -208,7 +208,7 @@ class ThreadGenerationServer:
                 continue  # cancelled by its caller
             problem = request_problem(req.td)
             if problem:
-                _settle(req.future, error=ValueError(problem))
+                settle(req.future, error=ValueError(problem))
             else:
                 valid.append(req)
         if not valid:
@@ -230,7 +230,7 @@ class ThreadGenerationServer:
         self._stats["forward_s"] += forward
         self._stats["queue_wait_s"] += sum(start - r.queued for r in valid) / len(valid)
         for r, (tokens, lps) in zip(valid, answers, strict=True):
-            _settle(
+            settle(
                 r.future,
                 result=TensorDict(
                     {
@@ -281,12 +281,3 @@ def greedy_answers(
         lp = logits.log_softmax(-1)[p.numel() - 1 :].gather(-1, full[p.numel() :, None])[:, 0]
         answers.append((full[p.numel() :], lp))
     return answers
-
-
-def _settle(fut: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
-    # A future cancelled by its caller, or already failed by shutdown(), keeps its outcome.
-    with contextlib.suppress(InvalidStateError):
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)

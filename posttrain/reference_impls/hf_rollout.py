@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from posttrain._args import non_negative_int, token_prompts
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.errors import SourceClosed
@@ -41,12 +42,11 @@ class HFRolloutSource:
         greedy: bool = False,
         seed: int = 0,
     ) -> None:
-        if not prompts or any(not p for p in prompts):
-            raise ValueError("prompts: expected a non-empty list of non-empty token lists")
-        if total_batches is not None and total_batches < 0:
-            raise ValueError(f"total_batches: expected None or >= 0, found {total_batches}")
+        prompts = token_prompts(prompts)
+        if total_batches is not None:
+            total_batches = non_negative_int("total_batches", total_batches)
         self.policy = policy
-        self.prompts = [list(map(int, p)) for p in prompts]
+        self.prompts = prompts
         self.total_batches = total_batches
         self.max_new_tokens = max_new_tokens
         self.num_samples = num_samples

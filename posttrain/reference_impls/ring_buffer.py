@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain._args import positive_int
 from posttrain._checkpoint import atomic_dir, load_verified
 from posttrain._state_checks import (
     bad,
@@ -71,8 +72,7 @@ class RingBuffer:
         sampling: str = "with_replacement",
         seed: int | None = None,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity: expected a positive int, found {capacity!r}")
+        capacity = positive_int("capacity", capacity)
         if sampling not in ("with_replacement", "without_replacement"):
             raise ValueError(
                 "sampling: expected 'with_replacement' or 'without_replacement', "

@@ -8,15 +8,12 @@ from collections.abc import Mapping
 
 import torch
 
+from posttrain._dtypes import dtype_name
 from posttrain.errors import PosttrainError
 
 
 class WeightMismatch(PosttrainError, ValueError):
     """Sent weights do not fit the receiver's model (names, tensors, layouts, shapes, dtypes)."""
-
-
-def _dt(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
 
 
 class InProcessReceiver:
@@ -58,7 +55,7 @@ class InProcessReceiver:
             )
         own = self.model.state_dict()
         problems = [
-            f"{n!r}: missing (expected {_dt(t.dtype)} {list(t.shape)})"
+            f"{n!r}: missing (expected {dtype_name(t.dtype)} {list(t.shape)})"
             for n, t in own.items()
             if n not in weights
         ]
@@ -125,14 +122,14 @@ def _misfit(t: object, own: torch.Tensor) -> str | None:
     if not isinstance(t, torch.Tensor):
         return f"expected a tensor, found {type(t).__name__}"
     if t.layout != own.layout or t.is_nested:
-        found = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
-        return f"expected layout {str(own.layout).removeprefix('torch.')}, found {found}"
+        found = "nested" if t.is_nested else dtype_name(t.layout)
+        return f"expected layout {dtype_name(own.layout)}, found {found}"
     if t.is_meta and not own.is_meta:
         return "expected a tensor with data, found one on device meta"
     if t.shape != own.shape:
         return f"expected shape {list(own.shape)}, found {list(t.shape)}"
     if t.dtype != own.dtype:
-        return f"expected dtype {_dt(own.dtype)}, found {_dt(t.dtype)}"
+        return f"expected dtype {dtype_name(own.dtype)}, found {dtype_name(t.dtype)}"
     return None
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from posttrain._args import positive_int
 from posttrain.adapters.nemo_rl.train_data import batched_data_dict, from_layout, to_layout
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.errors import PosttrainError
@@ -87,8 +88,8 @@ class NemoReplayBuffer:
                 "posttrain.adapters.torchrl.ValidatedReplayBuffer"
             )
         known = _capacity_of(buffer)
-        if capacity is not None and capacity < 1:
-            raise ValueError(f"capacity: expected a positive int, found {capacity}")
+        if capacity is not None:
+            capacity = positive_int("capacity", capacity)
         if capacity is not None and known is not None and capacity > known:
             raise ValueError(
                 f"capacity: expected at most the buffer's capacity {known}, found {capacity}"

@@ -8,16 +8,16 @@ per-request futures. The model here is greedy HF generation over the batch's pro
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain._deps import optional_deps
+from posttrain._futures import settle
 from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signature
 from posttrain.contracts.generation import (
     PROMPT_KEY,
@@ -195,7 +195,7 @@ class ContractInferenceServer:
         with self._lock:
             pending, self._pending = self._pending, set()
         for fut in pending:
-            _settle(fut, error=ServerClosed("the server shut down before serving this request"))
+            settle(fut, error=ServerClosed("the server shut down before serving this request"))
 
     def _submit(self, inner: Any, request: TensorDictBase) -> Future[TensorDictBase]:
         out: Future[TensorDictBase] = Future()
@@ -216,9 +216,9 @@ class ContractInferenceServer:
             try:
                 result = f.result()
             except Exception as e:
-                _settle(out, error=e)
+                settle(out, error=e)
             else:
-                _settle(out, result=result)
+                settle(out, result=result)
             with self._lock:  # only now: until settled, shutdown() must be able to fail it
                 self._pending.discard(out)
 
@@ -228,12 +228,3 @@ class ContractInferenceServer:
         else:  # TorchRL's multiprocessing transport answers with a future without callbacks
             threading.Thread(target=relay, args=(inner_future,), daemon=True).start()
         return out
-
-
-def _settle(fut: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
-    # A future already failed by shutdown() keeps that outcome.
-    with contextlib.suppress(InvalidStateError):
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)

@@ -26,6 +26,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain._deps import optional_deps
+from posttrain._dtypes import dtype_name
 
 SEND_TIMEOUT_S = 10.0
 """How long a raw ``send`` may block: TorchRL's sync send waits for an ack forever."""
@@ -195,13 +196,9 @@ def weight_problems(
         if k in signature and (v.dtype, v.shape) != signature[k]:
             dt, shape = signature[k]
             problems.append(
-                f"{k}: expected {_dt(dt)} {list(shape)}, found {_dt(v.dtype)} {list(v.shape)}"
+                f"{k}: expected {dtype_name(dt)} {list(shape)}, found {dtype_name(v.dtype)} {list(v.shape)}"
             )
     return problems
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _scheme_push(

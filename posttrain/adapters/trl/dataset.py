@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
+from posttrain._args import positive_int
 from posttrain._deps import optional_deps
 from posttrain.adapters._layout import fill_mask, pad_values
 from posttrain.adapters._layout import to_padded as to_padded  # re-exported: its old home
@@ -115,10 +116,9 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         pad_token_id: int = 0,
         layout: Layout = LLM_LAYOUT_V1,
     ) -> None:
-        if not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size: expected a positive int, found {batch_size!r}")
-        if num_batches is not None and (not isinstance(num_batches, int) or num_batches <= 0):
-            raise ValueError(f"num_batches: expected a positive int or None, found {num_batches!r}")
+        batch_size = positive_int("batch_size", batch_size)
+        if num_batches is not None:
+            num_batches = positive_int("num_batches", num_batches)
         if shape not in ("padded", "ragged"):
             raise ValueError(f"shape: expected 'padded' or 'ragged', found {shape!r}")
         self.buffer = buffer

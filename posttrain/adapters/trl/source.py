@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from posttrain._args import non_negative_int, token_prompts
 from posttrain._deps import optional_deps
 from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.trl.rollout import CaptureRollouts
@@ -53,10 +54,9 @@ class TRLRolloutSource:
         seed: int = 0,
         use_cpu: bool = True,
     ) -> None:
-        if not prompts or any(not p for p in prompts):
-            raise ValueError("prompts: expected a non-empty list of non-empty token lists")
-        if total_batches is not None and total_batches < 0:
-            raise ValueError(f"total_batches: expected None or >= 0, found {total_batches}")
+        prompts = token_prompts(prompts)
+        if total_batches is not None:
+            total_batches = non_negative_int("total_batches", total_batches)
         with optional_deps():
             from datasets import Dataset
             from trl.trainer.grpo_config import GRPOConfig
@@ -87,7 +87,7 @@ class TRLRolloutSource:
             train_dataset=Dataset.from_dict({"prompt": [""]}),
             processing_class=tok,
         )
-        self.prompts = [list(map(int, p)) for p in prompts]
+        self.prompts = prompts
         self.total_batches = total_batches
         self.num_generations = num_generations
         self._capture = CaptureRollouts(_Discard(), version=lambda _: self._version)  # type: ignore[arg-type]

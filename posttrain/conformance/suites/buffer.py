@@ -25,6 +25,7 @@ from posttrain._checkpoint import MANIFEST, reseal, why_unsafe
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import Table, id_list, leaves
+from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.conformance.suites._remote import (
     EXTENDS_PER_PRODUCER,
     PER_EXTEND,
@@ -37,10 +38,6 @@ from posttrain.testing import item_uids, llm_batch, ragged_llm_batch
 CAP = 8
 T = 8
 _UID_BASES = itertools.count(1)
-
-
-def _fail(msg: str) -> ConformanceError:
-    return ConformanceError(msg)
 
 
 class _Run:

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.conformance.context import ConformanceError, Context, NotApplicable
+from posttrain.conformance.context import Context, NotApplicable
 from posttrain.conformance.registry import requirement
+from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY, RESPONSE_LOG_PROBS_KEY
 from posttrain.testing import forced_token_weights, tiny_causal_lm
 
@@ -39,10 +40,6 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [20, 21], [30, 31, 32], [4
 EOS_PROMPT = [5, 6, 7]
 LONG_PROMPTS = [[8, 9], [20, 21], [30, 31, 32]]
 EOS_TABLE = {7: 11, 11: 2, 9: 12, 12: 13, 13: 14, 21: 22, 22: 23, 23: 24, 32: 33, 33: 34, 34: 35}
-
-
-def _fail(msg: str) -> ConformanceError:
-    return ConformanceError(msg)
 
 
 def _request(prompt: list[int]) -> TensorDict:

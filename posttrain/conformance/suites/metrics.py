@@ -11,15 +11,12 @@ import multiprocessing
 from pathlib import Path
 from typing import Any
 
-from posttrain.conformance.context import ConformanceError, Context
+from posttrain.conformance.context import Context
 from posttrain.conformance.registry import requirement
+from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.contracts.metrics import METRIC_NAME_MAX
 
 Scalars = dict[str, list[tuple[int, float]]]
-
-
-def _fail(msg: str) -> ConformanceError:
-    return ConformanceError(msg)
 
 
 def _read(ctx: Context, directory: Path) -> Scalars:

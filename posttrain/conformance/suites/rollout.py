@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from posttrain.conformance.context import ConformanceError, Context
+from posttrain.conformance.context import Context
 from posttrain.conformance.registry import requirement
+from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.validation import validate
@@ -34,10 +35,6 @@ _EARLY_END = {9, 16}  # prompts ending in these answer [marker, EOS]: shorter th
 _MARKED = 20  # scripted weights k emit 20 + k before EOS ...
 _LOOPED = 40  # ... and 40 + k (repeated up to MAX_NEW) after any other token
 _MARGIN = 50.0  # ~280 logits after the final norm: exp(-280) underflows, sampling is greedy
-
-
-def _fail(msg: str) -> ConformanceError:
-    return ConformanceError(msg)
 
 
 def _source(ctx: Context, total: int | None = 3) -> tuple[Any, Any]:

@@ -15,16 +15,13 @@ from typing import Any
 
 import torch
 
-from posttrain.conformance.context import ConformanceError, Context, NotApplicable
+from posttrain.conformance.context import Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import bits_equal
+from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.testing import tiny_causal_lm
 
 Weights = dict[str, torch.Tensor]
-
-
-def _fail(msg: str) -> ConformanceError:
-    return ConformanceError(msg)
 
 
 class _Remote:
