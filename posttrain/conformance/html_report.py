@@ -119,6 +119,8 @@ td.k-error{background:#f7cba0;font-weight:600}
 .failure.k-blocked{border-left-color:#999;margin:.15em 0;padding:.1em .6em;font-size:.9em}
 .failure.k-error{border-left-color:#e07b00}
 #summary{font-size:.92em} #summary th{white-space:nowrap}
+#summary td.name{width:20em} #summary td.name small{overflow-wrap:anywhere}
+#summary td.verdict,#summary td:nth-child(2){white-space:nowrap}
 td.ids{width:13em} .id{white-space:nowrap}
 .tag{font-size:.8em;padding:0 5px;border:1px solid #999;border-radius:4px;margin-left:.4em}
 """
@@ -249,7 +251,7 @@ def _summary(reports: Mapping[str, Report], frameworks: Mapping[str, str]) -> li
             f"<td class='name'><a href='#{_anchor(name)}'>{_e(name)}</a><br><small>{_e(rep.run.get('implementation', ''))}</small></td>"
             f"<td>{_e(rep.run.get('contract', '?'))} v{_e(rep.run.get('contract_version', '?'))}</td>"
             f"<td>{_e(fw)}</td>"
-            f"<td><span class='v {_VERDICT_CLASS[v]}'>{_e(v)}</span></td>"
+            f"<td class='verdict'><span class='v {_VERDICT_CLASS[v]}'>{_e(v)}</span></td>"
             f"<td class='ids'>{_ids(sorted(rep.failed_ids()))}</td>"
             f"<td>{c['PASS']}</td><td>{c['FAIL']}</td><td>{c['ERROR']}</td><td>{c['NOT_APPLICABLE']}</td>"
             f"<td>{_e(rep.run.get('duration_s', ''))}</td></tr>"
