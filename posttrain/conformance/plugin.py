@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-# No public Python names: pytest finds the hooks below by name, and the interface is the
-# command line above.
-__all__: list[str] = []
+from posttrain.errors import PosttrainError
+
+# No __all__ (no public Python names): pytest finds the hooks below by name, and the
+# interface is the command line above.
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -91,7 +92,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_Conformance(config), "posttrain-conformance")
 
 
-class RequirementFailed(Exception):
+class RequirementFailed(PosttrainError):
     """Raised by an item whose MUST requirement failed; carries the report row."""
 
     def __init__(self, message: str, repro: str) -> None:
@@ -216,7 +217,7 @@ class _Conformance:
     def pytest_collection(self, session: pytest.Session) -> bool:
         from _pytest.reports import CollectReport
 
-        from posttrain.conformance import suites
+        from posttrain.conformance.registry import suite_file
 
         hook = session.config.hook
         items: list[pytest.Item] = []
@@ -227,7 +228,7 @@ class _Conformance:
                 session,
                 name=f"conformance-{s.contract.id}",
                 session_run=s,
-                path=Path(suites.__file__).parent / f"{s.contract.id}.py",
+                path=suite_file(s.contract.id) or Path(str(session.config.rootpath)),
             )
             found: list[pytest.Item | pytest.Collector] = list(col.collect())
             hook.pytest_collectreport(report=CollectReport(col.nodeid, "passed", None, found))
