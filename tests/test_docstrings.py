@@ -54,7 +54,6 @@ _ALL_PENDING = {
 _DOC_PENDING = {
     "posttrain.contracts.AGGREGATIONS",
     "posttrain.contracts.LossOutput",
-    "posttrain.testing.PROMPT_LEN",
 }
 
 
