@@ -272,3 +272,22 @@ def load_verified(path: str | os.PathLike[str], name: str) -> Any:
         raise CheckpointError(
             f"{path}: {name} could not be read as tensors and plain data: " + why_unsafe(e)
         ) from None
+
+
+def save_state(path: str | os.PathLike[str], name: str, state: Any) -> None:
+    """Write ``state`` as file ``name`` of a new checkpoint directory ``path``, atomically.
+
+    What :func:`load_verified` reads back: ``torch.save`` into a fresh directory, sealed by a
+    manifest and swapped in whole (an earlier checkpoint at ``path`` is replaced).
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = Path(tempfile.mkdtemp()) / "ckpt"
+        >>> save_state(d, "state.pt", {"x": torch.zeros(1)})
+        >>> load_verified(d, "state.pt")["x"].tolist()
+        [0.0]
+    """
+    import torch
+
+    with atomic_dir(path) as tmp:
+        torch.save(state, tmp / name)

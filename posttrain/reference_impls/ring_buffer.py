@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain._args import positive_int
-from posttrain._checkpoint import atomic_dir, load_verified
+from posttrain._checkpoint import load_verified, save_state
 from posttrain._state_checks import (
     bad,
     checked_int,
@@ -357,9 +357,7 @@ class RingBuffer:
         ``path`` holds ``ring_buffer.pt`` and a manifest of its size and SHA-256; it must be
         new, empty or an earlier checkpoint (a directory of other files is refused).
         """
-        state = self.state_dict()
-        with atomic_dir(path) as tmp:
-            torch.save(state, tmp / _STATE_FILE)
+        save_state(path, _STATE_FILE, self.state_dict())
 
     def loads(self, path: str | os.PathLike[str], /) -> None:
         """Restore what :meth:`dumps` saved under ``path``; refuse it whole if it was altered.

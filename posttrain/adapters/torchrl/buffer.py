@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from posttrain._checkpoint import atomic_dir, load_verified
+from posttrain._checkpoint import load_verified, save_state
 from posttrain._state_checks import (
     bad,
     checked_int,
@@ -205,9 +205,7 @@ class ValidatedReplayBuffer:
         and plain data only. TorchRL's own ``dumps`` format (memmap files, JSON metadata, a
         pickled prefetch state) is never written, so :meth:`loads` never reads it.
         """
-        state = self.state_dict()
-        with atomic_dir(path) as tmp:
-            torch.save(state, tmp / _STATE_FILE)
+        save_state(path, _STATE_FILE, self.state_dict())
 
     def loads(self, path: str | os.PathLike[str], /) -> None:
         """Restore what :meth:`dumps` saved under ``path``, or refuse it with nothing changed.
