@@ -45,6 +45,7 @@ TARGETS = [
     "nemo-rl-loss-token-mean",
 ]
 NO_BROWSER = os.environ.get("POSTTRAIN_NO_BROWSER") == "1"
+OFF_DISK: list[str] = []  # what the page asked for besides its own file
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +82,19 @@ def browser_page(request: pytest.FixtureRequest) -> Iterator[Any]:
         page = browser.new_page()
         # Nothing on the page may need the network: every other request is aborted.
         page.route("**/*", _only_the_file)
+        page.on(
+            "request", lambda r: None if r.url.startswith("file://") else OFF_DISK.append(r.url)
+        )
         page.goto(page_file.as_uri())
         yield page
         browser.close()
+
+
+@pytest.fixture
+def page(browser_page: Any) -> Any:
+    # A fresh load per test: no filter left set by another test, in any order.
+    browser_page.goto(browser_page.url)
+    return browser_page
 
 
 def _only_the_file(route: Any) -> None:
@@ -100,8 +111,7 @@ def _shown_rows(page: Any) -> list[str]:
     return names
 
 
-def test_the_page_renders_a_verdict_per_implementation(browser_page: Any) -> None:
-    page = browser_page
+def test_the_page_renders_a_verdict_per_implementation(page: Any) -> None:
     verdicts = dict(
         zip(
             _shown_rows(page),
@@ -125,13 +135,13 @@ def test_the_page_renders_a_verdict_per_implementation(browser_page: Any) -> Non
     unexpected = page.inner_text("#unexpected")
     assert "WRONGLY_DECLARED" in unexpected
     assert "BUF-002 declared a known failure but did not run (blocked)" in unexpected
+    assert OFF_DISK == [], "expected a page that needs nothing but itself"
     versions = page.inner_text("#versions")
     for name in ("posttrain", "torch", "torchrl", "trl", "python", "buffer 1.", "loss 1."):
         assert name in versions
 
 
-def test_the_contract_and_framework_filters_hide_and_show_rows(browser_page: Any) -> None:
-    page = browser_page
+def test_the_contract_and_framework_filters_hide_and_show_rows(page: Any) -> None:
     page.select_option("#f-contract", "loss")
     assert _shown_rows(page) == [t for t in TARGETS if "loss" in t]
     assert page.is_hidden(f"[data-row='detail'][data-impl='{_HERE}:BROKEN']")
@@ -147,8 +157,7 @@ def test_the_contract_and_framework_filters_hide_and_show_rows(browser_page: Any
     assert page.is_visible("th[data-col='reference-buffer']")
 
 
-def test_a_failure_shows_its_message_repro_and_spec_link(browser_page: Any) -> None:
-    page = browser_page
+def test_a_failure_shows_its_message_repro_and_spec_link(page: Any) -> None:
     box = page.locator(f"[data-row='detail'][data-impl='{_HERE}:BROKEN'] .failure")
     assert box.count() == 1
     assert box.inner_text().startswith("BUF-009")
@@ -163,8 +172,7 @@ def test_a_failure_shows_its_message_repro_and_spec_link(browser_page: Any) -> N
     assert box.locator("a").get_attribute("href") == "../specs/buffer-v1.md#BUF-009"
 
 
-def test_blocked_and_should_failures_look_different_from_must_failures(browser_page: Any) -> None:
-    page = browser_page
+def test_blocked_and_should_failures_look_different_from_must_failures(page: Any) -> None:
 
     def background(selector: str) -> str:
         colour: str = page.eval_on_selector(selector, "e => getComputedStyle(e).background")
