@@ -157,3 +157,38 @@ def test_global_counts_smaller_than_the_batch_are_refused_by_the_reference() -> 
         loss(td, counts=GlobalCounts(1, 1))
     with pytest.raises(TypeError, match="counts: expected a GlobalCounts"):
         loss(td, counts=(10, 3))
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "seq_mean_token_sum"])
+def test_declared_options_reach_an_unbound_factory_in_every_requirement(aggregation: str) -> None:
+    # PolicyGradientLoss itself, not a partial: built as token_mean unless the suite passes the
+    # declared aggregation, which LOSS-003 and LOSS-016 to LOSS-018 would then fail.
+    impl = Implementation(
+        "loss",
+        PolicyGradientLoss,
+        name="unbound",
+        capabilities={"per_token_advantage", "diagnostics", "global_counts"},
+        options={"aggregation": aggregation},
+    )
+    assert _bad(impl) == {}
+
+
+class _FloatDiagnostics(PolicyGradientLoss):
+    """Diagnostics as Python floats (``.item()``), loss terms as tensors, in a plain dict."""
+
+    def forward(self, td: Any, *, counts: Any = None) -> Any:
+        out = super().forward(td, counts=counts)
+        return {k: (v if k.startswith("loss_") else float(v)) for k, v in out.items()}
+
+
+def test_diagnostics_as_python_floats_are_accepted() -> None:
+    impl = Implementation(
+        "loss",
+        partial(_FloatDiagnostics, aggregation="token_mean", kl_coef=0.05),
+        name="float-diagnostics",
+        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "global_counts"},
+        options={"aggregation": "token_mean"},
+    )
+    rep = run(impl)
+    assert _bad(impl) == {}
+    assert {r.id: r.status for r in rep.results}["LOSS-018"] is Status.PASS

@@ -13,6 +13,7 @@ differs from position to position, so an entropy read at the wrong position show
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +21,10 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from posttrain.conformance.context import ConformanceError, Context, NotApplicable
+from posttrain.conformance.context import Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import bits_equal, leaves
+from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, key_str
 from posttrain.testing import llm_batch, tiny_causal_lm
@@ -31,10 +33,6 @@ V, B, T = 64, 4, 10
 K = LLM_LAYOUT_V1.key
 TOK, ATT, ASST = K("tokens"), K("attention_mask"), K("assistant_mask")
 SLP, RLP, ADV = K("sample_log_probs"), K("ref_log_probs"), K("advantage")
-
-
-def _fail(msg: str) -> ConformanceError:
-    return ConformanceError(msg)
 
 
 def _setup(ctx: Context, *, peaked: bool = False) -> tuple[Any, Any]:
@@ -48,7 +46,9 @@ def _setup(ctx: Context, *, peaked: bool = False) -> tuple[Any, Any]:
     if peaked:
         with torch.no_grad():
             policy.get_output_embeddings().weight.mul_(_PEAK)
-    return policy, ctx.make(policy)
+    # The declared options reach the factory by name (a factory not pre-bound to them is
+    # built as declared); a factory declaring none gets no keyword (LOSS-008 says why).
+    return policy, ctx.make(policy, **ctx.impl.options)
 
 
 _PEAK = 30.0
@@ -84,11 +84,14 @@ def _as_dict(out: Any) -> dict[str, Any]:
 
 
 def _scalars(out: Any) -> dict[str, float]:
-    """Every scalar floating-point output, by name (loss terms and diagnostics)."""
+    """Every scalar floating-point output, by name (loss terms and diagnostics); a diagnostic
+    may be a Python or NumPy float (what ``.item()`` gives a logger) as well as a tensor."""
     res = {}
     for k, v in _as_dict(out).items():
         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == 1:
             res[str(k)] = float(v.detach().reshape(()))
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool | int | numbers.Integral):
+            res[str(k)] = float(v)
     return res
 
 
