@@ -33,16 +33,6 @@ MAX_PUBLIC_NAMES = 105
 
 # Implementation modules that still list an ``__all__`` while another change reworks them.
 _ALL_PENDING = {
-    "posttrain/adapters/nemo_rl/codec.py",
-    "posttrain/adapters/torchrl/deviations.py",
-    "posttrain/conformance/registry.py",
-    "posttrain/conformance/plugin.py",
-    "posttrain/conformance/data.py",
-    "posttrain/conformance/policy.py",
-    "posttrain/conformance/html_report.py",
-    "posttrain/cli.py",
-    "posttrain/testing/batches.py",
-    "posttrain/testing/policies.py",
     "posttrain/contracts/loss.py",
     "posttrain/reference_impls/pg_loss.py",
     "posttrain/adapters/torchrl/loss.py",
