@@ -19,7 +19,8 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.validation import check
-from posttrain.observability.reduce import Accumulator, not_a_number
+from posttrain.observability.reduce import Accumulator
+from posttrain.observability.reduce import one_number as _number
 
 
 def _dense(td: TensorDictBase, layout: Layout) -> TensorDictBase:
@@ -54,14 +55,6 @@ def _checked(td: TensorDictBase, layout: Layout, context: str) -> tuple[TensorDi
         # different metric names for all_reduce.
         raise ValueError(f"{context}: expected at least one sequence, found batch size [0]")
     return dense, n
-
-
-def _number(key: str, x: Any) -> float:
-    """``x`` as one float, or a ``ValueError`` naming ``key``."""
-    try:
-        return float(x)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{key}: expected one number, found {not_a_number(x)}") from None
 
 
 def _per_sequence(key: str, x: Any, n: int) -> None:

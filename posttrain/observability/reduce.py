@@ -27,13 +27,16 @@ def not_a_number(x: Any) -> str:
     )
 
 
-def _number(name: str, what: str, x: float | torch.Tensor) -> float:
+def one_number(where: str, x: Any, expected: str = "one number") -> float:
+    """``x`` as one float, or a ``ValueError`` "``where``: expected ..., found ..."."""
     try:
         return float(x)
     except (TypeError, ValueError, RuntimeError):
-        raise ValueError(
-            f"metric {name!r}: expected {what} to be one number, found {not_a_number(x)}"
-        ) from None
+        raise ValueError(f"{where}: expected {expected}, found {not_a_number(x)}") from None
+
+
+def _number(name: str, what: str, x: float | torch.Tensor) -> float:
+    return one_number(f"metric {name!r}", x, f"{what} to be one number")
 
 
 def _count(name: str, what: str, x: float | torch.Tensor) -> float:
