@@ -149,6 +149,11 @@ def test_the_contract_and_framework_filters_hide_and_show_rows(page: Any) -> Non
     page.select_option("#f-framework", "nemo_rl")
     assert _shown_rows(page) == ["nemo-rl-loss-token-mean"]
     assert page.inner_text("#shown") == "1 of 8 implementations shown"
+    # A contract's own rows stay: its requirements, and its line in the contracts table.
+    assert page.is_visible("tr[data-row='matrix'][data-contract='loss']")
+    assert page.is_visible("#contracts tr[data-contract='loss']")
+    assert page.is_visible("th[data-col='nemo-rl-loss-token-mean']")
+    assert page.is_hidden("th[data-col='reference-loss-token-mean']")
     page.select_option("#f-contract", "")
     page.select_option("#f-framework", "tests")
     assert _shown_rows(page) == [t for t in TARGETS if t.startswith(_HERE)]

@@ -110,7 +110,9 @@ td.k-error{background:#f7cba0;font-weight:600}
 .failure.k-must{background:#fdeeee}
 .failure.k-should{background:#fdf6e0}
 .failure.k-error{background:#fdf0e4}
-.matrix th[data-col]{max-width:12em;overflow-wrap:anywhere;font-size:.9em}
+.matrix th[data-col]{writing-mode:vertical-rl;transform:rotate(180deg);white-space:nowrap;font-size:.85em;font-weight:500;text-align:left}
+.matrix td[data-col]{white-space:nowrap;font-size:.9em}
+.scroll{overflow-x:auto}
 .unexpected{border:2px solid #7a1212;padding:0 1em;background:#fff4f4}
 .unexpected.none{border-color:#7bb276;background:#f4fbf3}
 .unexpected h2{margin-top:.5em;border:0}
@@ -130,7 +132,8 @@ function applyFilters(){
   var c=document.getElementById('f-contract').value, f=document.getElementById('f-framework').value;
   var shown={}, n=0, total=0;
   document.querySelectorAll('[data-row]').forEach(function(el){
-    var ok=(!c||el.dataset.contract===c)&&(!f||el.dataset.framework===f);
+    // Rows of a contract (the requirement matrix, the contracts table) have no framework.
+    var ok=(!c||el.dataset.contract===c)&&(!f||el.dataset.framework===undefined||el.dataset.framework===f);
     el.classList.toggle('hidden',!ok);
     if(el.dataset.row==='summary'){total++; if(ok){n++; shown[el.dataset.impl]=1;}}
   });
@@ -293,7 +296,7 @@ def _matrix(
     for contract, names in by_contract.items():
         out.append(
             f"<section data-section='matrix' data-contract='{_e(contract)}'>"
-            f"<h3>{_e(contract)}</h3><table class='matrix'><tr><th>requirement</th>"
+            f"<h3>{_e(contract)}</h3><div class='scroll'><table class='matrix'><tr><th>requirement</th>"
         )
         out += [f"<th data-col='{_e(n)}'>{_e(n)}</th>" for n in names]
         out.append("</tr>")
@@ -319,7 +322,7 @@ def _matrix(
                     f"<td data-col='{_e(n)}' class='k-{k}' title='{_e(cell.message)}'>{_e(_label(cell))}</td>"
                 )
             out.append("</tr>")
-        out.append("</table></section>")
+        out.append("</table></div></section>")
     return out
 
 
