@@ -123,3 +123,26 @@ def test_a_mask_of_another_dtype_is_refused_by_name(
     td.set(key, td.get(key).to(dtype))
     with pytest.raises(ValueError, match=re.escape(f"key {key!r}: expected dtype bool")):
         loss(td)
+
+
+def test_global_counts_count_assistant_tokens_and_rows_holding_one() -> None:
+    from tensordict import LazyStackedTensorDict
+
+    from posttrain.contracts import GlobalCounts
+
+    td = llm_batch(4, 8, vocab_size=64)
+    asst = td.get(("masks", "all_assistant_mask")).clone()
+    asst[1] = False  # a row without assistant tokens is no sequence
+    asst[2, 0] = True  # position 0 is never predicted: not a token
+    td.set(("masks", "all_assistant_mask"), asst)
+    want = GlobalCounts(int(asst[:, 1:].sum()), 3)
+    assert GlobalCounts.of(td) == want
+    assert GlobalCounts.of(td[:2]) + GlobalCounts.of(td[2:]) == want
+    ragged = LazyStackedTensorDict.lazy_stack([td[i] for i in range(4)], 0)
+    assert GlobalCounts.of(ragged) == want
+    # All-reduced counts arrive as 0-dim tensors; whole floats are taken, fractions refused.
+    assert GlobalCounts(torch.tensor(12), torch.tensor(3.0)) == GlobalCounts(12, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"GlobalCounts.tokens: expected a whole number"):
+        GlobalCounts(2.5, 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"GlobalCounts.sequences"):
+        GlobalCounts(3, True)
