@@ -67,8 +67,10 @@ class ReceiverActor:
         _set_dist_timeout()
         # Actors are started ahead of need (see _take_actor): import now what unpickling a
         # model and the scheme in attach() would otherwise import then (~3 s on 2 cores).
-        with contextlib.suppress(ImportError):
+        try:
             import transformers  # noqa: F401
+        except ImportError:  # a model that is not a transformers one needs nothing more
+            pass
         self.model: torch.nn.Module | None = None
         self.scheme: Any = None
         self.version = 0
