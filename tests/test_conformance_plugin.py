@@ -135,7 +135,7 @@ def test_two_contracts_in_one_run(pytester: pytest.Pytester) -> None:
         f"--conformance-report={report}",
     )
     assert res.ret == 0
-    res.assert_outcomes(passed=19 + 14, skipped=5 + 1)
+    res.assert_outcomes(passed=19 + 17, skipped=5 + 1)
     data = json.loads(report.read_text())["reports"]
     assert [d["run"]["contract"] for d in data] == ["buffer", "loss"]
     assert data[1]["run"]["options"] == {"aggregation": "seq_mean_token_sum"}
