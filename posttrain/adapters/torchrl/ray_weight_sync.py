@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import importlib.util
 import os
 import time
 import weakref
@@ -67,10 +69,8 @@ class ReceiverActor:
         _set_dist_timeout()
         # Actors are started ahead of need (see _take_actor): import now what unpickling a
         # model and the scheme in attach() would otherwise import then (~3 s on 2 cores).
-        try:
-            import transformers  # noqa: F401
-        except ImportError:  # a model that is not a transformers one needs nothing more
-            pass
+        if importlib.util.find_spec("transformers") is not None:
+            importlib.import_module("transformers")
         self.model: torch.nn.Module | None = None
         self.scheme: Any = None
         self.version = 0
