@@ -20,10 +20,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from posttrain.conformance import Implementation, Status, run
-from posttrain.conformance.data import llm_batch
-from posttrain.conformance.policy import tiny_causal_lm
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 from posttrain.conformance.suites.metrics import LONG_NAMES
+from posttrain.contracts import Implementation
+from posttrain.testing import llm_batch, tiny_causal_lm
 from tests.independent import buffers, losses, sinks
 
 _BAD = (Status.FAIL, Status.ERROR)

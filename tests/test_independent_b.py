@@ -19,10 +19,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from posttrain.conformance import Implementation, Report, Status, run
-from posttrain.conformance.policy import forced_token_weights, tiny_causal_lm
-from posttrain.contracts import LLM_LAYOUT_V1, validate
+from posttrain.conformance import Report, Status
+from posttrain.conformance.runner import run
+from posttrain.contracts import LLM_LAYOUT_V1, Implementation
 from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY
+from posttrain.testing import forced_token_weights, tiny_causal_lm
 from tests.independent import generation, rollouts, weight_syncs
 
 _TIMEOUT_S = 60.0  # per requirement: a hang is a failed row, never a stalled run
@@ -207,7 +208,7 @@ def test_left_padded_batch_meets_layout_v1() -> None:
     src = rollouts.LeftPaddedSource(tiny_causal_lm(), prompts, 1, max_new_tokens=3)
     batch = next(iter(src))
     src.shutdown()
-    assert [str(v) for v in validate(batch, deep=True)] == []
+    assert [str(v) for v in LLM_LAYOUT_V1.violations(batch, deep=True)] == []
     for i, want in enumerate(p for p in prompts for _ in range(2)):
         attn, asst = batch.get(k("attention_mask"))[i], batch.get(k("assistant_mask"))[i]
         first = int(asst.nonzero()[0])

@@ -54,7 +54,7 @@ def greedy_decode(
     the padding in its response (a bug the tests plant: HF ``generate``'s output, untrimmed).
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> out = greedy_decode(tiny_causal_lm(), [[5, 6], [7]], 3)
         >>> [1 <= len(d.tokens) <= 3 for d in out]
         [True, True]

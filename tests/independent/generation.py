@@ -152,7 +152,7 @@ class DrainBatchingServer:
     """A worker thread that batches requests and drains the queue on ``shutdown``.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> srv = DrainBatchingServer(tiny_causal_lm(), max_new_tokens=2)
         >>> req = TensorDict({PROMPT_KEY: torch.tensor([5, 6])}, [])
         >>> srv.client().submit(req).result(timeout=30)["policy_version"].item()
@@ -346,7 +346,7 @@ class CancelPoolServer:
     A cancelled future is settled: ``.result()`` raises ``CancelledError``.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> srv = CancelPoolServer(tiny_causal_lm(), max_new_tokens=2)
         >>> bad = srv.client().submit(TensorDict({}, []))
         >>> "('tokens', 'prompt')" in str(bad.exception(timeout=5))
@@ -444,7 +444,7 @@ class ResultOnlyServer(CancelPoolServer):
     ``.result(timeout)`` gives the response or raises the request's own error").
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> srv = ResultOnlyServer(tiny_causal_lm(), max_new_tokens=2)
         >>> reply = srv.client().submit(TensorDict({PROMPT_KEY: torch.tensor([5])}, []))
         >>> reply.result(timeout=30)[RESPONSE_KEY].shape

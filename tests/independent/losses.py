@@ -9,8 +9,8 @@ Alignment (the layout's): position t of a log-prob field is log p(token_t | toke
 read from the logits at t-1; position 0 is never predicted and never trained on.
 
 Example:
-    >>> from posttrain.conformance.data import llm_batch
-    >>> from posttrain.conformance.policy import tiny_causal_lm
+    >>> from posttrain.testing import llm_batch
+    >>> from posttrain.testing import tiny_causal_lm
     >>> loss = MaskedClipLoss(tiny_causal_lm(vocab_size=64))
     >>> out = loss(llm_batch(2, vocab_size=64))
     >>> out["loss_objective"].shape
@@ -129,8 +129,8 @@ class MaskedClipLoss(nn.Module):
     trained-on tokens).
 
     Example:
-        >>> from posttrain.conformance.data import llm_batch
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import llm_batch
+        >>> from posttrain.testing import tiny_causal_lm
         >>> loss = MaskedClipLoss(tiny_causal_lm(), kl_coef=0.1, diagnostics=True)
         >>> sorted(loss(llm_batch(2, vocab_size=64)))
         ['clip_fraction', 'entropy', 'kl_approx', 'loss_kl_to_ref', 'loss_objective']
@@ -226,8 +226,8 @@ class SeqLoopLoss(nn.Module):
     attended one (no padding at all reaches the model).
 
     Example:
-        >>> from posttrain.conformance.data import llm_batch
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import llm_batch
+        >>> from posttrain.testing import tiny_causal_lm
         >>> loss = SeqLoopLoss(tiny_causal_lm())
         >>> list(loss(llm_batch(2, vocab_size=64)))
         ['loss_objective']

@@ -116,7 +116,7 @@ class EagerPrefetchSource:
     """Generates batch k+1 while batch k is consumed; padded, with log-probs and groups.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> src = EagerPrefetchSource(tiny_causal_lm(), [[5, 6], [7]], 2, max_new_tokens=2)
         >>> [b.get("policy_version").tolist() for b in src]
         [[0, 0, 0, 0], [0, 0, 0, 0]]
@@ -213,7 +213,7 @@ class LazyGeneratorSource:
     """Generates a ragged batch only when pulled, from its own copy of the policy.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> src = LazyGeneratorSource(tiny_causal_lm(), [[5, 6], [7]], 1, max_new_tokens=2)
         >>> [len(b.tensordicts) for b in src], list(src)
         ([2], [])
@@ -332,7 +332,7 @@ class LeftPaddedSource(EagerPrefetchSource):
     :func:`left_padded_batch`): prompts left-padded, completions right-padded.
 
     Example:
-        >>> from posttrain.conformance.policy import tiny_causal_lm
+        >>> from posttrain.testing import tiny_causal_lm
         >>> src = LeftPaddedSource(tiny_causal_lm(), [[5, 6], [7]], 1, max_new_tokens=1)
         >>> next(iter(src)).get(("masks", "all_attention_mask"))[2].tolist()
         [False, True, True]
