@@ -40,11 +40,6 @@ def verdict_of(rep: Report) -> str:
     return verdict
 
 
-def _blocked(r: Result) -> bool:
-    # The runner's wording for a dependant of a failed foundation (runner.Session.run_one).
-    return r.message.startswith(f"{r.id}: blocked by ")
-
-
 def failure_kind(r: Result) -> str:
     """How a row reads: ``pass``, ``na``, ``blocked``, ``should``, ``error`` or ``must``.
 
@@ -60,7 +55,7 @@ def failure_kind(r: Result) -> str:
         return "pass"
     if r.status is Status.NOT_APPLICABLE:
         return "na"
-    if _blocked(r):
+    if r.blocked:
         return "blocked"
     if r.level == "SHOULD":
         return "should"

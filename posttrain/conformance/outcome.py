@@ -70,14 +70,15 @@ class Result:
         return self.status is Status.PASS
 
     @property
+    def blocked(self) -> bool:
+        """True when the check did not run: a requirement it builds on failed."""
+        # The runner's wording for a dependant of a failed foundation (runner.Session.run_one).
+        return self.message.startswith(f"{self.id}: blocked by ")
+
+    @property
     def blocking(self) -> bool:
         """True when this result makes the run fail: a MUST that FAILed or ERRORed."""
         return self.level == Level.MUST.value and self.status in (Status.FAIL, Status.ERROR)
-
-
-def _blocked(r: Result) -> bool:
-    # The runner's wording for a dependant of a failed foundation (runner.Session.run_one).
-    return r.message.startswith(f"{r.id}: blocked by ")
 
 
 @dataclass
@@ -101,9 +102,7 @@ class Report:
     def failed_ids(self) -> set[str]:
         """Requirements whose own check failed or errored (not those only blocked by another)."""
         return {
-            r.id
-            for r in self.results
-            if r.status in (Status.FAIL, Status.ERROR) and not _blocked(r)
+            r.id for r in self.results if r.status in (Status.FAIL, Status.ERROR) and not r.blocked
         }
 
     def surprises(self) -> list[str]:
@@ -117,9 +116,9 @@ class Report:
         known = set(self.run.get("known_failures", []))
         failed = self.failed_ids()
         unrun = {
-            r.id: "blocked" if _blocked(r) else "not applicable"
+            r.id: "blocked" if r.blocked else "not applicable"
             for r in self.results
-            if r.id in known and (_blocked(r) or r.status is Status.NOT_APPLICABLE)
+            if r.id in known and (r.blocked or r.status is Status.NOT_APPLICABLE)
         }
         out = [f"{rid} failed (not a declared known failure)" for rid in sorted(failed - known)]
         out += [

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from posttrain._dtypes import dtype_name
+from posttrain._dtypes import DTYPES, dtype_name
 from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_column, leaf_items
 from posttrain.contracts.validation import ContractViolation, Violation
 
@@ -433,8 +433,27 @@ class ItemSchema:
 
     @classmethod
     def from_state(cls, state: list[Any]) -> ItemSchema:
-        """Rebuild from :meth:`to_state`."""
-        return cls({tuple(k): Column(getattr(torch, d), tuple(s)) for k, d, s in state})
+        """Rebuild from :meth:`to_state`; a dtype is looked up by name in a closed set.
+
+        Example:
+            >>> ItemSchema.from_state([(("x",), "float32", (3,))]).columns[("x",)].dtype
+            torch.float32
+            >>> ItemSchema.from_state([(("x",), "manual_seed", (3,))])
+            Traceback (most recent call last):
+            ...
+            ValueError: schema state key ('x',): expected a dtype name (bfloat16, bool, ...), found 'manual_seed'
+        """
+        cols = {}
+        for k, d, s in state:
+            dtype = DTYPES.get(d) if isinstance(d, str) else None
+            if dtype is None:
+                names = sorted(DTYPES)
+                raise ValueError(
+                    f"schema state key {tuple(k)}: expected a dtype name ({names[0]}, "
+                    f"{names[1]}, ...), found {d!r}"
+                )
+            cols[tuple(k)] = Column(dtype, tuple(s))
+        return cls(cols)
 
 
 _FIXED, _SAME_AS_TOKENS, _RAGGED_FIRST, _SCALAR = 0, 1, 2, 3
