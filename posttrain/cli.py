@@ -93,13 +93,13 @@ def _list() -> int:
 def _specs(argv: list[str]) -> int:
     from posttrain import specgen
 
-    return specgen.main(argv)
+    return specgen.main(argv, prog="posttrain specs")
 
 
 def _plot(argv: list[str]) -> int:
     from posttrain.observability import plot
 
-    return plot.main(argv)
+    return plot.main(argv, prog="posttrain plot")
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:

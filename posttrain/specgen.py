@@ -296,7 +296,7 @@ def render_all() -> dict[str, str]:
     return files
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m posttrain.specgen") -> int:
     """Write (or with ``--check`` compare) the generated specs; return the exit status.
 
     Example:
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         >>> main([out, "--check"])
         0
     """
-    p = argparse.ArgumentParser(prog="python -m posttrain.specgen", description=__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("out", type=Path, nargs="?", default=Path("specs"))
     p.add_argument("--check", action="store_true", help="exit 1 if committed files differ")
     args = p.parse_args(argv)

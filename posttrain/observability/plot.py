@@ -122,7 +122,9 @@ def dashboard(scalars: Scalars, out: str | os.PathLike[str], *, title: str = "")
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None, prog: str = "python -m posttrain.observability.plot"
+) -> int:
     """The command line: read a run directory, write the dashboard PNG.
 
     Example:
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         /.../dashboard.png
         0
     """
-    p = argparse.ArgumentParser(prog="python -m posttrain.observability.plot", description=__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("run", type=Path)
     p.add_argument("--out", type=Path, default=Path("dashboard.png"))
     p.add_argument("--mlflow-run", default=None, help="the MLflow run to draw (default: all)")
