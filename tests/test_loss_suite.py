@@ -192,3 +192,25 @@ def test_diagnostics_as_python_floats_are_accepted() -> None:
     rep = run(impl)
     assert _bad(impl) == {}
     assert {r.id: r.status for r in rep.results}["LOSS-018"] is Status.PASS
+
+
+class _EntropyInObjective(PolicyGradientLoss):
+    """Folds the full-vocabulary entropy bonus into ``loss_objective``: the objective then
+    reaches the logits other than through the tokens' log-probs."""
+
+    def forward(self, td: Any, *, counts: Any = None) -> Any:
+        out = super().forward(td, counts=counts)
+        out.set("loss_objective", out.get("loss_objective") + out.pop("loss_entropy"))
+        return out
+
+
+def test_loss_003_says_plainly_when_d_logp_cannot_be_observed() -> None:
+    impl = Implementation(
+        "loss",
+        partial(_EntropyInObjective, entropy_coef=1.0),
+        name="entropy-in-objective",
+        options={"aggregation": "token_mean"},
+    )
+    bad = _bad(impl)
+    assert "LOSS-003" in bad
+    assert "d loss_objective / d logp could not be observed" in bad["LOSS-003"]

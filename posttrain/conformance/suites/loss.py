@@ -268,11 +268,30 @@ def _logp_grads(policy: Any, loss: Any, td: TensorDictBase) -> tuple[torch.Tenso
                     )
                 continue
             i, off, _ = found
-            for s in range(1, t):  # logits at s - 1 predict batch token s
-                q = s - 1 + off
-                if 0 <= q < g_all.shape[1]:
-                    tok = int(tokens[i, s])
-                    grad[i, s] += g_all[r, q, tok] / (1 - probs[r, q, tok])
+            pos = torch.arange(1, t)  # logits at s - 1 predict batch token s
+            q = pos - 1 + off
+            keep = (q >= 0) & (q < g_all.shape[1])
+            pos, q = pos[keep], q[keep]
+            tok = tokens[i, pos].cpu()
+            p_row, g_row = probs[r, q], g_all[r, q]
+            picked = torch.arange(len(pos))
+            g = g_row[picked, tok] / (1 - p_row[picked, tok])
+            grad[i, pos] += g
+            # A term that sees the logits only through log p(token) leaves g * (onehot - p)
+            # on them; anything else means the gradient with respect to the log-prob cannot
+            # be read off the logits, whichever way the loss computed its log-probs.
+            implied = -g[:, None] * p_row
+            implied[picked, tok] += g
+            off_by = float((g_row - implied).abs().max()) if len(pos) else 0.0
+            scale = float(g.abs().max()) if len(pos) else 0.0
+            if off_by > 1e-4 * scale + 1e-8:
+                raise _fail(
+                    f"d loss_objective / d logp could not be observed: the gradient on the "
+                    f"logits of batch row {i} (policy call {n_call + 1} of {len(calls)}) is not "
+                    f"that of a function of the tokens' log-probs alone (off by {off_by:.3g}, "
+                    f"largest d/dlogp {scale:.3g}): loss_objective reaches the logits another "
+                    f"way (a temperature, an entropy or KL over the vocabulary inside it)"
+                )
     return obj.detach(), grad.float()
 
 
