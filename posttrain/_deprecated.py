@@ -6,6 +6,8 @@ before it is used), and defines::
 
     def __getattr__(name: str) -> Any:
         return deprecated_attr(__name__, name, _MOVED)
+
+:func:`moved_to` writes the table for names that only changed module.
 """
 
 from __future__ import annotations
@@ -39,3 +41,13 @@ def deprecated_attr(module: str, name: str, moved: Mapping[str, tuple[str, str]]
     )
     where, attr = target.split(":")
     return getattr(importlib.import_module(where), attr)
+
+
+def moved_to(module: str, *names: str) -> dict[str, tuple[str, str]]:
+    """Table entries for ``names`` that now live, under the same names, in ``module``.
+
+    Example:
+        >>> moved_to("posttrain.testing", "llm_batch")
+        {'llm_batch': ('posttrain.testing:llm_batch', 'import it from posttrain.testing')}
+    """
+    return {n: (f"{module}:{n}", f"import it from {module}") for n in names}

@@ -11,21 +11,14 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-from posttrain.testing import policies as _new
+from posttrain._deprecated import deprecated_attr, moved_to
 
-_MOVED = ("forced_token_weights", "tiny_causal_lm", "tiny_reward_model")
+_MOVED = moved_to(
+    "posttrain.testing", "forced_token_weights", "tiny_causal_lm", "tiny_reward_model"
+)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        warnings.warn(
-            f"{__name__}.{name} is deprecated and will be removed in posttrain 0.2: "
-            "import it from posttrain.testing",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(_new, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return deprecated_attr(__name__, name, _MOVED)

@@ -12,7 +12,7 @@ Example:
 
 from typing import TYPE_CHECKING, Any
 
-from posttrain._deprecated import deprecated_attr
+from posttrain._deprecated import deprecated_attr, moved_to
 from posttrain.adapters.nemo_rl.advantages import grpo_advantages
 from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient
 from posttrain.adapters.nemo_rl.generation import NemoGeneration
@@ -52,58 +52,24 @@ __all__ = [
 ]
 
 _MOVED = {
-    "KVBatchMeta": (
-        "posttrain.adapters.nemo_rl.data_plane:KVBatchMeta",
-        "import it from posttrain.adapters.nemo_rl.data_plane",
+    **moved_to("posttrain.adapters.nemo_rl.data_plane", "KVBatchMeta"),
+    **moved_to("posttrain.adapters.nemo_rl.train_data", "NEMO_KEY"),
+    **moved_to(
+        "posttrain.adapters.nemo_rl.wire",
+        "TOKEN_ALIGNED_FIELDS",
+        "layout_to_wire",
+        "materialize",
+        "pack_jagged_fields",
+        "wire_to_layout",
     ),
-    "NEMO_KEY": (
-        "posttrain.adapters.nemo_rl.train_data:NEMO_KEY",
-        "import it from posttrain.adapters.nemo_rl.train_data",
+    **moved_to(
+        "posttrain.adapters.nemo_rl.batching",
+        "flatten_message_logs",
+        "from_batches",
+        "shard_by_batch_size",
     ),
-    "TOKEN_ALIGNED_FIELDS": (
-        "posttrain.adapters.nemo_rl.wire:TOKEN_ALIGNED_FIELDS",
-        "import it from posttrain.adapters.nemo_rl.wire",
-    ),
-    "flatten_message_logs": (
-        "posttrain.adapters.nemo_rl.batching:flatten_message_logs",
-        "import it from posttrain.adapters.nemo_rl.batching",
-    ),
-    "from_batches": (
-        "posttrain.adapters.nemo_rl.batching:from_batches",
-        "import it from posttrain.adapters.nemo_rl.batching",
-    ),
-    "global_counts": (
-        "posttrain.adapters.nemo_rl.loss:global_counts",
-        "import it from posttrain.adapters.nemo_rl.loss",
-    ),
-    "layout_to_wire": (
-        "posttrain.adapters.nemo_rl.wire:layout_to_wire",
-        "import it from posttrain.adapters.nemo_rl.wire",
-    ),
-    "materialize": (
-        "posttrain.adapters.nemo_rl.wire:materialize",
-        "import it from posttrain.adapters.nemo_rl.wire",
-    ),
-    "metric_name": (
-        "posttrain.adapters.nemo_rl.logger:metric_name",
-        "import it from posttrain.adapters.nemo_rl.logger",
-    ),
-    "nemo_loss_module": (
-        "posttrain.adapters.nemo_rl.loss:nemo_loss_module",
-        "import it from posttrain.adapters.nemo_rl.loss",
-    ),
-    "pack_jagged_fields": (
-        "posttrain.adapters.nemo_rl.wire:pack_jagged_fields",
-        "import it from posttrain.adapters.nemo_rl.wire",
-    ),
-    "shard_by_batch_size": (
-        "posttrain.adapters.nemo_rl.batching:shard_by_batch_size",
-        "import it from posttrain.adapters.nemo_rl.batching",
-    ),
-    "wire_to_layout": (
-        "posttrain.adapters.nemo_rl.wire:wire_to_layout",
-        "import it from posttrain.adapters.nemo_rl.wire",
-    ),
+    **moved_to("posttrain.adapters.nemo_rl.loss", "global_counts", "nemo_loss_module"),
+    **moved_to("posttrain.adapters.nemo_rl.logger", "metric_name"),
 }
 
 

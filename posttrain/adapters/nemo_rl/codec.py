@@ -15,37 +15,26 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any
 
+from posttrain._deprecated import deprecated_attr, moved_to
+
 _MOVED = {
-    **dict.fromkeys(
-        ("NEMO_KEY", "NemoFormatError", "batched_data_dict", "from_layout", "to_layout"),
-        "train_data",
+    **moved_to(
+        "posttrain.adapters.nemo_rl.train_data",
+        *("NEMO_KEY", "NemoFormatError", "batched_data_dict", "from_layout", "to_layout"),
     ),
-    **dict.fromkeys(("flatten_message_logs", "from_batches", "shard_by_batch_size"), "batching"),
-    **dict.fromkeys(
-        (
-            "TOKEN_ALIGNED_FIELDS",
-            "layout_to_wire",
-            "materialize",
-            "pack_jagged_fields",
-            "wire_to_layout",
-        ),
-        "wire",
+    **moved_to(
+        "posttrain.adapters.nemo_rl.batching",
+        *("flatten_message_logs", "from_batches", "shard_by_batch_size"),
+    ),
+    **moved_to(
+        "posttrain.adapters.nemo_rl.wire",
+        *("TOKEN_ALIGNED_FIELDS", "layout_to_wire", "materialize", "pack_jagged_fields"),
+        "wire_to_layout",
     ),
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    where = f"posttrain.adapters.nemo_rl.{_MOVED[name]}"
-    warnings.warn(
-        f"{__name__}.{name} is deprecated and will be removed in posttrain 0.2: "
-        f"import it from {where}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(where), name)
+    return deprecated_attr(__name__, name, _MOVED)
