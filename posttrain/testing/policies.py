@@ -29,7 +29,12 @@ def tiny_causal_lm(
             "the loss and rollout suites build a tiny Hugging Face causal LM: "
             "install transformers with `pip install 'posttrain[trl]'`"
         ) from e
-    cfg = LlamaConfig(
+    return _seeded(LlamaForCausalLM, _config(LlamaConfig, vocab_size, hidden_size, layers), seed)
+
+
+def _config(cls: Any, vocab_size: int, hidden_size: int, layers: int, **extra: Any) -> Any:
+    """The tiny Llama every test policy shares: 2 heads, token ids pad 0, bos 1, eos 2."""
+    return cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -40,10 +45,14 @@ def tiny_causal_lm(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        **extra,
     )
+
+
+def _seeded(cls: Any, cfg: Any, seed: int) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: Any = LlamaForCausalLM(cfg)
+        model: Any = cls(cfg)
     model.train(False)
     return model
 
@@ -59,26 +68,12 @@ def tiny_reward_model(*, vocab_size: int = 64, seed: int = 1, hidden_size: int =
     with optional_deps():
         from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    config: Any = LlamaConfig  # num_labels is a PretrainedConfig kwarg the stubs omit
-    cfg = config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        num_labels=1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+    # num_labels is a PretrainedConfig kwarg the stubs omit
+    return _seeded(
+        LlamaForSequenceClassification,
+        _config(LlamaConfig, vocab_size, hidden_size, 1, num_labels=1),
+        seed,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        cls: Any = LlamaForSequenceClassification
-        model: Any = cls(cfg)
-    model.train(False)
-    return model
 
 
 def forced_token_weights(model: Any, token: int) -> dict[str, torch.Tensor]:
