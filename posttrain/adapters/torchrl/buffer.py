@@ -204,8 +204,16 @@ class ValidatedReplayBuffer:
         a manifest of each file's size and SHA-256: ``validated_replay_buffer.pt``, tensors
         and plain data only. TorchRL's own ``dumps`` format (memmap files, JSON metadata, a
         pickled prefetch state) is never written, so :meth:`loads` never reads it.
+
+        The storage is written from where it lies, not from a copy (a memmap storage larger
+        than memory can be saved); writers wait until the file is written.
         """
-        save_state(path, _STATE_FILE, self.state_dict())
+        with self._lock:
+            state = {
+                "rb": _plain(self.rb.state_dict()),
+                "schema": None if self._schema is None else self._schema.to_state(),
+            }
+            save_state(path, _STATE_FILE, state)
 
     def loads(self, path: str | os.PathLike[str], /) -> None:
         """Restore what :meth:`dumps` saved under ``path``, or refuse it with nothing changed.
@@ -394,6 +402,26 @@ def _copied(state: Any) -> Any:
         return out
     if isinstance(state, list | tuple) and type(state) in (list, tuple):
         return type(state)(_copied(v) for v in state)
+    return state
+
+
+def _plain(state: Any) -> Any:
+    """``state`` with every tensor a plain ``torch.Tensor`` over the same memory (no copy).
+
+    A memmap storage holds ``MemoryMappedTensor``s, a subclass ``torch.load(weights_only=True)``
+    does not rebuild; viewed as plain tensors they save as bytes and load as tensors.
+    """
+    if isinstance(state, torch.Tensor):
+        return state if type(state) is torch.Tensor else state.as_subclass(torch.Tensor)
+    if isinstance(state, TensorDictBase):
+        return state._fast_apply(_plain, call_on_nested=False, propagate_lock=False)
+    if isinstance(state, dict):
+        out = copy.copy(state)
+        for k, v in state.items():
+            out[k] = _plain(v)
+        return out
+    if isinstance(state, list | tuple) and type(state) in (list, tuple):
+        return type(state)(_plain(v) for v in state)
     return state
 
 
