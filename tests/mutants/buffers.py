@@ -539,8 +539,8 @@ class UnlockedEviction(RingBuffer):
 
 
 class EmptyExtendRestartsEpoch(RingBuffer):
-    """Without replacement, an extend of 0 items starts a new epoch (RingBuffer did until
-    buffer 1.3): items drawn before it may repeat before the others were drawn once."""
+    """Without replacement, an extend of 0 items starts a new epoch (any write resets the
+    permutation): items drawn before it may repeat before the others were drawn once."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity, sampling="without_replacement")
