@@ -15,17 +15,14 @@ from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.mapping import LOSS_COUNT_FRAMEWORKS, LOSS_COUNT_KEYS
 from posttrain.contracts.requirements import Level, Requirement
 
-__all__ = [
-    "AGGREGATIONS",
-    "LOSS",
-    "GlobalCounts",
-    "LossModuleV1",
-    "LossOutput",
-    "SupportsGlobalCounts",
-]
-
 LossOutput = Union[TensorDictBase, Mapping[str, torch.Tensor]]
-"""What a loss returns: ``loss_*`` scalars that sum to the objective, plus diagnostics."""
+"""What a loss returns: ``loss_*`` scalars that sum to the objective, plus diagnostics.
+
+Example:
+    >>> out: LossOutput = {"loss_objective": torch.tensor(0.5), "clip_fraction": torch.tensor(0.1)}
+    >>> sum(v for k, v in out.items() if k.startswith("loss_")).item()
+    0.5
+"""
 
 AGGREGATIONS = (
     "token_mean",
@@ -37,7 +34,12 @@ AGGREGATIONS = (
 mask, L_i = its count in row i, B = rows, T_norm = a declared constant):
 token_mean m/sum(m); seq_mean_token_mean m/(B*L_i); seq_mean_token_sum m/B;
 seq_mean_token_sum_norm m/(B*T_norm). Under capability ``global_counts`` sum(m) is
-``counts.tokens`` and B is ``counts.sequences`` (see :class:`GlobalCounts`)."""
+``counts.tokens`` and B is ``counts.sequences`` (see :class:`GlobalCounts`).
+
+Example:
+    >>> AGGREGATIONS[0]
+    'token_mean'
+"""
 
 
 def _count(name: str, value: object) -> int:

@@ -13,8 +13,6 @@ from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import AGGREGATIONS, GlobalCounts
 from posttrain.contracts.validation import check
 
-__all__ = ["PolicyGradientLoss"]
-
 
 def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Over the vocabulary, from position 0 to T - 2 (each predicts the next token); bf16 and

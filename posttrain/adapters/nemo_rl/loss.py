@@ -26,8 +26,6 @@ from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import GlobalCounts
 from posttrain.contracts.validation import check
 
-__all__ = ["ContractAsNemoLoss", "NemoLossModule", "global_counts", "nemo_loss_module"]
-
 # What NeMo-RL's loss reads from ``data`` (``ClippedPGLossFn``,
 # ``nemo_rl/algorithms/loss/loss_functions.py``), besides ``prev_logprobs`` (for which
 # ``generation_logprobs`` stands in here) and, with a KL term, ``reference_policy_logprobs``.

@@ -14,8 +14,6 @@ from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.loss import GlobalCounts
 from posttrain.contracts.validation import check
 
-__all__ = ["TORCHRL_AGGREGATIONS", "ContractLoss", "to_torchrl_layout", "transformers_actor"]
-
 TORCHRL_AGGREGATIONS = {"token_mean": "token_mean", "seq_mean_token_mean": "prompt_mean"}
 """Contract aggregation -> GRPOLoss's name for it (TorchRL has no seq_mean_token_sum[_norm])."""
 
