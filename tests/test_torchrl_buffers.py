@@ -133,9 +133,7 @@ def test_adapter_checks_sample_size_and_read_indices() -> None:
     rb = ValidatedReplayBuffer(TensorDictReplayBuffer(storage=LazyTensorStorage(8)))
     rb.extend(TensorDict({"z": torch.arange(3)}, batch_size=[3]))
     for bad in (-1, 2.5, None, True):
-        with pytest.raises(
-            ValueError, match=f"batch_size: expected an int >= 0, found {bad!r}"
-        ):
+        with pytest.raises(ValueError, match=f"batch_size: expected an int >= 0, found {bad!r}"):
             rb.sample(bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expected integer indices, found dtype float32"):
         rb.read(torch.tensor([0.5]))
