@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,18 +91,61 @@ def forced_token_weights(model: Any, token: int) -> dict[str, torch.Tensor]:
         >>> m(input_ids=torch.tensor([[5, 9, 11]])).logits[0, -1].argmax().item()
         7
     """
+
+    def embed(w: torch.Tensor) -> None:
+        w[:, 0] = 1.0
+
+    def head(w: torch.Tensor) -> None:
+        w[token, 0] = 50.0
+
+    return _residual_only(model, embed, head)
+
+
+def next_token_weights(model: Any, table: dict[int, int]) -> dict[str, torch.Tensor]:
+    """Weights under which the next token is ``table[last token]`` whatever came before.
+
+    As in :func:`forced_token_weights`, the residual stream is the embedding alone; here each
+    token of ``table`` embeds as its own unit vector and the output row of its successor reads
+    that unit (a logit ~280 above every other). A token outside the table embeds as zero and
+    is followed by token 0. Needs ``len(table)`` <= the hidden size.
+
+    Example:
+        >>> m = tiny_causal_lm(vocab_size=64)
+        >>> _ = m.load_state_dict(next_token_weights(m, {5: 9, 9: 2}))
+        >>> m(input_ids=torch.tensor([[3, 5]])).logits[0, -1].argmax().item()
+        9
+    """
+    units = {tok: i for i, tok in enumerate(sorted(table))}
+
+    def embed(w: torch.Tensor) -> None:
+        for tok, i in units.items():
+            w[tok, i] = 1.0
+
+    def head(w: torch.Tensor) -> None:
+        for tok, nxt in table.items():
+            w[nxt, units[tok]] = 50.0
+
+    return _residual_only(model, embed, head)
+
+
+def _residual_only(
+    model: Any, embed: Callable[[torch.Tensor], None], head: Callable[[torch.Tensor], None]
+) -> dict[str, torch.Tensor]:
+    """``model``'s weights with attention and MLP outputs zeroed and unit norms, so the last
+    position's logits are ``head @ embed[last token]``; ``embed`` and ``head`` fill the zeroed
+    embedding and LM-head matrices."""
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         w = t.detach().clone()
         if name.endswith("embed_tokens.weight"):
             w.zero_()
-            w[:, 0] = 1.0
+            embed(w)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             w.zero_()
         elif name.endswith("norm.weight"):
             w.fill_(1.0)
         elif name == "lm_head.weight":
             w.zero_()
-            w[token, 0] = 50.0
+            head(w)
         out[name] = w
     return out

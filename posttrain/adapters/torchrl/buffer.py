@@ -393,16 +393,7 @@ def _keeps_references(rb: Any) -> bool:
 
 def _copied(state: Any) -> Any:
     """``state`` with every tensor and TensorDict in it copied (containers rebuilt)."""
-    if isinstance(state, torch.Tensor | TensorDictBase):
-        return state.clone()
-    if isinstance(state, dict):
-        out = copy.copy(state)  # keeps what rides on the dict (an OrderedDict's _metadata)
-        for k, v in state.items():
-            out[k] = _copied(v)
-        return out
-    if isinstance(state, list | tuple) and type(state) in (list, tuple):
-        return type(state)(_copied(v) for v in state)
-    return state
+    return _leaves_mapped(state, lambda t: t.clone())
 
 
 def _plain(state: Any) -> Any:
@@ -411,17 +402,26 @@ def _plain(state: Any) -> Any:
     A memmap storage holds ``MemoryMappedTensor``s, a subclass ``torch.load(weights_only=True)``
     does not rebuild; viewed as plain tensors they save as bytes and load as tensors.
     """
-    if isinstance(state, torch.Tensor):
-        return state if type(state) is torch.Tensor else state.as_subclass(torch.Tensor)
-    if isinstance(state, TensorDictBase):
-        return state._fast_apply(_plain, call_on_nested=False, propagate_lock=False)
+
+    def plain(t: Any) -> Any:
+        if isinstance(t, TensorDictBase):
+            return t._fast_apply(plain, call_on_nested=False, propagate_lock=False)
+        return t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)
+
+    return _leaves_mapped(state, plain)
+
+
+def _leaves_mapped(state: Any, fn: Any) -> Any:
+    """``state`` with ``fn`` applied to every tensor and TensorDict (containers rebuilt)."""
+    if isinstance(state, torch.Tensor | TensorDictBase):
+        return fn(state)
     if isinstance(state, dict):
-        out = copy.copy(state)
+        out = copy.copy(state)  # keeps what rides on the dict (an OrderedDict's _metadata)
         for k, v in state.items():
-            out[k] = _plain(v)
+            out[k] = _leaves_mapped(v, fn)
         return out
     if isinstance(state, list | tuple) and type(state) in (list, tuple):
-        return type(state)(_plain(v) for v in state)
+        return type(state)(_leaves_mapped(v, fn) for v in state)
     return state
 
 

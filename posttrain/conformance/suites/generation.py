@@ -27,6 +27,7 @@ from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY, RESPONSE_LOG_PROBS_KEY
 from posttrain.testing import forced_token_weights, tiny_causal_lm
+from posttrain.testing.policies import next_token_weights
 
 V = 64
 MAX_NEW = 3
@@ -121,34 +122,6 @@ def _server(ctx: Context, policy: Any = None) -> Iterator[tuple[Any, Any, _Hold]
         t = threading.Thread(target=server.shutdown, daemon=True)
         t.start()
         t.join(5.0 + SHUTDOWN_GRACE)
-
-
-def _next_token_weights(model: Any, table: dict[int, int]) -> dict[str, torch.Tensor]:
-    """Weights under which the next token is ``table[last token]`` whatever came before.
-
-    As in ``forced_token_weights``, the residual stream is the embedding alone; here each
-    token of ``table`` embeds as its own unit vector and the output row of its successor reads
-    that unit (a logit ~280 above every other). A token outside the table embeds as zero and
-    is followed by token 0.
-    """
-    units = {tok: i for i, tok in enumerate(sorted(table))}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        w = t.detach().clone()
-        if name.endswith("embed_tokens.weight"):
-            w.zero_()
-            for tok, i in units.items():
-                w[tok, i] = 1.0
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            w.zero_()
-        elif name.endswith("norm.weight"):
-            w.fill_(1.0)
-        elif name == "lm_head.weight":
-            w.zero_()
-            for tok, nxt in table.items():
-                w[nxt, units[tok]] = 50.0
-        out[name] = w
-    return out
 
 
 def _alone(policy: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -334,7 +307,7 @@ def batching_does_not_change_results(ctx: Context) -> None:
     # A held batch makes the rows queue, so they are served together.
     def eos_policy() -> Any:
         policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
-        policy.load_state_dict(_next_token_weights(policy, EOS_TABLE))
+        policy.load_state_dict(next_token_weights(policy, EOS_TABLE))
         return policy
 
     eos = eos_policy().config.eos_token_id
