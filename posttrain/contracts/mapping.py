@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from posttrain._deprecated import deprecated_attr
+
 # The column heads of FRAMEWORK_KEYS (the catalogue's framework ids are catalogue.FRAMEWORKS).
 KEY_MAP_FRAMEWORKS = ("TorchRL 0.14", "TRL 1.16 GRPOTrainer", "NeMo-RL train_data")
 
@@ -64,8 +66,10 @@ LOSS_COUNT_FRAMEWORKS = ("TorchRL 0.14", "TRL 1.16 GRPOTrainer", "NeMo-RL", "ver
 LOSS_COUNT_KEYS: dict[str, tuple[str, str, str, str]] = {
     "tokens": (
         "none: `GRPOLoss` divides by its own micro-batch's `mask.sum()`",
-        "`num_items_in_batch`: completion tokens gathered over processes; `loss_type='dapo'` "
-        "divides the local sum by `num_items_in_batch / num_processes` (DDP then averages ranks)",
+        "`num_items_in_batch`: completion tokens of the generation batch gathered over "
+        "processes; `loss_type` 'dapo'/'cispo' divide the local sum by `num_items_in_batch / "
+        "num_processes x grad_accum_steps / steps_per_generation` (DDP then averages ranks); "
+        "'bnpo' divides by the micro-batch's own tokens and by the accumulation steps",
         "`global_valid_toks`: sum of `token_mask[:, 1:] * sample_mask` over micro-batches and "
         "all-reduced over DP ranks; token-level losses divide the local sum by it",
         "`batch_num_tokens`: `response_mask` tokens of the global mini-batch; `agg_loss` "
@@ -74,7 +78,8 @@ LOSS_COUNT_KEYS: dict[str, tuple[str, str, str, str]] = {
     "sequences": (
         "none: `prompt_mean` averages the micro-batch's rows",
         "none: `loss_type='grpo'` takes `.mean()` over the micro-batch's rows, a row without "
-        "completion tokens included; `dr_grpo` divides by rows x `max_completion_length`",
+        "completion tokens included, then divides by the accumulation steps; `dr_grpo` divides "
+        "by rows x `max_completion_length`",
         "`global_valid_seqs`: sum of `sample_mask`, all-reduced; a sample with no valid token "
         "still counts (map: `sample_mask` = the row has an assistant token)",
         "`global_batch_size`: rows with `response_mask.sum() > 0` (its `seq_mask`), the same "
@@ -83,16 +88,11 @@ LOSS_COUNT_KEYS: dict[str, tuple[str, str, str, str]] = {
 }
 """Where each framework takes the global batch's counts a loss normalizes by (loss 1.3)."""
 
+_MOVED = {
+    # catalogue.FRAMEWORKS is the one FRAMEWORKS
+    "FRAMEWORKS": ("posttrain.contracts.mapping:KEY_MAP_FRAMEWORKS", "use KEY_MAP_FRAMEWORKS"),
+}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "FRAMEWORKS":  # renamed: catalogue.FRAMEWORKS is the one FRAMEWORKS
-        import warnings
-
-        warnings.warn(
-            "posttrain.contracts.mapping.FRAMEWORKS is deprecated and will be removed in "
-            "posttrain 0.2: use KEY_MAP_FRAMEWORKS",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return KEY_MAP_FRAMEWORKS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return deprecated_attr(__name__, name, _MOVED)
