@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
+from posttrain._dtypes import dtype_name
 from posttrain.conformance.context import Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import bits_equal, leaves
@@ -514,19 +515,15 @@ def bad_layout_rejected(ctx: Context) -> None:
                     if _names_key(str(e), key):
                         continue
                     raise _fail(
-                        f"a batch with {_dtype(dtype)} {key_str(key)} raised {type(e).__name__} "
+                        f"a batch with {dtype_name(dtype)} {key_str(key)} raised {type(e).__name__} "
                         f"without naming the key (refuse it by name, or compute as with float32): "
                         f"{str(e).splitlines()[0] if str(e) else ''}"
                     ) from None
                 _same(
                     want,
                     got,
-                    f"{_dtype(dtype)} {key_str(key)} (against the same values in float32)",
+                    f"{dtype_name(dtype)} {key_str(key)} (against the same values in float32)",
                 )
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @requirement("LOSS-010")
