@@ -105,6 +105,7 @@ class _Inputs:
                 f"loss: field {ADV!r} must have shape {(b,)}, found {tuple(self.adv.shape)}"
             )
         m = asst & self.attn
+        self.m_full = m
         self.m = torch.cat([torch.zeros_like(m[:, :1]), m[:, 1:]], dim=1)
         self.b, self.t = b, t
 
@@ -234,11 +235,11 @@ class NemoStyleLoss(nn.Module):
         self.t_norm = float(t_norm)
 
     def _valid_counts(
-        self, token_mask: torch.Tensor, sample_mask: torch.Tensor, counts: GlobalCounts | None
+        self, x: _Inputs, mask: torch.Tensor, sample_mask: torch.Tensor, counts: GlobalCounts | None
     ) -> tuple[float, float]:
         """(global_valid_toks, global_valid_seqs); without counts, this batch's."""
         if counts is None:
-            return float(token_mask.sum()), float(sample_mask.sum())
+            return float(mask.sum()), float(sample_mask.sum())
         return float(counts.tokens), float(counts.sequences)
 
     def _diag_toks(self, global_valid_toks: float, mask: torch.Tensor) -> float:
@@ -264,7 +265,7 @@ class NemoStyleLoss(nn.Module):
         sample_mask = (token_mask.sum(-1) > 0).to(dtype)
         mask = token_mask * sample_mask.unsqueeze(-1)
         valid = mask > 0
-        toks, seqs = self._valid_counts(mask, sample_mask, counts)
+        toks, seqs = self._valid_counts(x, mask, sample_mask, counts)
         toks, seqs = max(toks, 1.0), max(seqs, 1.0)
         seq_count = max(self._seq_count(seqs, sample_mask), 1.0)
         next_token_logits = logits[:, :-1].to(dtype)
@@ -351,6 +352,19 @@ class SwappedCountsLoss(NemoStyleLoss):
         return global_valid_seqs
 
 
+class UnslicedTokenMaskLoss(NemoStyleLoss):
+    """Without counts, ``global_valid_toks`` is ``token_mask.sum()`` and ``sample_mask`` is taken
+    over the whole row: position 0 counted (NeMo-RL sums ``token_mask[:, 1:]``; the slice is
+    lost). Visible only on a batch with an assistant token at position 0."""
+
+    def _valid_counts(
+        self, x: _Inputs, mask: torch.Tensor, sample_mask: torch.Tensor, counts: GlobalCounts | None
+    ) -> tuple[float, float]:
+        if counts is None:
+            return float(x.m_full.sum()), float(x.m_full.any(-1).sum())
+        return float(counts.tokens), float(counts.sequences)
+
+
 # ---------------------------------------------------------------------------------------------
 # Declarations.
 
@@ -393,4 +407,5 @@ BUGGY_COUNTS_LOSSES: dict[str, tuple[Implementation, str]] = {
         "LOSS-018",
     ),
     "swapped_counts_fields": (_impl(SwappedCountsLoss, "token_mean"), "LOSS-003"),
+    "nemo_unsliced_token_mask": (_impl(UnslicedTokenMaskLoss, "token_mean"), "LOSS-016"),
 }
