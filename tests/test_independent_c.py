@@ -9,6 +9,7 @@ with the spec text, the case is an ``xfail(strict=True)`` naming it in ``KIT_DEF
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -28,6 +29,13 @@ KIT_DEFECTS: dict[str, str] = {
         "at position 0, so a loss whose own counts include position 0 (loss(td) != "
         "loss(td, counts=GlobalCounts.of(td)) there) conforms; see "
         "test_witness_position_zero_counts"
+    ),
+    "rescaled_local_mean_nan": (
+        "LOSS-017 is PASS; failed ids: []. The kit calls a micro-batch holding only the row "
+        "without assistant tokens, and a NaN loss_objective there (gradients stay finite) "
+        "passes its value-sum comparison (likely a NaN difference compared False against the "
+        "tolerance); see "
+        "test_witness_empty_micro_batch_is_nan"
     ),
 }
 
@@ -126,3 +134,27 @@ def test_witness_position_zero_counts() -> None:
             a = float(loss(td)["loss_objective"])
             b = float(loss(td, counts=GlobalCounts.of(td))["loss_objective"])
         assert (abs(a - b) <= 1e-6 * max(abs(b), 1.0)) is holds, (cls.__name__, a, b)
+
+
+def test_witness_empty_micro_batch_is_nan() -> None:
+    """LOSS-017 with a micro-batch holding only a row without assistant tokens: the NeMo-style
+    design's micro-batches add up to the whole batch; the rescaled-local-mean variant agrees on
+    every other micro-batch but gives NaN on that one, so the sum is NaN."""
+    policy = tiny_causal_lm(vocab_size=64)
+    td = llm_batch(5, 10, vocab_size=64, seed=7)
+    asst = td.get(("masks", "all_assistant_mask")).clone()
+    asst[2] = False
+    td.set(("masks", "all_assistant_mask"), asst)
+    whole_counts = GlobalCounts.of(td)
+    parts = [td[:2], td[2:3], td[3:]]
+    right = losses_counts.NemoStyleLoss(policy, aggregation="token_mean")
+    wrong = losses_counts.RescaledLocalMeanLoss(policy, aggregation="token_mean")
+    with torch.no_grad():
+        whole = float(right(td)["loss_objective"])
+        ok = [float(right(p, counts=whole_counts)["loss_objective"]) for p in parts]
+        bad = [float(wrong(p, counts=whole_counts)["loss_objective"]) for p in parts]
+    assert abs(sum(ok) - whole) <= 1e-6 * max(abs(whole), 1.0)
+    assert ok[1] == 0.0
+    assert math.isnan(bad[1])
+    assert abs(bad[0] - ok[0]) <= 1e-6
+    assert abs(bad[2] - ok[2]) <= 1e-6

@@ -254,6 +254,11 @@ class NemoStyleLoss(nn.Module):
     def _seq_norm(self, mask: torch.Tensor) -> float:
         return self.t_norm
 
+    def _token_mean(
+        self, clip_loss: torch.Tensor, mask: torch.Tensor, toks: float, seqs: float
+    ) -> torch.Tensor:
+        return masked_mean(clip_loss, mask, self._token_norm(toks, seqs))
+
     def forward(
         self, td: TensorDictBase, *, counts: GlobalCounts | None = None
     ) -> dict[str, torch.Tensor]:
@@ -285,7 +290,7 @@ class NemoStyleLoss(nn.Module):
         loss2 = -advantages * ratios_clamped
         clip_loss = torch.max(loss1, loss2)
         if self.aggregation == "token_mean":
-            actor_loss = masked_mean(clip_loss, mask, self._token_norm(toks, seqs))
+            actor_loss = self._token_mean(clip_loss, mask, toks, seqs)
         else:
             seq_sum = (clip_loss * mask).sum(-1)
             if self.aggregation == "seq_mean_token_mean":
@@ -365,6 +370,19 @@ class UnslicedTokenMaskLoss(NemoStyleLoss):
         return float(counts.tokens), float(counts.sequences)
 
 
+class RescaledLocalMeanLoss(NemoStyleLoss):
+    """token_mean as the micro-batch's own mean rescaled by its share of the global tokens,
+    ``masked_mean(loss, mask, mask.sum()) * mask.sum() / global_valid_toks``: the same value
+    and gradient, except on a micro-batch without assistant tokens, where 0/0 makes the loss
+    value NaN (its gradient stays 0 here; TRL clamps ``mask.sum()`` to 1 for this reason)."""
+
+    def _token_mean(
+        self, clip_loss: torch.Tensor, mask: torch.Tensor, toks: float, seqs: float
+    ) -> torch.Tensor:
+        local = mask.sum()
+        return masked_mean(clip_loss, mask, local) * (local / toks)
+
+
 # ---------------------------------------------------------------------------------------------
 # Declarations.
 
@@ -408,4 +426,5 @@ BUGGY_COUNTS_LOSSES: dict[str, tuple[Implementation, str]] = {
     ),
     "swapped_counts_fields": (_impl(SwappedCountsLoss, "token_mean"), "LOSS-003"),
     "nemo_unsliced_token_mask": (_impl(UnslicedTokenMaskLoss, "token_mean"), "LOSS-016"),
+    "rescaled_local_mean_nan": (_impl(RescaledLocalMeanLoss, "token_mean"), "LOSS-017"),
 }
