@@ -23,21 +23,9 @@ from tests.independent import losses_counts
 
 _BAD = (Status.FAIL, Status.ERROR)
 
-KIT_DEFECTS: dict[str, str] = {
-    "nemo_unsliced_token_mask": (
-        "LOSS-016 is PASS; failed ids: []. No loss check builds a batch with an assistant token "
-        "at position 0, so a loss whose own counts include position 0 (loss(td) != "
-        "loss(td, counts=GlobalCounts.of(td)) there) conforms; see "
-        "test_witness_position_zero_counts"
-    ),
-    "rescaled_local_mean_nan": (
-        "LOSS-017 is PASS; failed ids: []. The kit calls a micro-batch holding only the row "
-        "without assistant tokens, and a NaN loss_objective there (gradients stay finite) "
-        "passes its value-sum comparison (likely a NaN difference compared False against the "
-        "tolerance); see "
-        "test_witness_empty_micro_batch_is_nan"
-    ),
-}
+# Closed: an assistant token at position 0 counted by a loss's own counts (LOSS-016 and its
+# batch now holds such a row), and a NaN micro-batch value passing LOSS-017's comparison.
+KIT_DEFECTS: dict[str, str] = {}
 
 
 def _marks(name: str) -> list[Any]:

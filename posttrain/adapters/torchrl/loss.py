@@ -54,6 +54,9 @@ def transformers_actor(
 def to_torchrl_layout(td: TensorDictBase) -> TensorDictBase:
     """A shallow copy whose advantage has GRPOLoss's shape [B, T, 1] (a view, no data copy).
 
+    An assistant mask that marks position 0 is copied with position 0 cleared: no logit
+    predicts that token, so it is no token of the loss, but TorchRL would score and count it.
+
     Example:
         >>> from posttrain.testing import llm_batch
         >>> to_torchrl_layout(llm_batch(2, 5)).get("advantage").shape
@@ -61,6 +64,12 @@ def to_torchrl_layout(td: TensorDictBase) -> TensorDictBase:
     """
     key = LLM_LAYOUT_V1.key("advantage")
     out = td.copy()
+    asst_key = LLM_LAYOUT_V1.key("assistant_mask")
+    asst = td.get(asst_key, None)
+    if isinstance(asst, torch.Tensor) and asst.ndim >= 2 and bool(asst[..., 0].any()):
+        asst = asst.clone()
+        asst[..., 0] = False
+        out.set(asst_key, asst)
     adv = td.get(key, None)
     if adv is None:  # leave the error to the loss, which names the key
         return out
@@ -124,13 +133,14 @@ class ContractLoss(torch.nn.Module):
             if getattr(self.loss, "aggregation", "token_mean") == "token_mean"
             else td.batch_size[0] / max(c.sequences, 1)  # prompt_mean: a mean over every row
         )
-        out = self.loss(to_torchrl_layout(td))
+        tl = to_torchrl_layout(td)
+        out = self.loss(tl)
         flat = out.to_tensordict() if hasattr(out, "to_tensordict") else out
         terms = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
         for k, v in terms.items():
             if k.startswith("loss_") and v.numel() == 1:
                 terms[k] = v.reshape(())
-        mask = td.get(LLM_LAYOUT_V1.key("assistant_mask")) & torch.isfinite(
+        mask = tl.get(LLM_LAYOUT_V1.key("assistant_mask")) & torch.isfinite(
             td.get(LLM_LAYOUT_V1.key("sample_log_probs"))
         )
         share = mask.numel() / mask.sum().clamp_min(1)

@@ -804,13 +804,17 @@ _TOL32 = 1e-5
 
 
 def _counted_batch(policy: Any, ctx: Context) -> TensorDictBase:
-    """A batch of 5 rows at ratio 1 whose row 2 has no assistant token (prompt only)."""
+    """A batch of 5 rows at ratio 1 whose row 2 has no assistant token (prompt only), and
+    whose row 0 is an answer from position 0 on: no logit predicts position 0, so it is no
+    token of any count (a count of ``mask.sum()`` over every position is one too many)."""
     td = _batch(policy, ctx, b=5, seed=16)
     asst = td.get(ASST).clone()
     asst[_EMPTY_ROW] = False
+    asst[0, : int(asst[0].nonzero().max()) + 1] = True
     td.set(ASST, asst)
-    for key in (SLP, RLP):
-        td.set(key, torch.where(asst, td.get(key), float("nan")))
+    lp = torch.where(asst, _own_log_probs(policy, td), float("nan"))
+    td.set(SLP, lp)
+    td.set(RLP, lp.clone())
     return td
 
 
@@ -820,8 +824,10 @@ def _counts_of(mask: torch.Tensor) -> tuple[int, int]:
 
 
 def _weights_for(ctx: Context, mask: torch.Tensor, tokens: int, seqs: int) -> torch.Tensor:
-    """The declared aggregation's weights with sum(m) -> ``tokens`` and B -> ``seqs``."""
+    """The declared aggregation's weights with sum(m) -> ``tokens`` and B -> ``seqs``
+    (position 0 weighs nothing: no logit predicts it)."""
     m = mask.double()
+    m[:, 0] = 0.0
     agg = ctx.options["aggregation"]
     if agg == "token_mean":
         return m / tokens
@@ -935,14 +941,14 @@ def micro_batches_add_up(ctx: Context) -> None:
             got = sum(terms.get(name, 0.0) for terms, _ in parts)
             want = full.get(name, 0.0)
             scale = max([abs(want)] + [abs(t.get(name, 0.0)) for t, _ in parts])
-            if abs(got - want) > _TOL32 * max(scale, 1e-6):
+            if not abs(got - want) <= _TOL32 * max(scale, 1e-6):  # NaN fails too
                 raise _fail(
                     f"{where}: the micro-batches' {name} sum to {got:.6g}, the whole batch's "
                     f"is {want:.6g}"
                 )
         g_sum = torch.stack([g for _, g in parts]).sum(0)
         err = float((g_sum - g_full).abs().max())
-        if err > g_tol:
+        if not err <= g_tol:
             raise _fail(
                 f"{where}: the sum of the micro-batches' parameter gradients differs from the "
                 f"whole batch's by up to {err:.3g} (largest entry {float(g_full.abs().max()):.3g})"
