@@ -399,7 +399,7 @@ _DIST = (
     ".",
 )
 _RAY = (
-    ray_weight_sync_pair,
+    partial(ray_weight_sync_pair, start_next=True),  # the suite makes a pair per check
     "RayWeightSyncScheme",
     "The receiving model in a Ray actor, weights over gloo (local Ray cluster); ",
     ", the version through its model_version.",

@@ -206,8 +206,9 @@ _spare: dict[str, Any] = {}
 """One receiver actor started ahead of need, by the cluster's job id it belongs to."""
 
 
-def _take_actor(ray: Any) -> Any:
-    """A fresh, unattached receiver actor; starts the next one in the background.
+def _take_actor(ray: Any, *, start_next: bool) -> Any:
+    """A fresh, unattached receiver actor (one started ahead, if any); with ``start_next``,
+    starts the next one in the background.
 
     Each pair gets an actor nothing else ever used. Its process spends seconds importing torch,
     TorchRL and transformers before it can answer; the conformance suite makes a pair per check,
@@ -220,7 +221,8 @@ def _take_actor(ray: Any) -> Any:
 
     actor = _spare.pop(job, None) or start()
     _spare.clear()  # after a ray.shutdown() an older cluster's actor is gone anyway
-    _spare[job] = start()
+    if start_next:
+        _spare[job] = start()
     return actor
 
 
@@ -232,12 +234,14 @@ def _shutdown(ray: Any, scheme: Any, actor: Any) -> None:
 
 
 def ray_weight_sync_pair(
-    receiver_model: torch.nn.Module, *, adapted: bool = False
+    receiver_model: torch.nn.Module, *, adapted: bool = False, start_next: bool = False
 ) -> tuple[Any, RayReceiver]:
     """A (sender, receiver) pair over ``RayWeightSyncScheme``; the receiver is a Ray actor.
 
     The actor gets a copy of ``receiver_model``; read its weights with
-    ``receiver.state_dict()``. Joins the running Ray cluster or starts a local one.
+    ``receiver.state_dict()``. Joins the running Ray cluster or starts a local one. With
+    ``start_next``, the next pair's receiver actor starts booting now (for a caller that makes
+    pair after pair, as the conformance suite does); it stays idle until that next call.
 
     Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
         >>> from posttrain.testing import tiny_causal_lm
@@ -254,7 +258,7 @@ def ray_weight_sync_pair(
     scheme: Any = RayWeightSyncScheme(
         backend="gloo"
     )  # its init_on_sender overloads omit Ray's kwargs
-    actor = _take_actor(ray)
+    actor = _take_actor(ray, start_next=start_next)
     try:
         # Pickled now, before init_on_sender, as TorchRL's own receivers get the scheme.
         attached = actor.attach.remote(receiver_model, scheme)
