@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from posttrain.adapters.nemo_rl.loss import ContractAsNemoLoss, NemoLossModule, global_counts
+from posttrain.adapters.nemo_rl.loss import (
+    CLIPPED_PG_DEFAULTS,
+    ContractAsNemoLoss,
+    NemoLossModule,
+    clipped_pg_loss,
+    clipped_pg_options,
+    global_counts,
+)
 from posttrain.adapters.nemo_rl.train_data import NemoFormatError
 from posttrain.reference_impls import PolicyGradientLoss
 from posttrain.testing import llm_batch, tiny_causal_lm
@@ -190,3 +198,104 @@ def test_missing_data_keys_are_named_with_what_nemo_rl_loss_data_holds(
     message = str(refused.value)
     assert message.startswith(f"data: missing {missing}; NeMo-RL's loss data holds input_ids")
     assert f"found {sorted(data)}" in message
+
+
+# ---- every ClippedPGLossConfig key, against NeMo-RL's own ClippedPGLossFn ----------------
+
+OPTS = json.loads(
+    (Path(__file__).resolve().parent / "data" / "nemo_rl_clipped_pg_options.json").read_text()
+)
+
+
+def _case_data(case: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out = {k: torch.tensor(v, dtype=dtype) for k, v in case["data"].items()}
+    out["input_ids"] = out["input_ids"].long()
+    out["token_mask"] = out["token_mask"].long()
+    return out
+
+
+def _close(got: float, want: float, rel: float) -> bool:
+    return abs(got - want) <= rel * max(1.0, abs(want))
+
+
+def test_every_clipped_pg_config_key_has_three_non_default_vectors() -> None:
+    assert OPTS["config_keys"] == list(CLIPPED_PG_DEFAULTS)
+    for key, default in CLIPPED_PG_DEFAULTS.items():
+        cases = [c for c in OPTS["cases"] if c["key"] == key]
+        assert len(cases) >= 3, key
+        # reference_policy_kl_penalty: 1.0 (the base of every case) is itself non-default.
+        assert all(c["config"].get(key, 1.0) != default for c in cases), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_clipped_pg_options_reproduce_nemo_rl_loss_metrics_and_gradient(
+    dtype: torch.dtype,
+) -> None:
+    # float64 within 1e-6 (relative above 1); float32 rounding within 1e-5.
+    rel = 1e-6 if dtype == torch.float64 else 1e-5
+    wrong: list[str] = []
+    for case in OPTS["cases"]:
+        ntl = torch.tensor(case["next_token_logprobs"], dtype=dtype, requires_grad=True)
+        loss, metrics = clipped_pg_loss(case["config"])(
+            next_token_logprobs=ntl,
+            data=_case_data(case, dtype),
+            global_valid_seqs=torch.tensor(case["global_valid_seqs"]),
+            global_valid_toks=torch.tensor(case["global_valid_toks"]),
+        )
+        torch.autograd.backward(loss)
+        assert ntl.grad is not None
+        got = {"loss": loss.item(), **{k: metrics.get(k, math.nan) for k in case["metrics"]}}
+        want = {"loss": case["loss"], **case["metrics"]}
+        off = [k for k in want if not _close(got[k], want[k], rel)]
+        grad_err = (ntl.grad.double() - torch.tensor(case["grad_next_token_logprobs"])).abs()
+        if float(grad_err.max()) > rel:
+            off.append(f"grad (max error {float(grad_err.max()):.2e})")
+        if off:
+            wrong.append(f"{case['key']} {case['config']}: {off[:5]}")
+    assert not wrong, f"{len(wrong)} of {len(OPTS['cases'])} cases differ: {wrong[:5]}"
+
+
+def test_async_grpo_reads_token_mult_prob_error_and_kl_penalty() -> None:
+    case = next(c for c in OPTS["cases"] if c["key"] == "use_importance_sampling_correction")
+    _, metrics = clipped_pg_loss({"use_importance_sampling_correction": True})(
+        next_token_logprobs=torch.tensor(case["next_token_logprobs"], dtype=torch.float64),
+        data=_case_data(case, torch.float64),
+        global_valid_seqs=torch.tensor(case["global_valid_seqs"]),
+        global_valid_toks=torch.tensor(case["global_valid_toks"]),
+    )
+    assert {"token_mult_prob_error", "kl_penalty", "sampling_importance_ratio"} <= set(metrics)
+
+
+def test_clipped_pg_options_refuse_what_nemo_rl_refuses() -> None:
+    with pytest.raises(ValueError, match=r"unknown keys \['ratio_clip'\]"):
+        clipped_pg_options({"ratio_clip": 0.2})
+    with pytest.raises(ValueError, match="needs token_level_loss=False"):
+        clipped_pg_options({"sequence_level_importance_ratios": True})
+    with pytest.raises(ValueError, match="needs use_importance_sampling_correction=True"):
+        clipped_pg_options(
+            {"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2}
+        )
+    with pytest.raises(ValueError, match="cispo: needs ratio='token'"):
+        clipped_pg_loss({"use_cispo": True, "ratio_clip_c": 3.0}).make_loss(tiny_causal_lm())
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"use_importance_sampling_correction": True, "ratio_clip_c": 3.0},
+        {"token_level_loss": False, "sequence_level_importance_ratios": True},
+    ],
+    ids=["is-dual-clip", "gspo"],
+)
+def test_round_trip_of_an_option_loss_equals_the_loss(cfg: dict[str, Any]) -> None:
+    # posttrain loss -> NeMo-RL LossFunction -> LossModuleV1: the same numbers.
+    torch.manual_seed(0)
+    td = llm_batch(4, 8, vocab_size=64)
+    policy = tiny_causal_lm()
+    opts, _ = clipped_pg_options(cfg)
+    opts.pop("generation_key")  # a layout batch's behaviour log-probs are the generation ones
+    direct = PolicyGradientLoss(policy, **opts)(td)
+    total = sum(v for k, v in direct.items() if k.startswith("loss_"))
+    wrapped = NemoLossModule(clipped_pg_loss(cfg), policy)(td)
+    assert wrapped["loss_objective"].item() == pytest.approx(float(total.detach()), abs=1e-6)
+    assert wrapped["token_mult_prob_error"].item() == pytest.approx(1.0, abs=1e-6)

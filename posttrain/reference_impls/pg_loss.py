@@ -48,6 +48,17 @@ class PolicyGradientLoss(torch.nn.Module):
     ``entropy_coef > 0``) and the diagnostics ``clip_fraction``, ``kl_approx`` (k3 KL from the
     behaviour policy), ``entropy`` — all over assistant tokens, token-mean.
 
+    Options beyond PPO/GRPO (each NeMo-RL ``ClippedPGLossConfig`` key maps to one, see
+    :func:`posttrain.adapters.nemo_rl.loss.clipped_pg_options`): ``ratio`` (:data:`RATIOS`:
+    per token, GSPO's per sequence, forced on-policy, none = REINFORCE), ``dual_clip`` c > 1,
+    ``cispo``, ``kl_type`` (:data:`KL_TYPES`), ``kl_input_clamp`` / ``kl_output_clamp``,
+    ``kl_weight`` (:data:`KL_WEIGHTS`: NeMo-RL differentiates the KL times
+    exp(log p - sg(log p)), ``"score"``), ``importance_correction`` /
+    ``importance_bounds`` (:data:`IMPORTANCE_CORRECTIONS`: weights pi_sample / pi_generation
+    with the sampler's log-probs at ``generation_key``), ``positive_nll_coef`` (VAPO's
+    ``loss_positive_nll`` on rows rewarded > 0) and ``nemo_metrics`` (NeMo-RL's metric set:
+    ``token_mult_prob_error``, ``kl_penalty``, ``probs_ratio``, ...).
+
     Capability ``global_counts``: ``loss(micro_batch, counts=GlobalCounts.of(whole_batch))``
     normalizes by the whole batch's counts, so micro-batch losses (and their gradients and
     diagnostics) add up to the whole batch's; a row without assistant tokens is not a sequence.
@@ -61,6 +72,9 @@ class PolicyGradientLoss(torch.nn.Module):
         >>> out = PolicyGradientLoss(policy, aggregation="seq_mean_token_mean")(td)
         >>> sorted(k for k in out.keys() if k.startswith("loss_"))
         ['loss_objective']
+        >>> out = PolicyGradientLoss(policy, kl_coef=1.0, kl_type="k2", nemo_metrics=True)(td)
+        >>> float(out["kl_penalty"]) == float(out["loss_kl_to_ref"])
+        True
         >>> PolicyGradientLoss(policy, aggregation="token_meen")
         Traceback (most recent call last):
         ...
@@ -76,6 +90,18 @@ class PolicyGradientLoss(torch.nn.Module):
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
         t_norm: int | None = None,
+        ratio: str = "token",
+        dual_clip: float | None = None,
+        cispo: bool = False,
+        kl_type: str = "k3",
+        kl_input_clamp: float | None = None,
+        kl_output_clamp: float | None = None,
+        kl_weight: str = "pathwise",
+        importance_correction: str | None = None,
+        importance_bounds: tuple[float | None, float] | None = None,
+        generation_key: Any = None,
+        positive_nll_coef: float = 0.0,
+        nemo_metrics: bool = False,
         layout: Layout = LLM_LAYOUT_V1,
     ) -> None:
         super().__init__()
@@ -103,14 +129,46 @@ class PolicyGradientLoss(torch.nn.Module):
             raise ValueError(f"kl_coef: expected a number >= 0, found {kl_coef!r}")
         if not _real(entropy_coef) or not math.isfinite(entropy_coef):
             raise ValueError(f"entropy_coef: expected a finite number, found {entropy_coef!r}")
+        _choice("ratio", ratio, RATIOS)
+        _choice("kl_type", kl_type, KL_TYPES)
+        _choice("kl_weight", kl_weight, KL_WEIGHTS)
+        _choice("importance_correction", importance_correction, IMPORTANCE_CORRECTIONS)
+        if dual_clip is not None and (not _real(dual_clip) or not dual_clip > 1):
+            raise ValueError(f"dual_clip: expected None or a number > 1, found {dual_clip!r}")
+        for name, v in (("kl_input_clamp", kl_input_clamp), ("kl_output_clamp", kl_output_clamp)):
+            if v is not None and (not _real(v) or not v >= 0):
+                raise ValueError(f"{name}: expected None or a number >= 0, found {v!r}")
+        if not _real(positive_nll_coef) or not positive_nll_coef >= 0:
+            raise ValueError(
+                f"positive_nll_coef: expected a number >= 0, found {positive_nll_coef!r}"
+            )
+        if cispo and (ratio != "token" or dual_clip is not None):
+            raise ValueError(
+                f"cispo: needs ratio='token' and no dual_clip (NeMo-RL's rule), found "
+                f"ratio={ratio!r}, dual_clip={dual_clip!r}"
+            )
+        bounds = _bounds(importance_correction, importance_bounds)
         self.policy = policy
         self.aggregation = aggregation
         self.clip = (float(low), float(high))
         self.kl_coef = float(kl_coef)
         self.entropy_coef = float(entropy_coef)
         self.t_norm = t_norm
+        self.ratio = ratio
+        self.dual_clip = None if dual_clip is None else float(dual_clip)
+        self.cispo = bool(cispo)
+        self.kl_type = kl_type
+        self.kl_clamp = (kl_input_clamp, kl_output_clamp)
+        self.kl_weight = kl_weight
+        self.importance_correction = importance_correction
+        self.importance_bounds = bounds
+        self.generation_key = generation_key
+        self.positive_nll_coef = float(positive_nll_coef)
+        self.nemo_metrics = bool(nemo_metrics)
         self.layout = layout
         need = ["sample_log_probs", "advantage"] + (["ref_log_probs"] if kl_coef > 0 else [])
+        if positive_nll_coef > 0:
+            need.append("reward")
         self._require = tuple(need)
 
     def _weights(self, mask: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
@@ -127,14 +185,154 @@ class PolicyGradientLoss(torch.nn.Module):
         assert self.t_norm is not None
         return m / (b * self.t_norm)
 
+    def _clamped(self, ratio: torch.Tensor) -> torch.Tensor:
+        """The ratio clipped to [1 - ε_low, 1 + ε_high]; unclipped where there is no PPO ratio
+        (``ratio="none"``: the log-prob itself; ``"on_policy"``: exactly 1)."""
+        if self.ratio in ("none", "on_policy"):
+            return ratio
+        low, high = self.clip
+        return ratio.clamp(1 - low, 1 + high)
+
     def _surrogate(
         self, adv: torch.Tensor, ratio: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token PPO loss max(-A r, -A clip(r)) and where the clipped term is the active one."""
-        low, high = self.clip
-        pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)
+        """Per-token PPO loss max(-A r, -A clip(r)) (and its min with -A c where A < 0 under
+        dual clip c) and where a clipped term is the active one."""
+        pg1, pg2 = -adv * ratio, -adv * self._clamped(ratio)
         clipped = pg2 > pg1
-        return torch.where(clipped, pg2, pg1), clipped
+        loss = torch.where(clipped, pg2, pg1)
+        if self.dual_clip is not None:
+            pg3 = -adv * self.dual_clip
+            dual = (adv < 0) & (pg3 < loss)
+            loss, clipped = torch.where(dual, pg3, loss), clipped | dual
+        return loss, clipped
+
+    def _ratios(self, logp: torch.Tensor, prox: torch.Tensor, fm: torch.Tensor) -> torch.Tensor:
+        """The per-token ratio the surrogate clips (1 off the mask)."""
+        mask = fm > 0
+        if self.ratio == "none":  # REINFORCE: the surrogate is -A log p
+            return logp
+        if self.ratio == "sequence":  # GSPO: the geometric mean over the row's tokens
+            mean = ((logp - prox) * fm).sum(-1, keepdim=True) / fm.sum(-1, keepdim=True).clamp_min(
+                1
+            )
+            return torch.where(mask, mean.exp().expand_as(logp), 1.0)
+        return torch.where(mask, (logp - prox).exp(), 1.0)  # "on_policy": prox is logp.detach()
+
+    def _importance(
+        self, prox: torch.Tensor, old: torch.Tensor, fm: torch.Tensor, counts: GlobalCounts
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Off-policy weights pi_prox / pi_behaviour (per token, or per sequence under
+        ``ratio="sequence"``), truncated as declared, and their metrics."""
+        prox, old = prox.detach(), old.detach()
+        mask = fm > 0
+        n_tok, n_seq = max(counts.tokens, 1), max(counts.sequences, 1)
+        if self.ratio == "sequence":
+            w = ((prox - old) * fm).sum(-1, keepdim=True).exp()
+        else:
+            w = torch.where(mask, (prox - old).exp(), 1.0)
+        metrics: dict[str, torch.Tensor] = {}
+        kind, bounds = self.importance_correction, self.importance_bounds
+        if kind in ("tis", "icepop"):
+            assert bounds is not None
+            lo, hi = bounds
+            out = (w > hi) | (w < lo)
+            metrics["is_oob_ratio"] = (out.to(fm.dtype) * fm).sum() / n_tok
+            w = w.clamp(lo, hi) if kind == "tis" else torch.where(out, 0.0, w)
+        elif kind == "seq_mask_tis":
+            assert bounds is not None
+            lo, hi = bounds
+            geo = (((prox - old) * fm).sum(-1) / fm.sum(-1).clamp_min(1)).exp()
+            kept = ((geo >= lo) & (geo <= hi)).to(fm.dtype)
+            rows = mask.any(-1).to(fm.dtype)
+            metrics["is_oob_ratio"] = ((1 - kept) * rows).sum() / n_seq
+            w = w * kept[:, None]
+        if self.ratio == "sequence":
+            # NeMo-RL's reduction: a [B, 1] weight times a [B] sample mask broadcasts to
+            # [B, B], i.e. the sum of every row's weight times the valid rows, over the global
+            # sequence count.
+            valid_rows = float(mask.any(-1).sum())
+            metrics["sampling_importance_ratio"] = w.sum() * valid_rows / n_seq
+        else:
+            metrics["sampling_importance_ratio"] = (w * fm).sum() / n_tok
+        return w.expand_as(fm), metrics
+
+    def _kl(self, logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """Per-token KL estimate to the reference: k1, k2 or k3 of log(pi_ref / pi), clamped on
+        the way in and out as declared, and weighted as ``kl_weight`` says (the weight's
+        gradient is the score-function term; detached where the input clamp is active)."""
+        logr = ref - logp
+        weight = None
+        if self.kl_weight == "score":
+            weight = (logp - logp.detach()).exp()
+        elif self.kl_weight == "behaviour":
+            weight = (logp - old.detach()).exp()
+        lo_in, lo_out = self.kl_clamp
+        if lo_in is not None:
+            clamped = logr.clamp(-lo_in, lo_in)
+            if weight is not None:
+                weight = torch.where(logr == clamped, weight, weight.detach())
+            logr = clamped
+        if self.kl_type == "k1":
+            kl = -logr
+        elif self.kl_type == "k2":
+            kl = logr.square() / 2
+        else:
+            kl = logr.exp() - logr - 1
+        if weight is not None:
+            kl = weight * kl
+        if lo_out is not None:
+            kl = kl.clamp(-lo_out, lo_out)
+        return kl
+
+    def _nemo_metrics(
+        self,
+        logp: torch.Tensor,
+        prox: torch.Tensor,
+        old: torch.Tensor,
+        ratio: torch.Tensor,
+        mask: torch.Tensor,
+        tm: torch.Tensor,
+        out: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """NeMo-RL's ClippedPGLossFn metrics, each a token sum over the global token count
+        (extrema excepted: this batch's)."""
+        logp, prox, old, ratio = logp.detach(), prox.detach(), old.detach(), ratio.detach()
+        ratio_c = self._clamped(ratio)
+        fm = mask.to(logp.dtype)
+
+        def kl(logr: torch.Tensor) -> torch.Tensor:
+            if self.kl_type == "k1":
+                return -logr
+            if self.kl_type == "k2":
+                return logr.square() / 2
+            return logr.exp() - 1 - logr
+
+        mix = torch.log(0.5 * prox.exp() + 0.5 * old.exp())
+        # NeMo-RL's Jensen-Shannon term is k3-shaped whatever the KL type.
+        js = 0.5 * ((prox - mix).exp() - (prox - mix) - 1) + 0.5 * (
+            (old - mix).exp() - (old - mix) - 1
+        )
+        inf = torch.tensor(float("inf"), dtype=logp.dtype)
+        pick, pick_c = ratio[mask], ratio_c[mask]
+        res = {
+            "probs_ratio": (ratio * tm).sum(),
+            "probs_ratio_clamped": (ratio_c * tm).sum(),
+            "probs_ratio_min": pick.min() if pick.numel() else inf,
+            "probs_ratio_max": pick.max() if pick.numel() else -inf,
+            "probs_ratio_clamped_min": pick_c.min() if pick.numel() else inf,
+            "probs_ratio_clamped_max": pick_c.max() if pick.numel() else -inf,
+            "token_mult_prob_error": ((old - prox).abs() * fm).exp().mul(tm).sum(),
+            "gen_kl_error": (kl(prox - old) * tm).sum(),
+            "policy_kl_error": (kl(old - prox) * tm).sum(),
+            "js_divergence_error": (js * tm).sum(),
+            "approx_entropy": -((logp - old).exp() * logp * tm).sum(),
+        }
+        kl_term = out.get("loss_kl_to_ref")
+        res["kl_penalty"] = (
+            kl_term / self.kl_coef if kl_term is not None else torch.zeros((), dtype=logp.dtype)
+        )
+        return res
 
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
         """Compute the loss terms and diagnostics for ``td`` (never mutated).
@@ -165,9 +363,22 @@ class PolicyGradientLoss(torch.nn.Module):
         adv = adv[:, None].expand_as(logp) if adv.ndim == 1 else adv
         adv = torch.where(mask, adv, 0.0)
 
-        log_ratio = logp - old
-        ratio = torch.where(mask, log_ratio.exp(), 1.0)
-        per_token, active = self._surrogate(adv, ratio)
+        gen = old  # the sampler's log-probs: the proximal ones unless declared apart
+        if self.generation_key is not None:
+            if self.generation_key not in td.keys(include_nested=True):
+                raise KeyError(
+                    f"{self.generation_key!r}: generation_key is set but the batch has no such "
+                    "entry"
+                )
+            raw = td.get(self.generation_key)
+            if raw.shape != logp.shape or not raw.is_floating_point():
+                raise ValueError(
+                    f"{self.generation_key!r}: expected float log-probs of shape "
+                    f"{list(logp.shape)}, found {raw.dtype} {list(raw.shape)}"
+                )
+            gen = torch.where(mask, raw.to(logp.dtype), 0.0)
+        prev = logp.detach() if self.ratio == "on_policy" else old
+
         own = GlobalCounts(int(mask.sum()), int(mask.any(-1).sum()))
         if counts is None:
             counts = own
@@ -176,18 +387,34 @@ class PolicyGradientLoss(torch.nn.Module):
                 f"counts: this batch alone holds {own.tokens} assistant tokens in "
                 f"{own.sequences} sequences, more than the global {counts}"
             )
+        fm = mask.to(logp.dtype)
+        n_tok = max(counts.tokens, 1)
+        ratio = self._ratios(logp, prev, fm)
+        if self.cispo:  # MiniMax-M1: -A sg(clip(r)) log p
+            ratio_c = self._clamped(ratio)
+            per_token, active = -adv * ratio_c.detach() * logp, ratio_c != ratio
+        else:
+            per_token, active = self._surrogate(adv, ratio)
+        is_w, is_metrics = self._importance(prev, gen, fm, counts)
+        if self.importance_correction is not None:
+            per_token = is_w * per_token
         w = self._weights(mask, counts).to(logp.dtype)
         out: dict[str, torch.Tensor] = {"loss_objective": (per_token * w).sum()}
 
         # Diagnostics: sums over the assistant tokens / the global token count, so that the
         # micro-batches' values add up to the whole batch's token mean.
-        tm = mask.to(logp.dtype) / max(counts.tokens, 1)
+        tm = fm / n_tok
         if self.kl_coef > 0:
             ref = torch.where(mask, td.get(k("ref_log_probs")).to(logp.dtype), 0.0)
-            d = ref - logp
-            k3 = torch.where(mask, d.exp() - d - 1, 0.0)
-            out["loss_kl_to_ref"] = self.kl_coef * (k3 * w).sum()
-            out["kl_to_ref"] = (k3 * tm).sum().detach()
+            kl = torch.where(mask, self._kl(logp, ref, gen), 0.0)
+            out["loss_kl_to_ref"] = self.kl_coef * (kl * w).sum()
+            out["kl_to_ref"] = (kl * tm).sum().detach()
+        if self.positive_nll_coef > 0:
+            # NeMo-RL's VAPO term: -log p over the tokens of rows rewarded > 0, a mean over
+            # this batch's own such tokens (NeMo-RL normalizes it locally, not globally).
+            good = fm * (td.get(k("reward")).to(logp.dtype) > 0)[:, None]
+            nll = (-logp * good).sum() / good.sum() if good.sum() > 0 else logp.sum() * 0.0
+            out["loss_positive_nll"] = self.positive_nll_coef * nll
         ent = _entropy(logits)
         if self.entropy_coef > 0:
             out["loss_entropy"] = -self.entropy_coef * (torch.where(mask, ent, 0.0) * w).sum()
@@ -196,8 +423,81 @@ class PolicyGradientLoss(torch.nn.Module):
             d_old = old - logp
             out["kl_approx"] = (torch.where(mask, d_old.exp() - d_old - 1, 0.0) * tm).sum()
             out["entropy"] = (torch.where(mask, ent, 0.0) * tm).sum()
+            if self.nemo_metrics:
+                out.update(is_metrics)
+                out.update(self._nemo_metrics(logp, prev, gen, ratio, mask, tm, out))
+                out["positive_nll_loss"] = (
+                    out["loss_positive_nll"] / self.positive_nll_coef
+                    if self.positive_nll_coef > 0
+                    else torch.zeros((), dtype=logp.dtype)
+                )
         return TensorDict(out, batch_size=[])
 
 
 def _real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)  # numpy floats too
+
+
+RATIOS = ("token", "sequence", "on_policy", "none")
+"""``ratio`` values: the PPO ratio per token, GSPO's per-sequence geometric mean, exactly 1
+with the policy's gradient (NeMo-RL ``force_on_policy_ratio``), none (REINFORCE: -A log p,
+NeMo-RL ``disable_ppo_ratio``).
+
+Example:
+    >>> RATIOS[0]
+    'token'
+"""
+KL_TYPES = ("k1", "k2", "k3")
+"""KL estimators of log r = log pi_ref - log pi (Schulman): k1 -log r, k2 (log r)^2 / 2,
+k3 r - 1 - log r.
+
+Example:
+    >>> KL_TYPES[-1]
+    'k3'
+"""
+KL_WEIGHTS = ("pathwise", "score", "behaviour")
+"""How the KL estimate is differentiated: as written (``pathwise``), times
+exp(log pi - sg(log pi)) (``score``: value 1, adds the score-function term, NeMo-RL's form),
+or times exp(log pi - log pi_behaviour) (``behaviour``: NeMo-RL's on-policy KL approximation).
+
+Example:
+    >>> "score" in KL_WEIGHTS
+    True
+"""
+IMPORTANCE_CORRECTIONS = (None, "plain", "tis", "icepop", "seq_mask_tis")
+"""Off-policy correction by pi_prox / pi_behaviour: none, plain, clamped to
+``importance_bounds`` (tis), zeroed outside them per token (icepop) or per sequence by the
+geometric mean (seq_mask_tis).
+
+Example:
+    >>> IMPORTANCE_CORRECTIONS[2]
+    'tis'
+"""
+
+
+def _choice(name: str, value: object, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {list(allowed)}, found {value!r}")
+
+
+def _bounds(
+    kind: str | None, bounds: tuple[float | None, float] | None
+) -> tuple[float, float] | None:
+    """Validated (low, high) truncation bounds; ``tis`` defaults its low bound to 0."""
+    if kind in (None, "plain"):
+        if bounds is not None:
+            raise ValueError(
+                f"importance_bounds: only with a truncating importance_correction, found {bounds!r}"
+            )
+        return None
+    ok = isinstance(bounds, tuple | list) and len(bounds) == 2
+    lo: Any = bounds[0] if ok and bounds is not None else None
+    hi: Any = bounds[1] if ok and bounds is not None else None
+    if lo is None and kind == "tis":
+        lo = 0.0
+    if not ok or not _real(lo) or not _real(hi) or not 0 <= lo <= hi or not hi > 0:
+        raise ValueError(
+            f"importance_bounds: {kind} needs (low, high) with 0 <= low <= high and high > 0, "
+            f"found {bounds!r}"
+        )
+    return float(lo), float(hi)

@@ -203,13 +203,13 @@ class DualClipLoss(PolicyGradientLoss):
 
     def __init__(self, policy: Any, *, dual_clip: float = 3.0, **kwargs: Any) -> None:
         super().__init__(policy, **kwargs)
-        self.dual_clip = float(dual_clip)
+        self.cap = float(dual_clip)  # not the reference's own dual_clip: IgnoresDualClip drops it
 
     def _surrogate(
         self, adv: torch.Tensor, ratio: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         per_token, clipped = super()._surrogate(adv, ratio)
-        cap = -adv * self.dual_clip
+        cap = -adv * self.cap
         capped = (adv < 0) & (cap < per_token)
         return torch.where(capped, cap, per_token), clipped | capped
 

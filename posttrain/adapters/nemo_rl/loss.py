@@ -34,6 +34,40 @@ _LOSS_DATA_KEYS = ("input_ids", "token_mask", "sample_mask", "advantages")
 LOSS_TYPES = {"token_mean": "token_level", "seq_mean_token_mean": "sequence_level"}
 """posttrain aggregation -> NeMo-RL ``LossType`` value (NeMo-RL has no token-sum variants)."""
 
+GENERATION_KEY = ("log_probs", "generation")
+"""Where :class:`ContractAsNemoLoss` puts NeMo-RL's ``generation_logprobs`` (the sampler's;
+``sample_log_probs`` holds ``prev_logprobs``, the PPO ratio's denominator): pass it as
+``PolicyGradientLoss(..., generation_key=GENERATION_KEY)`` for importance-sampling correction.
+
+Example:
+    >>> GENERATION_KEY
+    ('log_probs', 'generation')
+"""
+
+
+def _f(x: torch.Tensor) -> torch.Tensor:
+    """float32, float64 kept (a float64 check stays float64 end to end)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _whole(x: torch.Tensor | float) -> int:
+    v = float(x)
+    if v != round(v):
+        raise ValueError(f"global counts: expected a whole number, found {v}")
+    return round(v)
+
+
+def _takes_counts(loss: Any) -> bool:
+    """Whether ``loss(td, counts=...)`` is accepted (capability ``global_counts``)."""
+    import inspect
+
+    target = loss.forward if isinstance(loss, torch.nn.Module) else loss
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+    return "counts" in params
+
 
 def _enum(name: str, value: str) -> Any:
     """NeMo-RL's enum member where nemo_rl imports, else its string value."""
@@ -73,7 +107,7 @@ class _GivenLogProbs(torch.nn.Module):
         self.lp = next_token_logprobs
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Any = None) -> Any:
-        lp = self.lp.float()
+        lp = _f(self.lp)
         inside = lp < -1e-6
         other = torch.where(
             inside, torch.log1p(-torch.exp(lp.clamp(max=-1e-6))), torch.full_like(lp, -1e4)
@@ -160,10 +194,24 @@ class ContractAsNemoLoss:
                 f"first position), found {list(next_token_logprobs.shape)}"
             )
         td = self._layout_batch(d)
-        out = self.make_loss(_GivenLogProbs(next_token_logprobs))(td)
+        seqs, toks = global_counts(d)
+        loss_module = self.make_loss(_GivenLogProbs(next_token_logprobs))
+        if _takes_counts(loss_module):
+            # The loss normalizes by NeMo-RL's global counts itself: sequences are
+            # sum(sample_mask) (a sampled row without a token counts, as in NeMo-RL).
+            counts = GlobalCounts(_whole(global_valid_toks), _whole(global_valid_seqs))
+            out = loss_module(td, counts=counts)
+            terms = {k: v for k, v in out.items() if isinstance(k, str) and k.startswith("loss_")}
+            loss = torch.stack([v.reshape(()) for v in terms.values()]).sum()
+            metrics: dict[str, Any] = {"loss": float(loss.detach())}
+            for k, v in out.items():
+                if isinstance(k, str) and isinstance(v, torch.Tensor) and v.numel() == 1:
+                    metrics[k] = float(v.detach())
+            metrics["num_valid_samples"] = float(seqs)
+            return loss, metrics
+        out = loss_module(td)
         terms = {k: v for k, v in out.items() if isinstance(k, str) and k.startswith("loss_")}
         loss = torch.stack([v.reshape(()) for v in terms.values()]).sum()
-        seqs, toks = global_counts(d)
         # The wrapped loss averages over its own sequences holding a valid token (a sample
         # without one weighs nothing): rescaling by that count over NeMo-RL's global one gives
         # NeMo-RL's sum over sequences / global_valid_seqs, whichever rows it counts.
@@ -177,7 +225,7 @@ class ContractAsNemoLoss:
         # Metrics are token means in NeMo-RL whatever the loss type (masked_mean over tokens
         # with global_normalization_factor=global_valid_toks).
         tok_scale = toks / torch.as_tensor(global_valid_toks, dtype=torch.float32).clamp_min(1e-8)
-        metrics: dict[str, Any] = {"loss": float((loss * scale).detach())}
+        metrics = {"loss": float((loss * scale).detach())}
         for k in ("clip_fraction", "kl_approx", "kl_to_ref", *terms):
             if k in out.keys():  # noqa: SIM118 - a TensorDict's `in` is not its keys
                 s = scale if k.startswith("loss_") else tok_scale
@@ -190,6 +238,9 @@ class ContractAsNemoLoss:
         b, s = ids.shape
         sm = d["sample_mask"]
         mask = d["token_mask"].bool() & (sm > 0)[:, None]
+        # NeMo-RL's PPO ratio is taken against prev_logprobs (the training policy's at
+        # rollout time); the sampler's generation_logprobs travel apart, for the
+        # importance-sampling correction and the mismatch metrics.
         behaviour = d.get("prev_logprobs", d.get("generation_logprobs"))
         k = self.layout.key
         fields: dict[Any, torch.Tensor] = {
@@ -197,12 +248,16 @@ class ContractAsNemoLoss:
             k("tokens"): torch.zeros_like(ids, dtype=torch.int64),
             k("attention_mask"): torch.ones(b, s, dtype=torch.bool),
             k("assistant_mask"): mask,
-            k("sample_log_probs"): behaviour.float(),
-            k("advantage"): d["advantages"].float(),
+            k("sample_log_probs"): _f(behaviour),
+            k("advantage"): _f(d["advantages"]),
         }
+        if "generation_logprobs" in d:
+            fields[GENERATION_KEY] = _f(d["generation_logprobs"])
         ref = d.get("reference_policy_logprobs")
         if ref is not None:
-            fields[k("ref_log_probs")] = ref.float()
+            fields[k("ref_log_probs")] = _f(ref)
+        if "rewards" in d:
+            fields[k("reward")] = _f(torch.as_tensor(d["rewards"]))
         return TensorDict(fields, batch_size=[b])
 
 
@@ -300,3 +355,119 @@ def nemo_loss_module(policy: Any, aggregation: str = "token_mean", **overrides: 
         return PolicyGradientLoss(p, aggregation=aggregation, **opts)
 
     return NemoLossModule(ContractAsNemoLoss(make, loss_type=LOSS_TYPES[aggregation]), policy)
+
+
+CLIPPED_PG_DEFAULTS: dict[str, Any] = {
+    "disable_ppo_ratio": False,
+    "token_level_loss": True,
+    "sequence_level_importance_ratios": False,
+    "ratio_clip_min": 0.2,
+    "ratio_clip_max": 0.2,
+    "ratio_clip_c": None,
+    "reference_policy_kl_penalty": 0.01,
+    "reference_policy_kl_type": "k3",
+    "kl_input_clamp_value": 20.0,
+    "kl_output_clamp_value": 10.0,
+    "use_kl_in_reward": False,
+    "use_importance_sampling_correction": False,
+    "truncated_importance_sampling_type": None,
+    "truncated_importance_sampling_ratio": None,
+    "truncated_importance_sampling_ratio_min": None,
+    "use_on_policy_kl_approximation": False,
+    "force_on_policy_ratio": False,
+    "use_cispo": False,
+    "positive_example_nll_weight": 0.0,
+}
+"""NeMo-RL's ``ClippedPGLossConfig`` keys and defaults (commit 7ea279a), all 19.
+
+Example:
+    >>> len(CLIPPED_PG_DEFAULTS)
+    19
+"""
+
+
+def clipped_pg_options(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """``PolicyGradientLoss`` options and NeMo-RL loss type for a ``ClippedPGLossConfig``.
+
+    Every key of :data:`CLIPPED_PG_DEFAULTS` maps to a posttrain option (missing keys take
+    NeMo-RL's defaults); an unknown key, or a combination NeMo-RL refuses or this mapping
+    cannot express, raises ``ValueError`` naming it.
+
+    Example:
+        >>> opts, level = clipped_pg_options({"ratio_clip_c": 3.0, "token_level_loss": False})
+        >>> opts["dual_clip"], opts["aggregation"], level
+        (3.0, 'seq_mean_token_mean', 'sequence_level')
+    """
+    unknown = sorted(set(cfg) - set(CLIPPED_PG_DEFAULTS))
+    if unknown:
+        raise ValueError(f"ClippedPGLossConfig: unknown keys {unknown}")
+    c = {**CLIPPED_PG_DEFAULTS, **cfg}
+    seq_ratio = bool(c["sequence_level_importance_ratios"])
+    token_level = bool(c["token_level_loss"])
+    if seq_ratio and token_level:
+        raise ValueError("sequence_level_importance_ratios: needs token_level_loss=False")
+    if c["force_on_policy_ratio"]:
+        if seq_ratio:
+            raise ValueError(
+                "force_on_policy_ratio with sequence_level_importance_ratios is not mapped"
+            )
+        ratio = "on_policy"
+    elif c["disable_ppo_ratio"]:
+        if seq_ratio:
+            raise ValueError(
+                "disable_ppo_ratio with sequence_level_importance_ratios is not mapped"
+            )
+        ratio = "none"
+    else:
+        ratio = "sequence" if seq_ratio else "token"
+    tis = c["truncated_importance_sampling_type"]
+    if tis is not None and not c["use_importance_sampling_correction"]:
+        raise ValueError(
+            "truncated_importance_sampling_type: needs use_importance_sampling_correction=True"
+        )
+    correction: str | None = None
+    bounds: tuple[float | None, float] | None = None
+    if c["use_importance_sampling_correction"]:
+        correction = "plain" if tis is None else str(tis).replace("-", "_")
+        if tis is not None:
+            bounds = (
+                c["truncated_importance_sampling_ratio_min"],
+                c["truncated_importance_sampling_ratio"],
+            )
+    opts: dict[str, Any] = {
+        "aggregation": "token_mean" if token_level else "seq_mean_token_mean",
+        "clip_epsilon": (float(c["ratio_clip_min"]), float(c["ratio_clip_max"])),
+        "ratio": ratio,
+        "dual_clip": c["ratio_clip_c"],
+        "cispo": bool(c["use_cispo"]),
+        "kl_coef": 0.0 if c["use_kl_in_reward"] else float(c["reference_policy_kl_penalty"]),
+        "kl_type": c["reference_policy_kl_type"],
+        "kl_input_clamp": c["kl_input_clamp_value"],
+        "kl_output_clamp": c["kl_output_clamp_value"],
+        "kl_weight": "behaviour" if c["use_on_policy_kl_approximation"] else "score",
+        "importance_correction": correction,
+        "importance_bounds": bounds,
+        "generation_key": GENERATION_KEY,
+        "positive_nll_coef": float(c["positive_example_nll_weight"]),
+        "nemo_metrics": True,
+    }
+    return opts, "token_level" if token_level else "sequence_level"
+
+
+def clipped_pg_loss(cfg: Mapping[str, Any] | None = None) -> ContractAsNemoLoss:
+    """NeMo-RL's ``ClippedPGLossFn(cfg)`` built from posttrain's ``PolicyGradientLoss``.
+
+    Called as NeMo-RL calls its loss (``next_token_logprobs=``, ``data=``,
+    ``global_valid_seqs=``, ``global_valid_toks=``); returns NeMo-RL's loss, gradient and
+    metrics (``token_mult_prob_error``, ``kl_penalty``, ``probs_ratio``, ...). ``data``
+    needs ``generation_logprobs`` as well as ``prev_logprobs``.
+
+    Example:
+        >>> loss_fn = clipped_pg_loss({"use_importance_sampling_correction": True})
+        >>> loss_fn.loss_type, loss_fn.input_type
+        ('token_level', 'logprob')
+    """
+    from posttrain.reference_impls import PolicyGradientLoss
+
+    opts, level = clipped_pg_options(cfg or {})
+    return ContractAsNemoLoss(lambda p: PolicyGradientLoss(p, **opts), loss_type=level)
