@@ -18,6 +18,7 @@ from posttrain.adapters.trl.dataset import (
     prompt_dataset,
     sft_dataset,
 )
+from posttrain.adapters.trl.loss import TRLGRPOLoss
 from posttrain.adapters.trl.reward import RewardModule, hf_reward_model, trl_reward, trl_reward_func
 from posttrain.adapters.trl.rollout import CaptureRollouts
 from posttrain.adapters.trl.source import TRLRolloutSource
@@ -34,6 +35,7 @@ __all__ = [
     "CatalogueCallback",
     "MissingKey",
     "RewardModule",
+    "TRLGRPOLoss",
     "TRLRolloutSource",
     "WorkerRefused",
     "hf_reward_model",

@@ -1,0 +1,306 @@
+"""TRL GRPOTrainer's loss, per ``loss_type``, as a loss implementation (TRL imported lazily).
+
+The loss is TRL's own code: :class:`TRLGRPOLoss` builds a real ``GRPOTrainer`` once (a tiny
+offline model, a word-level tokenizer, no dataset to speak of) and calls its
+``_compute_loss(policy, inputs)`` with the suite's policy. Only the batch is mapped:
+
+- TRL splits a row into ``prompt_ids`` and ``completion_ids``; the split is the first
+  assistant position of the batch (position 1 at the earliest: no logit predicts position 0),
+  ``prompt_mask``/``completion_mask`` are the attention mask's two parts, and the tokens the
+  loss trains on are TRL's ``tool_mask`` (completion positions that are assistant tokens), so
+  the policy sees every attended token while only assistant tokens count.
+- ``old_per_token_logps`` and ``advantages`` [B] (or [B, T]) are the layout's, cut at the split.
+
+Global counts (the adapted row): ``dapo``, ``cispo`` and ``vespo`` take TRL's own
+``num_items_in_batch`` = ``counts.tokens`` (one process, one accumulation step: TRL's normalizer
+is then exactly ``num_items_in_batch``). ``grpo``, ``bnpo``, ``dr_grpo``, ``sapo`` and ``luspo``
+normalize by the micro-batch itself and divide by the accumulation steps; the adapter rescales
+their value (by ``rows / counts.sequences`` for the sequence means, ``tokens / counts.tokens``
+for ``bnpo``), as a TRL user would have to.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from functools import partial
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from posttrain._deps import optional_deps
+from posttrain.contracts.implementation import Implementation
+from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.contracts.loss import GlobalCounts
+from posttrain.contracts.validation import check
+
+LOSS_TYPES = {
+    "grpo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+    "dapo": "token_mean",
+    "cispo": "token_mean",
+    "sapo": "seq_mean_token_mean",
+    "vespo": "token_mean",
+    "luspo": "seq_mean_token_sum",
+}
+"""TRL 1.16's ``loss_type`` values -> the contract aggregation each one's normalizer is."""
+
+GLOBAL_TOKENS = ("dapo", "cispo", "vespo")
+"""The loss types that divide by TRL's ``num_items_in_batch`` (the global token count)."""
+
+MAX_COMPLETION_LENGTH = 16
+"""``GRPOConfig.max_completion_length``: ``dr_grpo``'s constant (the contract's ``t_norm``)."""
+
+K = LLM_LAYOUT_V1.key
+_TRAINERS: dict[tuple[Any, ...], Any] = {}
+
+
+def grpo_trainer(loss_type: str, **config: Any) -> Any:
+    """A real TRL ``GRPOTrainer`` for ``loss_type`` (cached per configuration), offline.
+
+    Its own model is a tiny one; the loss is computed with whatever model is passed to
+    ``_compute_loss``.
+
+    Example:
+        >>> grpo_trainer("bnpo").loss_type  # doctest: +SKIP
+        'bnpo'
+    """
+    key = (loss_type, *sorted(config.items()))
+    if key in _TRAINERS:
+        return _TRAINERS[key]
+    with optional_deps():
+        from datasets import Dataset
+        from trl.trainer.grpo_config import GRPOConfig
+        from trl.trainer.grpo_trainer import GRPOTrainer
+    from posttrain.adapters._hf import word_level_tokenizer
+    from posttrain.testing import tiny_causal_lm
+
+    model = tiny_causal_lm(vocab_size=64)
+    tok = word_level_tokenizer(model.config)
+    tok.padding_side = "left"
+    if loss_type == "luspo":  # TRL refuses luspo at token level
+        config.setdefault("importance_sampling_level", "sequence")
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="posttrain-trl-loss-"),
+        loss_type=loss_type,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        # TRL's default bf16=True runs the policy under bfloat16 autocast (log-probs ~1e-3 off);
+        # the loss suite is a float32 suite, so the rows run TRL in float32.
+        bf16=config.pop("bf16", False),
+        **config,
+    )
+    trainer: Any = GRPOTrainer(
+        model=model,
+        reward_funcs=[_no_reward],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [""]}),
+        processing_class=tok,
+    )
+    trainer.model.train()  # _compute_loss's "train" mode: the accumulation normalizer applies
+    trainer.current_gradient_accumulation_steps = 1
+    _TRAINERS[key] = trainer
+    return trainer
+
+
+def _fuse(policy: Any, trainer: Any) -> None:
+    """Patch ``policy`` as GRPOTrainer patches its own model (once): ``policy(...,
+    fused_lm_head=True)`` then returns TRL's chunked log-probs; without it, its forward is
+    unchanged."""
+    if getattr(policy, "_posttrain_trl_fused", False):
+        return
+    with optional_deps():
+        from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(
+        policy,
+        temperature=trainer.temperature,
+        cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32,
+        outputs=("log_probs", "entropy"),
+    )
+    policy._posttrain_trl_fused = True
+
+
+def _no_reward(**_: Any) -> list[float | None]:  # pragma: no cover - never called: no training
+    return []
+
+
+def trl_inputs(td: TensorDictBase, *, zero_outside: bool) -> tuple[dict[str, Any], torch.Tensor]:
+    """The ``inputs`` dict GRPOTrainer's ``_compute_loss`` reads, and the loss mask [B, C].
+
+    Example:
+        >>> from posttrain.testing import llm_batch
+        >>> inputs, mask = trl_inputs(llm_batch(2, 8), zero_outside=True)
+        >>> sorted(inputs)[:3], mask.shape[0]
+        (['advantages', 'completion_ids', 'completion_mask'], 2)
+    """
+    tokens, att = td.get(K("tokens")), td.get(K("attention_mask"))
+    asst = td.get(K("assistant_mask")) & att
+    asst = torch.cat([torch.zeros_like(asst[:, :1]), asst[:, 1:]], dim=1)
+    first = asst.float().argmax(-1)[asst.any(-1)]
+    split = max(1, int(first.min())) if first.numel() else tokens.shape[1] - 1
+    old, adv = td.get(K("sample_log_probs"), None), td.get(K("advantage"), None)
+    mask = asst[:, split:]
+    inputs: dict[str, Any] = {
+        "prompt_ids": tokens[:, :split],
+        "prompt_mask": att[:, :split].long(),
+        "completion_ids": tokens[:, split:],
+        "completion_mask": att[:, split:].long(),
+        "tool_mask": mask.long(),
+        "num_items_in_batch": mask.sum(),
+    }
+    if old is not None:
+        old = old[:, split:]
+        inputs["old_per_token_logps"] = torch.where(mask, old.float(), 0.0) if zero_outside else old
+    if adv is not None:
+        if adv.ndim == 2:
+            adv = adv[:, split:]
+            adv = torch.where(mask, adv.float(), 0.0) if zero_outside else adv
+        inputs["advantages"] = adv
+    return inputs, mask
+
+
+class TRLGRPOLoss(torch.nn.Module):
+    """TRL 1.16 ``GRPOTrainer._compute_loss`` for one ``loss_type`` as a ``LossModuleV1``.
+
+    ``adapted=False`` (the raw row): the layout mapped to TRL's inputs, values as they are
+    (NaN outside the assistant mask stays NaN), ``num_items_in_batch`` the batch's own loss
+    tokens, one accumulation step. ``adapted=True``: the batch validated, values outside the
+    mask zeroed, capability ``global_counts`` (see the module docstring).
+
+    Example:
+        >>> from posttrain.testing import llm_batch, tiny_causal_lm  # doctest: +SKIP
+        >>> loss = TRLGRPOLoss(tiny_causal_lm(vocab_size=64), "dapo")  # doctest: +SKIP
+        >>> loss(llm_batch(2, 8, vocab_size=64))["loss_objective"].shape  # doctest: +SKIP
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        loss_type: str = "grpo",
+        aggregation: str | None = None,
+        *,
+        adapted: bool = True,
+        **config: Any,
+    ) -> None:
+        super().__init__()
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(
+                f"loss_type: expected one of {sorted(LOSS_TYPES)}, found {loss_type!r}"
+            )
+        if adapted and aggregation is not None and aggregation != LOSS_TYPES[loss_type]:
+            raise ValueError(
+                f"aggregation: TRL's loss_type {loss_type!r} normalizes as "
+                f"{LOSS_TYPES[loss_type]!r}, found {aggregation!r}"
+            )
+        self.policy = policy
+        self.loss_type = loss_type
+        self.adapted = adapted
+        self.trainer = grpo_trainer(loss_type, **config)
+        _fuse(policy, self.trainer)
+
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        """TRL's loss of ``td`` (never mutated), as a part of the batch ``counts`` describes."""
+        if self.adapted:
+            check(td, require=("sample_log_probs", "advantage"), context=f"TRL {self.loss_type}")
+            if counts is not None and not isinstance(counts, GlobalCounts):
+                raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
+        elif counts is not None:
+            raise TypeError("counts: the raw TRL row takes no global counts")
+        inputs, _ = trl_inputs(td, zero_outside=self.adapted)
+        scale = 1.0
+        if self.adapted:
+            own = GlobalCounts.of(td)
+            c = counts if counts is not None else own
+            if own.tokens > c.tokens or own.sequences > c.sequences:
+                raise ValueError(
+                    f"counts: this batch alone holds {own.tokens} assistant tokens in "
+                    f"{own.sequences} sequences, more than the global {c}"
+                )
+            if self.loss_type in GLOBAL_TOKENS:
+                inputs["num_items_in_batch"] = torch.tensor(float(c.tokens))
+            elif self.loss_type == "bnpo":
+                scale = own.tokens / max(c.tokens, 1)
+            else:  # a mean over every row of the micro-batch, rows without a token included
+                scale = td.batch_size[0] / max(c.sequences, 1)
+            if own.tokens == 0:  # this part weighs nothing (TRL's means of nothing may be NaN)
+                return TensorDict({"loss_objective": torch.zeros(())}, batch_size=[])
+        loss = self.trainer._compute_loss(self.policy, inputs)
+        return TensorDict({"loss_objective": (loss * scale).reshape(())}, batch_size=[])
+
+
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")
+"""The loss types whose per-token term is PPO's clipped surrogate (TRL's epsilon 0.2)."""
+
+
+def _factory(loss_type: str, *, adapted: bool) -> Any:
+    def make(policy: Any, aggregation: str | None = None, **config: Any) -> TRLGRPOLoss:
+        return TRLGRPOLoss(policy, loss_type, aggregation, adapted=adapted, **config)
+
+    make.__name__ = f"{'adapted' if adapted else 'raw'}_trl_{loss_type}"
+    return make
+
+
+def _row(loss_type: str, *, adapted: bool, known: frozenset[str] = frozenset()) -> Implementation:
+    agg = LOSS_TYPES[loss_type]
+    return Implementation(
+        "loss",
+        partial(_factory(loss_type, adapted=adapted), aggregation=agg),
+        name=f"{'TRLGRPOLoss(' if adapted else ''}trl GRPOTrainer._compute_loss"
+        f"(loss_type={loss_type!r}){')' if adapted else ''}",
+        capabilities={"per_token_advantage"}
+        | ({"global_counts"} if adapted else set())
+        | ({"clip"} if loss_type in _CLIPPED else set()),
+        options={"aggregation": agg},
+        extras={"t_norm": MAX_COMPLETION_LENGTH}
+        | ({"clip_epsilon": 0.2} if loss_type in _CLIPPED else {}),
+        description="TRL 1.16's GRPOTrainer._compute_loss on a real trainer, called with the "
+        "suite's policy; "
+        + (
+            "adapted: values outside the mask zeroed, global counts as num_items_in_batch "
+            "(dapo, cispo, vespo) or a rescale of TRL's micro-batch mean (the others)."
+            if adapted
+            else "raw: the layout's values as they are, num_items_in_batch the batch's own tokens."
+        ),
+        known_failures=known,
+    )
+
+
+RAW_KNOWN: dict[str, frozenset[str]] = {
+    "grpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "bnpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "dr_grpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "dapo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "cispo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "sapo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "vespo": frozenset({"LOSS-002", "LOSS-004", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "luspo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+}
+"""What each raw row fails, measured with TRL 1.16 (loss type -> requirement ids)."""
+ADAPTED_KNOWN: dict[str, frozenset[str]] = {
+    "grpo": frozenset({"LOSS-003"}),
+    "bnpo": frozenset({"LOSS-003"}),
+    "dr_grpo": frozenset({"LOSS-003"}),
+    "dapo": frozenset({"LOSS-003"}),
+    "cispo": frozenset({"LOSS-003", "LOSS-016"}),
+    "sapo": frozenset({"LOSS-003", "LOSS-016"}),
+    "vespo": frozenset({"LOSS-003", "LOSS-016"}),
+    "luspo": frozenset({"LOSS-003"}),
+}
+"""What each adapted row fails, measured with TRL 1.16 (loss type -> requirement ids)."""
+
+ROWS: dict[str, Implementation] = {}
+"""``trl-raw-<loss_type>`` and ``trl-adapted-<loss_type>`` rows, by name."""
+for _lt in LOSS_TYPES:
+    for _adapted in (False, True):
+        _side = "adapted" if _adapted else "raw"
+        _known = (ADAPTED_KNOWN if _adapted else RAW_KNOWN).get(_lt, frozenset())
+        ROWS[f"trl-{_side}-{_lt.replace('_', '-')}"] = _row(_lt, adapted=_adapted, known=_known)
+        # A module attribute per row: the runner's repro command names it.
+        globals()[f"{_side}_{_lt}".upper()] = ROWS[f"trl-{_side}-{_lt.replace('_', '-')}"]

@@ -1,0 +1,38 @@
+"""TRL 1.16 GRPOTrainer's own _compute_loss, per loss_type, through the loss suite: a
+deterministic slice (the whole field runs in `make losses-report`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.adapters.trl.loss import ADAPTED_KNOWN, LOSS_TYPES, RAW_KNOWN, ROWS
+from tests.outcomes import own_failures
+
+SLICE = [
+    "trl-raw-grpo",
+    "trl-adapted-grpo",
+    "trl-adapted-bnpo",
+    "trl-adapted-dapo",
+    "trl-adapted-cispo",
+]
+
+
+@pytest.mark.parametrize("name", SLICE)
+def test_trl_row_fails_what_it_declares(name: str) -> None:
+    side, lt = name.split("-", 2)[1:]
+    known: frozenset[str] = (ADAPTED_KNOWN if side == "adapted" else RAW_KNOWN).get(
+        lt.replace("-", "_"), frozenset()
+    )
+    assert set(own_failures(ROWS[name])) == set(known)
+
+
+def test_every_loss_type_trl_offers_has_rows() -> None:
+    import dataclasses
+    import re
+
+    from trl.trainer.grpo_config import GRPOConfig
+
+    field = next(f for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type")
+    listed = field.metadata["help"].split("Supported values are")[1].split(".")[0]
+    assert set(re.findall(r"'(\w+)'", listed)) == set(LOSS_TYPES)
+    assert len(ROWS) == 2 * len(LOSS_TYPES)
