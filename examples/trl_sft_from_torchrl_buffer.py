@@ -43,7 +43,7 @@ def main() -> list[float]:
                 save_strategy="no",
                 logging_steps=1,
             ),
-            train_dataset=sft_dataset(buffer, 4, num_batches=2).as_hf_dataset(),
+            train_dataset=sft_dataset(buffer, 4, num_batches=2),
             processing_class=tok,
         )
         trainer.train()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -51,6 +52,11 @@ class Counting:
         self.inner.load_state_dict(state_dict)
 
 
+def _sft_rows(rb: Any, n: int) -> BufferDataset:
+    """What sft_dataset samples, as torch rows (sft_dataset hands them to datasets)."""
+    return BufferDataset(rb, n, columns={"input_ids": K("tokens")}, shape="ragged", labels="labels")
+
+
 def test_padded_rows_are_the_sampled_items_with_flattened_keys() -> None:
     data = llm_batch(8, 6)
     ds = BufferDataset(_torchrl_buffer(data), 4, num_batches=2)
@@ -85,7 +91,7 @@ def test_sft_rows_hold_real_tokens_only(storage: str) -> None:
     rb: Any = _torchrl_buffer(data) if storage == "torchrl" else RingBuffer(6)
     if storage == "ring":
         rb.extend(data)
-    rows = list(sft_dataset(rb, 6))
+    rows = list(_sft_rows(rb, 6))
     attn = data.get(K("attention_mask"))
     for r in rows:
         i = item_uids(data).index(int(r["input_ids"][0]))
@@ -125,6 +131,7 @@ def test_torchrl_dataset_fails_on_the_ragged_buffer_this_one_reads() -> None:
     with pytest.raises(RuntimeError, match="Failed to stack tensors"):
         list(TorchRLBufferDataset(rb, 3))
     assert len(list(sft_dataset(rb, 3))) == 3
+    assert len(list(_sft_rows(rb, 3))) == 3
 
 
 def test_missing_key_and_bad_arguments_name_what_was_expected() -> None:
@@ -144,17 +151,17 @@ def test_missing_key_and_bad_arguments_name_what_was_expected() -> None:
 def test_dataloader_workers_are_refused_with_the_reason() -> None:
     rb = RingBuffer(4)
     rb.extend(llm_batch(4))
-    loader = torch.utils.data.DataLoader(sft_dataset(rb, 2), batch_size=None, num_workers=1)
+    loader = torch.utils.data.DataLoader(_sft_rows(rb, 2), batch_size=None, num_workers=1)
     with pytest.raises(WorkerRefused, match="num_workers=0"):
         next(iter(loader))
-    rows = list(torch.utils.data.DataLoader(sft_dataset(rb, 2), batch_size=None))
+    rows = list(torch.utils.data.DataLoader(_sft_rows(rb, 2), batch_size=None))
     assert len(rows) == 2
 
 
 def test_hf_dataset_draws_nothing_until_iterated_and_stays_live_through_shuffle_and_map() -> None:
     rb = Counting(RingBuffer(8))
     rb.extend(llm_batch(2, uid_start=0))
-    ds = sft_dataset(rb, 2, num_batches=1).as_hf_dataset()
+    ds = sft_dataset(rb, 2, num_batches=1)
     ds = ds.shuffle(seed=0, buffer_size=4).map(lambda r: {"n": len(r["input_ids"])})
     assert rb.drawn == 0
     rb.extend(llm_batch(6, uid_start=100))  # a later extend must be visible: no snapshot
@@ -166,7 +173,7 @@ def test_hf_dataset_draws_nothing_until_iterated_and_stays_live_through_shuffle_
     row = next(iter(ds))
     assert type(row["input_ids"]).__name__ == "ndarray"
     assert row["n"] == len(row["labels"])
-    typed = next(iter(sft_dataset(rb, 2).as_hf_dataset(typed=True)))
+    typed = next(iter(sft_dataset(rb, 2, typed=True)))
     assert isinstance(typed["input_ids"], list)
     assert isinstance(typed["input_ids"][0], int)
 
@@ -190,7 +197,7 @@ def test_rows_drawn_but_not_read_go_to_the_next_iterator_and_a_peek_costs_nothin
     assert full[:2] == kept  # the next iterator starts with them (sampling is with replacement,
     assert len(read) == 2  # so uids may repeat: compare with what was kept, not with `read`)
     assert rb.drawn == 12
-    hf = sft_dataset(rb, 4, num_batches=1).as_hf_dataset(typed=True)
+    hf = sft_dataset(rb, 4, num_batches=1, typed=True)
     peeked = next(iter(hf))
     assert rb.drawn == 16
     assert next(iter(hf)) == peeked
@@ -210,3 +217,58 @@ def test_a_batch_left_by_one_value_type_is_read_by_another() -> None:
     assert len(set(first + rest)) == 6
     carried = ds._carry[0].cols[0][ds._carry[0].start :, 0].tolist()
     assert sorted(first + rest + carried) == list(range(8))  # nothing lost, nothing twice
+
+
+def _with_text(n: int, *, ragged: bool) -> Any:
+    from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack
+
+    data = llm_batch(n, 6)
+    if ragged:
+        items = list(data.unbind(0))
+        for i, x in enumerate(items):
+            x.set("solution", NonTensorData(f"s{i}"))
+            x.set("tags", NonTensorData([f"a{i}", "b"]))
+        return _torchrl_buffer(LazyStackedTensorDict.lazy_stack(items, 0), ragged=True)
+    data.set("solution", NonTensorStack(*[NonTensorData(f"s{i}") for i in range(n)]))
+    data.set("tags", NonTensorStack(*[NonTensorData([f"a{i}", "b"]) for i in range(n)]))
+    return _torchrl_buffer(data)
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["LazyTensorStorage", "LazyStackStorage"])
+@pytest.mark.parametrize("shape", ["padded", "ragged"])
+def test_string_and_list_leaves_reach_every_row_type(ragged: bool, shape: Any) -> None:
+    rb = _with_text(4, ragged=ragged)
+    cols = {"ids": K("tokens"), "solution": ("solution",), "tags": ("tags",)}
+    for values in ("tensor", "numpy", "list"):
+        rows = list(BufferDataset(rb, 4, columns=cols, shape=shape).rows(values))
+        assert len(rows) == 4
+        for r in rows:
+            uid = int(r["ids"][0])
+            assert r["solution"] == f"s{uid}"
+            assert r["tags"] == [f"a{uid}", "b"]
+    for r in BufferDataset(rb, 4, shape=shape).as_hf_dataset():  # columns=None: every leaf
+        uid = int(r["tokens.full"][0])
+        assert (r["solution"], r["tags"]) == (f"s{uid}", [f"a{uid}", "b"])
+
+
+def test_sft_dataset_is_a_hf_dataset_and_the_old_call_still_answers() -> None:
+    import datasets
+
+    rb = RingBuffer(4)
+    rb.extend(llm_batch(4))
+    ds = sft_dataset(rb, 2)
+    assert isinstance(ds, datasets.IterableDataset)
+    with pytest.warns(DeprecationWarning, match="already returns a datasets.IterableDataset"):
+        old = ds.as_hf_dataset()
+    assert sorted(next(iter(old))) == ["input_ids", "labels"]
+
+
+def test_a_shuffle_buffer_that_over_draws_the_replay_buffer_warns_with_the_figure() -> None:
+    rb = Counting(RingBuffer(8))
+    rb.extend(llm_batch(8))
+    with pytest.warns(UserWarning, match=r"500 sample calls of 2 items"):
+        sft_dataset(rb, 2, num_batches=None).shuffle(seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sft_dataset(rb, 2, num_batches=1).shuffle(seed=0)  # one call fills it: silent
+    assert rb.drawn == 0

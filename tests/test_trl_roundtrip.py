@@ -175,7 +175,7 @@ def test_sft_trainer_trains_on_real_tokens_of_the_torchrl_buffer_only(
         trainer = SFTTrainer(
             model=tiny_causal_lm(),
             args=args,
-            train_dataset=sft_dataset(rb, 4, num_batches=2).as_hf_dataset(),
+            train_dataset=sft_dataset(rb, 4, num_batches=2),
             processing_class=tok,
         )
         seen: list[dict[str, torch.Tensor]] = []
@@ -250,3 +250,38 @@ def test_torchrl_grpo_trains_with_an_hf_reward_model(tmp_path: Path) -> None:
         steps += 1
     src.shutdown()
     assert steps == 3
+
+
+def test_sft_packing_is_refused_with_what_to_use_instead_and_padding_free_trains(
+    collected: list[TensorDictBase], tmp_path: Path
+) -> None:
+    from trl.trainer.sft_config import SFTConfig
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    common: dict[str, Any] = {
+        "output_dir": str(tmp_path),
+        "max_steps": 1,
+        "per_device_train_batch_size": 4,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "logging_steps": 1,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"packing=False, padding_free=True, max_length=None"):
+            SFTTrainer(
+                model=tiny_causal_lm(),
+                args=SFTConfig(packing=True, max_length=32, **common),
+                train_dataset=sft_dataset(_torchrl_buffer(collected), 4),
+                processing_class=_tokenizer(),
+            )
+        rb = _torchrl_buffer(collected)
+        trainer = SFTTrainer(
+            model=tiny_causal_lm(),
+            args=SFTConfig(padding_free=True, max_length=None, **common),
+            train_dataset=sft_dataset(rb, 4),
+            processing_class=_tokenizer(),
+        )
+        trainer.train()
+    assert len(_losses(trainer)) == 1

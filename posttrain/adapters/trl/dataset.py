@@ -10,12 +10,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
 
 from posttrain._args import positive_int
 from posttrain._deps import optional_deps
@@ -216,7 +217,8 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         wanted = self._wanted(leaves)
         tokens = leaves[self._need(leaves, "tokens")]
         t = tokens.shape[-1]
-        values = {n: leaves[k] for n, k in wanted.items()}
+        n_rows = tokens.shape[0]
+        values = {n: _dense_leaf(leaves[k], n_rows) for n, k in wanted.items()}
         if self.labels is not None:
             asst = leaves[self._need(leaves, "assistant_mask")]
             values[self.labels] = torch.where(asst, tokens, IGNORE_INDEX)
@@ -224,7 +226,7 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
             attn = leaves[self._need(leaves, "attention_mask")]
             lengths = attn.sum(-1).tolist()
             for n, v in values.items():
-                if v.ndim == 2 and v.shape[-1] == t:
+                if isinstance(v, torch.Tensor) and v.ndim == 2 and v.shape[-1] == t:
                     values[n] = torch.split(v[attn], lengths)
         return list(values), list(values.values())
 
@@ -233,7 +235,7 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         first = leaf_items(tds[0])
         wanted = self._wanted(first)
         tok = self._need(first, "tokens")
-        values: dict[str, list[torch.Tensor]] = {n: _column(tds, k) for n, k in wanted.items()}
+        values: dict[str, list[Any]] = {n: _column(tds, k) for n, k in wanted.items()}
         tokens = values[_name_of(wanted, tok)] if tok in wanted.values() else _column(tds, tok)
         if self.labels is not None:
             asst = _column(tds, self._need(first, "assistant_mask"))
@@ -245,7 +247,9 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         per_token = {
             n
             for n, vs in values.items()
-            if all(v.ndim >= 1 for v in vs) and [v.shape[0] for v in vs] == counts
+            if type(vs) is not _Plain
+            and all(v.ndim >= 1 for v in vs)
+            and [v.shape[0] for v in vs] == counts
         }
         if self.shape == "ragged":
             masks = _column(tds, self._need(first, "attention_mask"))
@@ -281,9 +285,10 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
             >>> from posttrain.reference_impls import RingBuffer
             >>> from posttrain.testing import llm_batch
             >>> rb = RingBuffer(4); _ = rb.extend(llm_batch(4))
-            >>> sorted(sft_dataset(rb, 2).as_hf_dataset(typed=True).features)
+            >>> ds = BufferDataset(rb, 2, columns={"input_ids": ("tokens", "full")}, labels="labels")
+            >>> sorted(ds.as_hf_dataset(typed=True).features)
             ['input_ids', 'labels']
-            >>> type(next(iter(sft_dataset(rb, 2).as_hf_dataset()))["labels"]).__name__
+            >>> type(next(iter(ds.as_hf_dataset()))["labels"]).__name__
             'ndarray'
         """
         try:
@@ -295,9 +300,11 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         if features is None and typed:
             features = datasets.Features(self._features(datasets))
         values: Values = "list" if features is not None else "numpy"
-        return datasets.IterableDataset.from_generator(
+        out = datasets.IterableDataset.from_generator(
             _hf_rows, features=features, gen_kwargs={"source": _Shared(self), "values": values}
         )
+        _warn_on_shuffle(out, self)
+        return out
 
     def _features(self, datasets: Any) -> dict[str, Any]:
         if self.columns is None:
@@ -321,12 +328,43 @@ class BufferDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         return out
 
 
-def _column(tds: list[TensorDictBase], key: tuple[str, ...]) -> list[torch.Tensor]:
-    """One key of every item of a lazy stack (plain TensorDicts read directly, as in leaf_items)."""
+def _column(tds: list[TensorDictBase], key: tuple[str, ...]) -> list[Any]:
+    """One key of every item of a lazy stack (plain TensorDicts read directly, as in leaf_items).
+
+    Non-tensor leaves (strings, lists: ``NonTensorData``) come back as their plain values, in
+    a :class:`_Plain` list that the row converters pass through untouched.
+    """
     try:
-        return leaf_column(tds, key)
+        col = leaf_column(tds, key)
     except (AttributeError, KeyError):
-        return [x.get(key) for x in tds]
+        col = [x.get(key) for x in tds]
+    if col and not isinstance(col[0], torch.Tensor):
+        return _Plain(_plain(v) for v in col)
+    return col
+
+
+class _Plain(list[Any]):
+    """A column of plain Python values (one per row), passed to rows as they are."""
+
+
+def _plain(v: Any) -> Any:
+    # NonTensorData holds one value; a 0-dim NonTensorStack is rare but reads the same way.
+    if isinstance(v, NonTensorData):
+        return v.data
+    if isinstance(v, NonTensorStack):
+        return v.tolist()
+    return v
+
+
+def _dense_leaf(v: Any, n_rows: int) -> Any:
+    """A dense batch's leaf as a column: tensors as they are, non-tensor leaves as plain values."""
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, NonTensorStack):
+        return _Plain(v.tolist())
+    if isinstance(v, NonTensorData):  # one value shared by the whole batch
+        return _Plain([v.data] * n_rows)
+    return _Plain(v) if isinstance(v, list) else _Plain([v] * n_rows)
 
 
 def _name_of(wanted: Mapping[str, tuple[str, ...]], key: tuple[str, ...]) -> str:
@@ -344,7 +382,9 @@ class _Pending:
 
     def rows(self, values: Values) -> list[dict[str, Any]]:
         convert = _CONVERT[values]
-        per_row = [convert(c[self.start :]) for c in self.cols]
+        per_row = [
+            c[self.start :] if type(c) is _Plain else convert(c[self.start :]) for c in self.cols
+        ]
         return [dict(zip(self.names, v, strict=True)) for v in zip(*per_row, strict=True)]
 
 
@@ -419,22 +459,28 @@ def sft_dataset(
     *,
     num_batches: int | None = 1,
     layout: Layout = LLM_LAYOUT_V1,
-) -> BufferDataset:
-    """Rows ``{"input_ids", "labels"}`` for ``SFTTrainer``: real tokens only, assistant-only labels.
+    typed: bool = False,
+) -> Any:
+    """Rows ``{"input_ids", "labels"}`` for ``SFTTrainer``, as a ``datasets.IterableDataset``.
 
-    Each row is cut to its attention mask (TRL's collator makes the attention mask from the
-    row's length and would otherwise train on pads); labels are ``IGNORE_INDEX`` outside the
-    assistant mask, and TRL's collator pads them with ``IGNORE_INDEX`` too.
+    Real tokens only, assistant-only labels: each row is cut to its attention mask (TRL's
+    collator makes the attention mask from the row's length and would otherwise train on
+    pads); labels are ``IGNORE_INDEX`` outside the assistant mask, and TRL's collator pads
+    them with ``IGNORE_INDEX`` too. Leave ``SFTConfig(assistant_only_loss=False)``: the labels
+    already are assistant-only (TRL would refuse the rows as "not conversational").
+    ``packing=True`` is refused when the trainer prepares the dataset (it would fill TRL's
+    packing batch, 1,000 rows, from the buffer); ``padding_free=True, max_length=None`` concatenates each
+    batch's rows instead. ``typed=True``: see :meth:`BufferDataset.as_hf_dataset`.
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
         >>> from posttrain.testing import llm_batch
         >>> rb = RingBuffer(4); _ = rb.extend(llm_batch(4))
         >>> row = next(iter(sft_dataset(rb, 4)))
-        >>> len(row["input_ids"]) == len(row["labels"]) <= 8
-        True
+        >>> len(row["input_ids"]) == len(row["labels"]) <= 8, type(row["labels"]).__name__
+        (True, 'ndarray')
     """
-    return BufferDataset(
+    source = BufferDataset(
         buffer,
         batch_size,
         num_batches=num_batches,
@@ -443,6 +489,88 @@ def sft_dataset(
         labels="labels",
         layout=layout,
     )
+    out = source.as_hf_dataset(typed=typed)
+    _refuse_packing(out)
+    # Old callers wrote ``sft_dataset(...).as_hf_dataset()``: the result already is one.
+    out.as_hf_dataset = _already_hf(source)
+    return out
+
+
+def _already_hf(source: BufferDataset) -> Callable[..., Any]:
+    def as_hf_dataset(features: Any = None, *, typed: bool = False) -> Any:
+        warnings.warn(
+            "sft_dataset(...) already returns a datasets.IterableDataset; drop "
+            "`.as_hf_dataset()` (pass typed=True to sft_dataset for declared features)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return source.as_hf_dataset(features, typed=typed)
+
+    return as_hf_dataset
+
+
+_PACKING = (
+    "SFTConfig(packing=True) on a replay buffer: TRL packs from batches of "
+    "dataset_batch_size rows (1,000 by default) drawn before the first step, so one step "
+    "samples the buffer far beyond what it trains on (and, with replacement, packs repeats "
+    "of the same item). Use SFTConfig(packing=False, padding_free=True, max_length=None): each "
+    "batch's rows are concatenated without padding and nothing extra is drawn."
+)
+
+
+_DERIVING = ("filter", "with_format", "select_columns", "remove_columns", "rename_column",
+             "rename_columns", "shuffle", "take", "skip", "cast", "cast_column")  # fmt: skip
+
+
+def _refuse_packing(out: Any) -> Any:
+    """Make ``out``, and every dataset derived from it, refuse TRL's packing map.
+
+    TRL 1.16's SFTTrainer selects columns, shuffles, calls ``pack_dataset`` (which calls
+    ``with_format("arrow")``) and maps ``_pack_bfd`` or ``_pack_wrapped`` over the result; its
+    other preparation maps pass through.
+    """
+    map_ = out.map
+
+    def map(function: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if getattr(function, "__name__", "").startswith("_pack"):
+            raise ValueError(_PACKING)
+        return _refuse_packing(map_(function, *args, **kwargs))
+
+    out.map = map
+    for name in _DERIVING:
+        method = getattr(out, name, None)
+        if method is not None:
+            setattr(out, name, _deriving(method))
+    return out
+
+
+def _deriving(method: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _refuse_packing(method(*args, **kwargs))
+
+    return call
+
+
+def _warn_on_shuffle(out: Any, source: BufferDataset) -> None:
+    """Make ``out.shuffle`` warn when its buffer draws more batches than one sample call."""
+    shuffle = out.shuffle
+
+    def guarded(seed: Any = None, generator: Any = None, buffer_size: int = 1000) -> Any:
+        total = None if source.num_batches is None else source.num_batches * source.batch_size
+        rows = buffer_size if total is None else min(buffer_size, total)
+        calls = -(-rows // source.batch_size)
+        if calls > 1:
+            warnings.warn(
+                f"shuffle(buffer_size={buffer_size}) fills its buffer before yielding a row: "
+                f"{calls} sample calls of {source.batch_size} items from the replay buffer "
+                "before the first step. The buffer's sampler already randomizes: pass "
+                "GRPOConfig(shuffle_dataset=False) (or shuffle with buffer_size=batch_size).",
+                UserWarning,
+                stacklevel=2,
+            )
+        return shuffle(seed=seed, generator=generator, buffer_size=buffer_size)
+
+    out.shuffle = guarded
 
 
 def prompt_dataset(
@@ -451,15 +579,20 @@ def prompt_dataset(
     batch_size: int,
     *,
     num_batches: int | None = 1,
+    columns: Mapping[str, Key] | None = None,
     layout: Layout = LLM_LAYOUT_V1,
 ) -> Any:
     """The prompts of sampled items as a ``datasets.IterableDataset`` for ``GRPOTrainer``.
 
-    Row: ``{"prompt": text, "prompt_ids": ids}``; the prompt is the real tokens before the
-    first assistant token, decoded with ``tokenizer``. GRPOTrainer passes only the text on;
-    decoding and re-tokenizing need not give the same ids back (special tokens, BPE merges),
-    so the dataset remembers text -> ids: pass it to ``CaptureRollouts(prompt_ids=...)`` to
-    generate from the stored ids exactly.
+    Row: ``{"prompt": text, "prompt_ids": ids, **columns}``. ``prompt_ids`` are the real tokens
+    before the first assistant token; ``prompt`` is the text that GRPOTrainer's default path
+    tokenizes back into exactly those ids: special tokens the tokenizer adds itself (a BOS)
+    are left out of the text, so they are not doubled. ``columns={name: key}`` adds leaves of
+    the item (strings and lists included, e.g. a ground-truth ``solution``): TRL passes every
+    dataset column to reward functions as a keyword argument. Where decoding and
+    re-tokenizing cannot give the ids back (BPE merges across the prompt's end), the dataset
+    warns once; pass it to ``CaptureRollouts(prompt_ids=...)`` to generate from the stored ids
+    exactly.
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
@@ -468,13 +601,17 @@ def prompt_dataset(
         >>> from posttrain.adapters._hf import word_level_tokenizer
         >>> rb = RingBuffer(2); _ = rb.extend(llm_batch(2, vocab_size=64))
         >>> tok = word_level_tokenizer(tiny_causal_lm().config)
-        >>> row = next(iter(prompt_dataset(rb, tok, 2)))
-        >>> len(row["prompt"].split()) == len(row["prompt_ids"]) == 3
-        True
+        >>> row = next(iter(prompt_dataset(rb, tok, 2, columns={"reward": ("next", "reward")})))
+        >>> len(row["prompt"].split()) == len(row["prompt_ids"]) == 3, sorted(row)
+        (True, ['prompt', 'prompt_ids', 'reward'])
     """
     with optional_deps():
         import datasets
 
+    extra = {n: norm_key(k) for n, k in (columns or {}).items()}
+    clash = sorted(set(extra) & {"prompt", "prompt_ids", "completion", "completion_ids"})
+    if clash:
+        raise ValueError(f"columns: {clash} are names TRL gives its own meaning; rename them")
     source = BufferDataset(
         buffer,
         batch_size,
@@ -483,10 +620,13 @@ def prompt_dataset(
             "tokens": layout.key("tokens"),
             "attention": layout.key("attention_mask"),
             "assistant": layout.key("assistant_mask"),
+            **{f"extra:{n}": k for n, k in extra.items()},
         },
         shape="ragged",
         layout=layout,
     )
+    added = _added_specials(tokenizer)
+    mismatched: list[list[int]] = []
 
     def rows(source: _Shared) -> Iterator[dict[str, Any]]:
         with contextlib.closing(source.dataset.rows("tensor")) as inner:
@@ -494,16 +634,71 @@ def prompt_dataset(
                 asst = row["assistant"]
                 first = int(asst.int().argmax()) if asst.any() else len(asst)
                 ids = row["tokens"][:first].tolist()
-                text = tokenizer.decode(ids)
+                text = _prompt_text(tokenizer, ids, added)
+                if text is None:
+                    text = tokenizer.decode(ids)
+                    if not mismatched:
+                        warnings.warn(
+                            f"prompt_dataset: prompt {ids[:10]} does not survive decode -> "
+                            "re-tokenize with this tokenizer; GRPOTrainer's default path would "
+                            "generate from other ids than the reward functions score. Pass "
+                            "rollout_func=CaptureRollouts(buffer, prompt_ids=this_dataset).",
+                            UserWarning,
+                            stacklevel=2,
+                        )
+                    mismatched.append(ids)
                 texts[text] = ids
-                yield {"prompt": text, "prompt_ids": ids}
+                out = {"prompt": text, "prompt_ids": ids}
+                for n in extra:
+                    v = row[f"extra:{n}"]
+                    out[n] = v.tolist() if isinstance(v, torch.Tensor) else v
+                yield out
 
     texts: dict[str, list[int]] = {}
-    features = datasets.Features(
-        {"prompt": datasets.Value("string"), "prompt_ids": datasets.List(datasets.Value("int64"))}
+    # Declared features only without extra columns: their types are the buffer's to say.
+    features = (
+        None
+        if extra
+        else datasets.Features(
+            {
+                "prompt": datasets.Value("string"),
+                "prompt_ids": datasets.List(datasets.Value("int64")),
+            }
+        )
     )
     out = datasets.IterableDataset.from_generator(
         rows, features=features, gen_kwargs={"source": _Shared(source)}
     )
     out.posttrain_prompt_ids = texts
+    out.posttrain_mismatched = mismatched
+    _warn_on_shuffle(out, source)
     return out
+
+
+def _added_specials(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids ``tokenizer(text)`` adds before and after the text's own (a BOS, an EOS)."""
+    probe = "a b"
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(probe)["input_ids"])
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return full[:i], full[i + len(plain) :]
+    return [], []
+
+
+def _prompt_text(tokenizer: Any, ids: list[int], added: tuple[list[int], list[int]]) -> str | None:
+    """Text that ``tokenizer(text)`` (TRL's call) turns into ``ids``, or ``None``.
+
+    The ids the tokenizer adds itself are cut from the stored ids before decoding (they come
+    back on re-tokenizing); every other special token stays in the text.
+    """
+    pre, post = added
+    body = ids
+    if pre and body[: len(pre)] == pre:
+        body = body[len(pre) :]
+    if post and len(body) >= len(post) and body[len(body) - len(post) :] == post:
+        body = body[: len(body) - len(post)]
+    text: str = tokenizer.decode(body)
+    if list(tokenizer(text)["input_ids"]) == ids:
+        return text
+    return None
