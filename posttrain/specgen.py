@@ -224,15 +224,18 @@ def render_catalogue_markdown(cat: Catalogue) -> str:
         "(numerator, denominator) pairs across microbatches, steps and ranks, never a mean of "
         "means: `tok` = sum over masked tokens / masked-token count; `seq` = sum over "
         "sequences / sequence count; `sum`; `min`; `max`; `last`; `rate` = sum of a quantity / "
-        "sum of seconds. `asst` is the layout's assistant mask. Names match "
+        "sum of seconds. The ranks column says how ranks combine (`pairs`: numerators and counts "
+        "summed; `moments`: (count, mean, M2) merged in float64; `sum`; `max`; `min`; `rate`: "
+        "quantities summed over the slowest rank's seconds; `first`: rank 0's value). "
+        "`asst` is the layout's assistant mask. Names match "
         "`^[a-z0-9_]+(/[a-z0-9_]+)*$`; `<reward_fn>` stands for one series per reward function.",
         "",
-        "| name | unit | reduction | formula | inputs |",
-        "|---|---|---|---|---|",
+        "| name | unit | reduction | ranks | formula | inputs |",
+        "|---|---|---|---|---|---|",
     ]
     for m in cat.metrics:
         lines.append(
-            f"| `{m.name}` | {m.unit} | `{m.reduction}` | {_cell(m.formula)} | "
+            f"| `{m.name}` | {m.unit} | `{m.reduction}` | `{m.ranks}` | {_cell(m.formula)} | "
             f"{', '.join(f'`{i}`' for i in m.inputs)} |"
         )
     lines += [

@@ -9,6 +9,7 @@ count) pair, so padding never dilutes and microbatches add up. All hooks run und
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import time
 from collections.abc import Iterator, Mapping
@@ -70,7 +71,7 @@ def _per_sequence(key: str, x: Any, n: int) -> None:
 
 
 def _seq(acc: Accumulator, name: str, values: torch.Tensor) -> None:
-    acc.add(name, values.sum(), values.numel())
+    acc.add(name, values.sum(dtype=torch.float64), values.numel())
 
 
 @torch.no_grad()
@@ -119,10 +120,10 @@ def rollout_metrics(
     asst = td.get(k("assistant_mask")) & attn
     reward = td.get(k("reward"), None)
     if reward is not None:
-        r = reward.float().reshape(-1)
+        r = reward.double().reshape(-1)
         ok = r[torch.isfinite(r)]
         _seq(acc, "rollout/reward/mean", ok)
-        acc.add_moments("rollout/reward/std", ok.sum(), (ok * ok).sum(), ok.numel())
+        acc.add_values("rollout/reward/std", ok)
         if ok.numel():
             acc.add("rollout/reward/min", ok.min())
             acc.add("rollout/reward/max", ok.max())
@@ -137,31 +138,37 @@ def rollout_metrics(
             acc.add("rollout/group/zero_std_frac", int(flat.sum()), len(uniq))
     adv = td.get(k("advantage"), None)
     if adv is not None:
-        a = adv.float()
-        if a.ndim == 2:  # per token: the sequence's token mean over its assistant tokens
-            a = (a * asst).sum(-1) / asst.sum(-1).clamp_min(1)
+        a = adv.double()
+        if a.ndim == 2:
+            # The sequence's token mean over its assistant tokens, selected (a NaN outside the
+            # mask, as TorchRL writes there, must not leak); sequences without any are left out.
+            n_tok = asst.sum(-1)
+            a = torch.where(asst, a, 0.0).sum(-1)[n_tok > 0] / n_tok[n_tok > 0]
+        a = a.reshape(-1)
         _seq(acc, "rollout/advantage/mean", a)
-        acc.add_moments("rollout/advantage/std", a.sum(), (a * a).sum(), a.numel())
-        acc.add("rollout/advantage/min", a.min())
-        acc.add("rollout/advantage/max", a.max())
-    resp = asst.sum(-1).float()
+        acc.add_values("rollout/advantage/std", a)
+        if a.numel():
+            acc.add("rollout/advantage/min", a.min())
+            acc.add("rollout/advantage/max", a.max())
+    resp = asst.sum(-1).double()
     _seq(acc, "rollout/response_len/mean", resp)
     acc.add("rollout/response_len/min", resp.min())
     acc.add("rollout/response_len/max", resp.max())
-    prompt = (attn & (asst.int().cumsum(-1) == 0)).sum(-1).float()
+    prompt = (attn & (asst.int().cumsum(-1) == 0)).sum(-1).double()
     _seq(acc, "rollout/prompt_len/mean", prompt)
     acc.add("rollout/prompt_len/max", prompt.max())
     if truncated is not None:
-        _seq(acc, "rollout/truncated_frac", truncated.float().reshape(-1))
+        _seq(acc, "rollout/truncated_frac", truncated.double().reshape(-1))
     for name, values in (reward_fns or {}).items():
-        v = values.float().reshape(-1)
+        v = values.double().reshape(-1)
         v = v[torch.isfinite(v)]
         _seq(acc, f"rollout/reward_fn/{name}/mean", v)
+        acc.add_values(f"rollout/reward_fn/{name}/std", v)
     version = td.get(k("policy_version"), None)
     if learner_version is not None:
         acc.add("staleness/policy_version", learner_version)
         if version is not None:
-            age = (learner_version - version.reshape(-1)).float()
+            age = (learner_version - version.reshape(-1)).double()
             _seq(acc, "staleness/mean", age)
             acc.add("staleness/max", age.max())
     return acc
@@ -175,13 +182,18 @@ def policy_metrics(
     *,
     clip: tuple[float, float] = (0.2, 0.2),
     old_log_probs: torch.Tensor | None = None,
+    temperature: float = 1.0,
     layout: Layout = LLM_LAYOUT_V1,
 ) -> Accumulator:
-    """KL to reference, entropy, importance ratios, sign-aware clip fractions, mismatch KL.
+    """KL to reference, entropy, importance ratios, sign-aware clip fractions, update and
+    mismatch KLs, effective sample size.
 
     ``logits`` [B, T, V] are the current policy's on ``td``'s tokens (logits at t predict
-    t+1). The behaviour log-probs are ``sample_log_probs``; ``old_log_probs`` (the trainer's
-    recomputation of them, before the update) adds ``policy/mismatch_kl``.
+    t+1); they are divided by ``temperature`` (the sampling temperature, as TRL does) before
+    the log-probs and the entropy. Ratios, clip fractions, the update KL and the effective
+    sample size compare with ``old_log_probs`` (the trainer's recomputation before the update,
+    TRL's ``old_per_token_logps``) when given, else with the sampler's ``sample_log_probs``;
+    ``policy/mismatch_kl`` (sampler against trainer) needs both.
 
     Example:
         >>> import torch
@@ -194,6 +206,9 @@ def policy_metrics(
     acc = acc if acc is not None else Accumulator()
     td, _ = _checked(td, layout, "policy_metrics")
     low_clip, high_clip = (_number("clip", c) for c in _pair("clip", clip))
+    temp = _number("temperature", temperature)
+    if not (temp > 0 and math.isfinite(temp)):
+        raise ValueError(f"temperature: expected a finite number > 0, found {temp}")
     k = layout.key
     tokens = td.get(k("tokens"))
     _shaped("logits", logits, (*tokens.shape, "V"))
@@ -201,10 +216,13 @@ def policy_metrics(
         _shaped("old_log_probs", old_log_probs, tuple(tokens.shape))
     mask = td.get(k("assistant_mask")) & td.get(k("attention_mask"))
     mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
-    n = mask.sum()
+    n = int(mask.sum())
     # One log-softmax over the vocabulary serves both the sampled tokens' log-probs (as
     # token_log_probs aligns them) and the full entropy: the logits are the big tensor here.
-    lp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    scaled = logits[:, :-1].float()
+    if temp != 1.0:
+        scaled = scaled / temp
+    lp_all = torch.log_softmax(scaled, dim=-1)
     picked = lp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     zero = torch.zeros_like(picked[:, :1])
     logp = torch.where(mask, torch.cat([zero, picked], dim=1), 0.0)
@@ -214,34 +232,46 @@ def policy_metrics(
     if bool(bad.any()):  # a -inf logit (a masked token): its 0 * log 0 counts 0
         ent[bad] = torch.special.entr(probs[bad]).sum(-1)
     ent = torch.cat([zero, ent], dim=1)
-    acc.add("policy/entropy", torch.where(mask, ent, 0.0).sum(), n)
-    acc.add("policy/entropy/sampled", (-logp).sum(), n)
-    old = td.get(k("sample_log_probs"), None)
+
+    def tok(name: str, x: torch.Tensor) -> None:
+        # Selected, never multiplied: a NaN or inf under a False mask must count nothing.
+        acc.add(name, torch.where(mask, x, 0.0).sum(dtype=torch.float64), n)
+
+    tok("policy/entropy", ent)
+    tok("policy/entropy/sampled", -logp)
+    sample = td.get(k("sample_log_probs"), None)
+    old = old_log_probs if old_log_probs is not None else sample
     if old is not None:
         old = torch.where(mask, old.float(), 0.0)
-        ratio = torch.where(mask, (logp - old).exp(), 0.0)
-        acc.add("policy/ratio/mean", ratio.sum(), n)
+        log_w = logp - old
+        ratio = torch.where(mask, log_w.exp(), 0.0)
+        tok("policy/ratio/mean", ratio)
         if n:
-            acc.add("policy/ratio/min", ratio[mask].min())
-            acc.add("policy/ratio/max", ratio[mask].max())
+            picked_ratio = ratio[mask]
+            acc.add("policy/ratio/min", picked_ratio.min())
+            acc.add("policy/ratio/max", picked_ratio.max())
+            acc.add_values("policy/ratio/ess", picked_ratio)
+        tok("policy/update_kl/k1", -log_w)
+        tok("policy/update_kl/k3", log_w.exp() - log_w - 1)
         adv = td.get(k("advantage"), None)
         if adv is not None:
             a = adv.float()
             a = a[:, None].expand_as(ratio) if a.ndim == 1 else a
-            low = mask & (ratio < 1 - low_clip) & (a < 0)
-            high = mask & (ratio > 1 + high_clip) & (a > 0)
-            acc.add("policy/clip_frac/low", low.sum(), n)
-            acc.add("policy/clip_frac/high", high.sum(), n)
-        if old_log_probs is not None:
-            d = torch.where(mask, old_log_probs.float() - old, 0.0)
-            acc.add("policy/mismatch_kl", torch.where(mask, d.exp() - d - 1, 0.0).sum(), n)
+            low = (ratio < 1 - low_clip) & (a < 0)
+            high = (ratio > 1 + high_clip) & (a > 0)
+            tok("policy/clip_frac/low", low.float())
+            tok("policy/clip_frac/high", high.float())
+        if old_log_probs is not None and sample is not None:
+            d = old - torch.where(mask, sample.float(), 0.0)  # log(old / sampler)
+            tok("policy/mismatch_kl", d.exp() - d - 1)
     ref = td.get(k("ref_log_probs"), None)
     if ref is not None:
-        d = torch.where(mask, ref.float() - logp, 0.0)
-        k1 = torch.where(mask, -d, 0.0)
-        acc.add("policy/kl_ref/k1", k1.sum(), n)
-        acc.add("policy/kl_ref/k3", torch.where(mask, d.exp() - d - 1, 0.0).sum(), n)
-        acc.add("policy/kl_ref/seq_k1", k1.sum(-1).sum(), k1.shape[0])
+        d = torch.where(mask, ref.float(), 0.0) - logp
+        tok("policy/kl_ref/k1", -d)
+        tok("policy/kl_ref/k3", d.exp() - d - 1)
+        seq = torch.where(mask, -d, 0.0).sum(-1, dtype=torch.float64)
+        scored = mask.any(-1)
+        acc.add("policy/kl_ref/seq_k1", seq[scored].sum(), int(scored.sum()))
     return acc
 
 

@@ -2,7 +2,9 @@
 
 A token mean over a global batch is ``sum(x * mask) / sum(mask)`` of the whole batch; averaging
 the microbatches' means instead weights each microbatch equally, whatever its token count (the
-"mean of means" the catalogue forbids). :class:`Accumulator` keeps the pairs.
+"mean of means" the catalogue forbids). :class:`Accumulator` keeps the pairs in float64, and a
+standard deviation as merged moments (count, mean, M2), so that 1000 +- 0.01 keeps its spread.
+Across ranks each metric combines by its catalogue ``ranks`` rule (:meth:`Accumulator.all_reduce`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from posttrain.contracts.catalogue import CATALOGUE_V1, Catalogue
 
-_KINDS: dict[int, tuple[Catalogue, dict[str, str]]] = {}
+_KINDS: dict[int, tuple[Catalogue, dict[str, tuple[str, str]]]] = {}
 
 
 def not_a_number(x: Any) -> str:
@@ -48,7 +50,8 @@ def _count(name: str, what: str, x: float | torch.Tensor) -> float:
 
 class Accumulator:
     """Per metric: (sum, count) for ``tok``/``seq``/``rate``, a total for ``sum``, the
-    extremum for ``min``/``max``, the latest value for ``last``; reductions from the catalogue.
+    extremum for ``min``/``max``, the latest value for ``last``, merged moments (count, mean,
+    M2 in float64) for ``.../std`` and ``.../ess``; reductions from the catalogue.
 
     Example:
         >>> acc = Accumulator()
@@ -67,35 +70,43 @@ class Accumulator:
             if len(_KINDS) >= 8:  # catalogues are few; a process making many keeps 8 at most
                 _KINDS.clear()
             held = _KINDS[id(catalogue)] = (catalogue, {})
-        self._kind: dict[str, str] = held[1]
+        self._kind: dict[str, tuple[str, str]] = held[1]
         self._num: dict[str, float] = {}
         self._den: dict[str, float] = {}
         self._ext: dict[str, float] = {}
         self._last: dict[str, float] = {}
-        self._mom: dict[str, list[float]] = {}  # std metrics: [sum, sum of squares, count]
+        self._mom: dict[str, tuple[float, float, float]] = {}  # (count, mean, M2)
 
-    def reduction(self, name: str) -> str:
-        """The catalogue's reduction of ``name`` (a ``<reward_fn>`` family member included)."""
-        kind = self._kind.get(name)
-        if kind is None:
+    def _rules(self, name: str) -> tuple[str, str]:
+        rules = self._kind.get(name)
+        if rules is None:
             parts = name.split("/")
             for m in self.catalogue.metrics:
                 pat = m.name.split("/")
                 if len(pat) == len(parts) and all(
                     a == b or a == "<reward_fn>" for a, b in zip(pat, parts, strict=True)
                 ):
-                    kind = m.reduction
+                    rules = (m.reduction, m.ranks)
                     break
             else:
                 raise KeyError(f"metric {name!r} is not in catalogue {self.catalogue.name}")
-            self._kind[name] = kind
-        return kind
+            self._kind[name] = rules
+        return rules
+
+    def reduction(self, name: str) -> str:
+        """The catalogue's reduction of ``name`` (a ``<reward_fn>`` family member included)."""
+        return self._rules(name)[0]
+
+    def ranks(self, name: str) -> str:
+        """How ``name`` combines across ranks (the catalogue's ``ranks`` field)."""
+        return self._rules(name)[1]
 
     def add(self, name: str, value: float | torch.Tensor, count: float | torch.Tensor = 1) -> None:
         """Add a numerator and its denominator (``tok``/``seq``/``rate``), or one value.
 
         A value or count that is not one number, or a count that is negative or not finite,
-        raises ``ValueError`` naming the metric, and the accumulator is left as it was.
+        raises ``ValueError`` naming the metric, and the accumulator is left as it was. A NaN
+        reaching a ``min``/``max`` metric makes it NaN (``min(inf, nan)`` would hide it).
 
         Example:
             >>> acc = Accumulator()
@@ -103,10 +114,13 @@ class Accumulator:
             Traceback (most recent call last):
             ...
             ValueError: metric 'policy/kl_ref/k3': expected count to be one number, found a tensor of shape [2]
+            >>> acc.add("policy/ratio/max", 2.0); acc.add("policy/ratio/max", float("nan"))
             >>> acc.values()
-            {}
+            {'policy/ratio/max': nan}
         """
-        kind = self.reduction(name)
+        kind, rule = self._rules(name)
+        if rule == "moments":
+            raise ValueError(f"metric {name!r}: expected values through add_values (moments)")
         v = _number(name, "value", value)
         if kind in ("tok", "seq", "rate"):
             c = _count(name, "count", count)
@@ -114,31 +128,62 @@ class Accumulator:
             self._den[name] = self._den.get(name, 0.0) + c
         elif kind == "sum":
             self._num[name] = self._num.get(name, 0.0) + v
-        elif kind == "min":
-            self._ext[name] = min(self._ext.get(name, math.inf), v)
-        elif kind == "max":
-            self._ext[name] = max(self._ext.get(name, -math.inf), v)
+        elif kind in ("min", "max"):
+            self._ext[name] = _extremum(kind, self._ext.get(name), v)
         else:
             self._last[name] = v
+
+    def add_values(self, name: str, values: torch.Tensor) -> None:
+        """A metric kept as moments (``.../std``, ``.../ess``): fold in values, in float64.
+
+        Each call's (count, mean, M2) merge with what is held by Chan et al.'s pairwise update,
+        never through ``E[x^2] - E[x]^2`` (which cancels to 0 at 1000 +- 0.01).
+
+        Example:
+            >>> acc = Accumulator()
+            >>> acc.add_values("rollout/reward/std", torch.tensor([1000.01, 999.99], dtype=torch.float64))
+            >>> acc.add_values("rollout/reward/std", torch.tensor([1000.01, 999.99], dtype=torch.float64))
+            >>> round(acc.values()["rollout/reward/std"], 6)
+            0.01
+        """
+        if self.ranks(name) != "moments":
+            raise ValueError(f"metric {name!r}: add_values needs a metric kept as moments")
+        if not isinstance(values, torch.Tensor):
+            raise ValueError(
+                f"metric {name!r}: expected a tensor of values, found {not_a_number(values)}"
+            )
+        x = values.detach().reshape(-1).to(torch.float64)
+        n = x.numel()
+        if n == 0:
+            return
+        mean = x.mean()
+        m2 = float(((x - mean) ** 2).sum())
+        self._merge_moments(name, (float(n), float(mean), m2))
 
     def add_moments(
         self, name: str, total: float | torch.Tensor, squares: float | torch.Tensor, count: float
     ) -> None:
-        """A ``.../std`` metric: population std from sums of x and x^2 over ``count`` items."""
-        if self.reduction(name) != "seq":
-            raise ValueError(f"{name!r}: moments need a 'seq' reduction")
+        """A metric kept as moments, from sums of x and x^2 over ``count`` items.
+
+        Prefer :meth:`add_values`: sums of squares lose every digit of a spread that is small
+        against the mean. Kept for callers that only hold the sums.
+        """
+        if self.ranks(name) != "moments":
+            raise ValueError(f"{name!r}: add_moments needs a metric kept as moments")
         a, b = _number(name, "total", total), _number(name, "squares", squares)
         c = _count(name, "count", count)
-        m = self._mom.setdefault(name, [0.0, 0.0, 0.0])
-        m[0] += a
-        m[1] += b
-        m[2] += c
+        if c:
+            self._merge_moments(name, (c, a / c, max(b - a * a / c, 0.0)))
+
+    def _merge_moments(self, name: str, m: tuple[float, float, float]) -> None:
+        held = self._mom.get(name)
+        self._mom[name] = m if held is None else _chan(held, m)
 
     def merge(self, other: Accumulator) -> None:
-        """Fold another accumulator (another microbatch, step or rank) into this one.
+        """Fold another accumulator (another microbatch or step of this rank) into this one.
 
         Every name of ``other`` is looked up first: one this catalogue does not hold raises
-        ``KeyError`` before anything is folded in.
+        ``KeyError`` before anything is folded in. Across ranks use :meth:`all_reduce`.
         """
         for name in (*other._num, *other._ext, *other._last, *other._mom):
             self.reduction(name)
@@ -151,44 +196,93 @@ class Accumulator:
             self.add(name, v)
         for name, v in other._last.items():
             self.add(name, v)
-        for name, (a, b, c) in other._mom.items():
-            self.add_moments(name, a, b, c)
+        for name, m in other._mom.items():
+            self._merge_moments(name, m)
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        """What this accumulator holds, as plain floats (what :meth:`all_reduce` exchanges)."""
+        return {
+            "num": dict(self._num),
+            "den": dict(self._den),
+            "ext": dict(self._ext),
+            "last": dict(self._last),
+            "mom": dict(self._mom),
+        }
+
+    def merge_ranks(self, states: list[dict[str, dict[str, Any]]]) -> None:
+        """Replace this accumulator by the ranks' ``states`` (rank order) combined.
+
+        Each metric combines by its catalogue ``ranks`` rule: ``pairs`` sums numerators and
+        counts (a count-weighted mean), ``moments`` merges (count, mean, M2), ``sum`` adds,
+        ``max`` takes the largest (wall times: ranks run at once), ``rate`` adds the quantity
+        and takes the slowest rank's seconds, ``min``/``max`` extremes propagate NaN, ``first``
+        keeps rank 0's value. Every rank must hold the same names (``ValueError`` otherwise).
+
+        Example:
+            >>> a, b = Accumulator(), Accumulator()
+            >>> a.add("time/rollout_s", 2.0); b.add("time/rollout_s", 2.0)
+            >>> a.add("perf/gen_tokens_per_s", 1000, 2.0); b.add("perf/gen_tokens_per_s", 1000, 2.0)
+            >>> a.merge_ranks([a.state(), b.state()])
+            >>> a.values()  # 2,000 tokens in the 2 s both ranks ran at once
+            {'time/rollout_s': 2.0, 'perf/gen_tokens_per_s': 1000.0}
+        """
+        names = [sorted(k for part in s.values() for k in part) for s in states]
+        for r, held in enumerate(names):
+            if held != names[0]:
+                diff = sorted(set(held) ^ set(names[0]))
+                shown = ", ".join(diff[:10]) + (
+                    f" ... and {len(diff) - 10} more" if len(diff) > 10 else ""
+                )
+                raise ValueError(
+                    f"all_reduce: expected every rank to hold rank 0's metric names, found rank "
+                    f"{r} differing on {shown}"
+                )
+        num: dict[str, float] = {}
+        den: dict[str, float] = {}
+        ext: dict[str, float] = {}
+        last: dict[str, float] = {}
+        mom: dict[str, tuple[float, float, float]] = {}
+        for r, s in enumerate(states):
+            for name, v in s["num"].items():
+                rule = self.ranks(name)
+                if rule == "max":
+                    num[name] = max(num.get(name, -math.inf), v)
+                elif rule == "first":
+                    num.setdefault(name, v)
+                else:
+                    num[name] = num.get(name, 0.0) + v
+            for name, c in s["den"].items():
+                rule = self.ranks(name)
+                if rule == "rate":
+                    den[name] = max(den.get(name, 0.0), c)
+                elif rule == "first":
+                    den.setdefault(name, c)
+                else:
+                    den[name] = den.get(name, 0.0) + c
+            for name, v in s["ext"].items():
+                ext[name] = _extremum(self.reduction(name), ext.get(name), v)
+            for name, v in s["last"].items():
+                if r == 0:
+                    last[name] = v
+            for name, (n, mean, m2) in s["mom"].items():
+                pos = (float(n), float(mean), float(m2))
+                was = mom.get(name)
+                mom[name] = pos if was is None else _chan(was, pos)
+        self._num, self._den, self._ext, self._last, self._mom = num, den, ext, last, mom
 
     def all_reduce(self, group: Any = None) -> None:
-        """Reduce across ``torch.distributed`` ranks (sums, mins, maxes); no-op without it.
-
-        Every rank must hold the same metric names.
+        """Combine every rank's metrics by the catalogue's ``ranks`` rules; no-op without
+        ``torch.distributed``. A collective: every rank of ``group`` must call it, holding the
+        same metric names; afterwards every rank holds the combined values (see
+        :meth:`merge_ranks`).
         """
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             return
-        for name, (a, b, c) in sorted(self._mom.items()):  # as three sums
-            self._num[f"{name}\0s"], self._den[f"{name}\0s"] = a, c
-            self._num[f"{name}\0q"] = b
-        sums = sorted(self._num)
-        dens = sorted(self._den)
-        mins = sorted(n for n in self._ext if self.reduction(n) == "min")
-        maxs = sorted(n for n in self._ext if self.reduction(n) == "max")
-        if sums or dens:
-            t = torch.tensor(
-                [self._num[n] for n in sums] + [self._den[n] for n in dens], dtype=torch.float64
-            )
-            dist.all_reduce(t, group=group)
-            vals = t.tolist()
-            self._num.update(zip(sums, vals[: len(sums)], strict=True))
-            self._den.update(zip(dens, vals[len(sums) :], strict=True))
-        for names, op in ((mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
-            if names:
-                t = torch.tensor([self._ext[n] for n in names], dtype=torch.float64)
-                dist.all_reduce(t, op=op, group=group)
-                self._ext.update(zip(names, t.tolist(), strict=True))
-        for name in self._mom:
-            self._mom[name] = [
-                self._num.pop(f"{name}\0s"),
-                self._num.pop(f"{name}\0q"),
-                self._den.pop(f"{name}\0s"),
-            ]
+        states: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, self.state(), group=group)
+        self.merge_ranks(states)
 
     def values(self) -> dict[str, float]:
         """The reduced value of every metric added (NaN for a ratio with nothing counted)."""
@@ -201,8 +295,13 @@ class Accumulator:
                 out[name] = num
         out.update(self._ext)
         out.update(self._last)
-        for name, (a, b, c) in self._mom.items():
-            out[name] = math.sqrt(max(b / c - (a / c) ** 2, 0.0)) if c else math.nan
+        for name, (n, mean, m2) in self._mom.items():
+            if name.endswith("/ess"):
+                # (sum w)^2 / (n sum w^2) = mean^2 / E[w^2]: 1 when every weight is equal.
+                second = m2 / n + mean * mean
+                out[name] = mean * mean / second if second else math.nan
+            else:
+                out[name] = math.sqrt(m2 / n)
         return out
 
     def log_to(self, sink: Any, step: int) -> Mapping[str, float]:
@@ -211,3 +310,24 @@ class Accumulator:
         for name, v in vals.items():
             sink.log_scalar(name, v, step=step)
         return vals
+
+
+def _extremum(kind: str, held: float | None, v: float) -> float:
+    if held is None or math.isnan(v):
+        return v
+    if math.isnan(held):
+        return held
+    return min(held, v) if kind == "min" else max(held, v)
+
+
+def _chan(
+    a: tuple[float, float, float], b: tuple[float, float, float]
+) -> tuple[float, float, float]:
+    """Chan, Golub and LeVeque's pairwise merge of (count, mean, M2)."""
+    na, ma, sa = a
+    nb, mb, sb = b
+    n = na + nb
+    if not n:
+        return a
+    delta = mb - ma
+    return n, ma + delta * nb / n, sa + sb + delta * delta * na * nb / n
