@@ -1,0 +1,676 @@
+"""NeMo-RL's async GRPO replay buffer, method for method, over any posttrain ``ReplayBufferV1``.
+
+NeMo-RL's trajectory collector (``nemo_rl/algorithms/async_utils/trajectory_collector.py:
+AsyncTrajectoryCollector._enqueue_rollout_group``, commit 7ea279a) pushes one prompt group at
+a time with ``replay_buffer.add.remote(trajectory_group, generation_weight_version,
+target_weight_version)``, where ``trajectory_group`` is ``{"batch": <the rollout's
+BatchedDataDict on CPU: message_log, length, loss_multiplier, idx, extra_env_info,
+total_reward, ...>, "rollout_metrics": {...}, "timestamp": float}`` plus ``"_ng_task_index"``
+under NeMo Gym. ``async_grpo_train`` (``nemo_rl/algorithms/grpo.py``) then calls ``size``,
+``has_complete_batch``, ``get_trajectories_needed``, ``sample`` and, around checkpoints,
+``save_to_path`` / ``load_from_path``. :class:`NemoAsyncReplayBuffer` answers every one of
+them as ``nemo_rl/algorithms/async_utils/replay_buffer.py:ReplayBufferImpl`` does, with the
+same restore options (``num_prompts_per_step``, ``current_training_step``, ``max_age_steps``,
+``drop_incomplete_targets_on_restore``), and keeps the data in a posttrain buffer.
+
+Storage: each pushed group is encoded without pickle by :func:`encode_payload` (a JSON tree
+plus raw tensor bytes, dtypes and shapes kept bit-exactly) and written to the backing buffer
+as fixed-width uint8 chunks, one item per chunk, so any ``ReplayBufferV1`` with ``read``
+holds it: posttrain's ``RingBuffer``, a TorchRL buffer behind ``ValidatedReplayBuffer``, or
+either served from a Ray actor. ``sample`` hands back the group as it was pushed (``batch``
+as ``nemo_rl``'s ``BatchedDataDict`` where it imports, else posttrain's mirror).
+
+Full policy (explicit, never a silent drop): ``add`` answers ``"full"`` with nothing changed
+when ``max_size`` entries are held (NeMo-RL's rule) or when the backing buffer's capacity
+has no room for the group's chunks beside the live ones; the collector then retries, as it
+does on NeMo-RL's ``"full"``. A FIFO backing buffer's write position is advanced past live
+chunks by rewriting them in place, so groups consumed out of order never lose rows.
+
+Checkpoints: ``save_to_path`` writes ``torch.save`` of plain tensors, lists and ints to a
+temporary file beside ``path``, fsyncs it and renames it into place (a crash leaves the
+previous file or the new one); ``load_from_path`` reads it with ``weights_only=True``
+(NeMo-RL loads its pickle with ``weights_only=False``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections import Counter, UserDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from posttrain.adapters.nemo_rl.storage import _capacity_of
+
+NEMO_GYM_TASK_INDEX_KEY = "_ng_task_index"
+"""``nemo_rl/experience/interfaces.py:NEMO_GYM_TASK_INDEX_KEY`` (7ea279a)."""
+NEXT_NEMO_GYM_TASK_INDEX_KEY = "next_ng_task_index"
+"""``nemo_rl/experience/interfaces.py:NEXT_NEMO_GYM_TASK_INDEX_KEY`` (7ea279a)."""
+
+PAYLOAD_FORMAT = "posttrain-nemo-trajectory/1"
+"""Written into every checkpoint; a file of another format is refused by name."""
+
+CHUNK_KEY = "nemo_trajectory_chunk"
+"""The one key of the items this buffer writes to its backing buffer."""
+
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    )
+}  # fmt: skip
+
+
+class PayloadError(ValueError):
+    """A trajectory this codec cannot encode, or bytes that are not one of its payloads.
+
+    Example:
+        >>> encode_payload({"f": object()})
+        Traceback (most recent call last):
+        ...
+        posttrain.adapters.nemo_rl.async_buffer.PayloadError: trajectory['f']: cannot encode ...
+    """
+
+
+def _batched_data_dict_type() -> type[Any]:
+    try:
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    except ImportError:
+        from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict
+    return BatchedDataDict  # type: ignore[no-any-return]
+
+
+def encode_payload(obj: Any) -> torch.Tensor:
+    """``obj`` (dicts, lists, tuples, BatchedDataDicts, tensors, scalars, strings) as uint8 bytes.
+
+    No pickle: a JSON tree (dict keys may be str, int, float, bool or None) and each tensor's
+    raw bytes; tensors come back on CPU, detached, with their dtype and shape. Anything else
+    raises :class:`PayloadError` naming where it is.
+
+    Example:
+        >>> t = {"batch": {"ids": torch.tensor([[1, 2]]), "msg": ["hi"]}, "timestamp": 1.5}
+        >>> back = decode_payload(encode_payload(t))
+        >>> back["batch"]["ids"].tolist(), back["batch"]["msg"], back["timestamp"]
+        ([[1, 2]], ['hi'], 1.5)
+    """
+    tensors: list[torch.Tensor] = []
+
+    def tree(v: Any, where: str) -> Any:
+        if v is None or isinstance(v, bool | int | str):
+            return v
+        if isinstance(v, float):
+            return {"$f": repr(v)} if not math.isfinite(v) else v
+        if isinstance(v, torch.Tensor):
+            if v.is_sparse or str(v.dtype) not in _DTYPES:
+                raise PayloadError(f"{where}: cannot encode a {v.dtype} {v.layout} tensor")
+            tensors.append(v.detach().to("cpu").contiguous())
+            return {"$t": len(tensors) - 1}
+        if isinstance(v, UserDict):  # BatchedDataDict (nemo_rl's or the mirror)
+            return {"$b": tree(dict(v.data), where)}
+        if isinstance(v, Mapping):
+            items = []
+            for k, x in v.items():
+                if not (k is None or isinstance(k, bool | int | float | str)):
+                    raise PayloadError(f"{where}: cannot encode a key of type {type(k).__name__}")
+                items.append([k, tree(x, f"{where}[{k!r}]")])
+            return {"$d": items}
+        if isinstance(v, list):
+            return [tree(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, tuple):
+            return {"$u": [tree(x, f"{where}[{i}]") for i, x in enumerate(v)]}
+        item = getattr(v, "item", None)  # numpy scalars
+        if type(v).__module__ == "numpy" and callable(item) and getattr(v, "ndim", 1) == 0:
+            return tree(item(), where)
+        raise PayloadError(f"{where}: cannot encode {type(v).__name__} (no pickle here)")
+
+    root = tree(obj, "trajectory")
+    metas: list[list[Any]] = []
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append([str(t.dtype), list(t.shape), offset, nbytes])
+        spans.append((offset, nbytes))
+        offset += nbytes
+    header = json.dumps({"format": PAYLOAD_FORMAT, "tree": root, "tensors": metas}).encode()
+    out = torch.empty(8 + len(header) + offset, dtype=torch.uint8)
+    out[:8] = torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8)
+    out[8 : 8 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    base = 8 + len(header)
+    for t, (off, nbytes) in zip(tensors, spans, strict=True):
+        if nbytes:
+            out[base + off : base + off + nbytes] = t.reshape(-1).view(torch.uint8)
+    return out
+
+
+def decode_payload(payload: torch.Tensor) -> Any:
+    """The object :func:`encode_payload` encoded; malformed bytes raise :class:`PayloadError`.
+
+    Example:
+        >>> decode_payload(encode_payload((1, None, float("nan"))))
+        (1, None, nan)
+    """
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.ndim != 1:
+        raise PayloadError(f"payload: expected a 1-D uint8 tensor, found {payload!r:.80}")
+    raw = payload.numpy().tobytes()
+    try:
+        n = int.from_bytes(raw[:8], "little")
+        head = json.loads(raw[8 : 8 + n].decode())
+        if head.get("format") != PAYLOAD_FORMAT:
+            raise PayloadError(
+                f"payload: expected format {PAYLOAD_FORMAT!r}, found {head.get('format')!r}"
+            )
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise PayloadError(f"payload: not a {PAYLOAD_FORMAT} payload ({e})") from None
+    base = 8 + n
+    tensors = []
+    for dtype, shape, off, nbytes in head["tensors"]:
+        if base + off + nbytes > len(raw) or dtype not in _DTYPES:
+            raise PayloadError(f"payload: tensor at {off} ({dtype}, {nbytes} bytes) out of bounds")
+        buf = bytearray(raw[base + off : base + off + nbytes])
+        flat = (
+            torch.frombuffer(buf, dtype=torch.uint8)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        tensors.append(flat.view(_DTYPES[dtype]).reshape(shape))
+    bdd = _batched_data_dict_type()
+
+    def build(v: Any) -> Any:
+        if isinstance(v, list):
+            return [build(x) for x in v]
+        if not isinstance(v, dict):
+            return v
+        if "$t" in v:
+            return tensors[v["$t"]]
+        if "$f" in v:
+            return float(v["$f"])
+        if "$b" in v:
+            return bdd(build(v["$b"]))
+        if "$u" in v:
+            return tuple(build(x) for x in v["$u"])
+        return {k: build(x) for k, x in v["$d"]}
+
+    return build(head["tree"])
+
+
+@dataclass
+class _Entry:
+    indices: list[int]  # backing-buffer items holding the payload's chunks, in order
+    nbytes: int
+    version: int
+    target: int
+    task_index: int | None
+
+
+class NemoAsyncReplayBuffer:
+    """``ReplayBufferImpl`` of NeMo-RL (7ea279a) storing each prompt group in a ``ReplayBufferV1``.
+
+    ``max_size`` and ``drop_incomplete_targets_on_restore`` are NeMo-RL's constructor
+    arguments. ``buffer`` is the backing buffer (it needs ``read``); by default a posttrain
+    ``RingBuffer`` of ``max_size * chunks_per_entry`` items. ``chunk_bytes`` is the width of
+    one item. Thread safe (one lock, as NeMo-RL's), so it runs as a Ray actor unchanged:
+    see :func:`nemo_replay_buffer_actor`.
+
+    Example:
+        >>> rb = NemoAsyncReplayBuffer(max_size=4, drop_incomplete_targets_on_restore=False)
+        >>> group = {"batch": {"message_log": [[{"role": "user", "token_ids": torch.tensor([5, 6])}]],
+        ...                    "total_reward": torch.tensor([1.0])},
+        ...          "rollout_metrics": {"mean_gen_tokens": 3.0}, "timestamp": 0.0}
+        >>> rb.add(group, 0, 1), rb.size(), rb.has_complete_batch(1, 1)
+        ('success', 1, True)
+        >>> out = rb.sample(num_prompt_groups=1, current_weight_version=1, max_age_steps=1)
+        >>> out["avg_trajectory_age"], out["trajectories"][0]["batch"]["message_log"][0][0]["token_ids"].tolist()
+        (1.0, [5, 6])
+        >>> rb.get_last_target_weight_already_generated()
+        1
+    """
+
+    def __init__(
+        self,
+        max_size: int,
+        drop_incomplete_targets_on_restore: bool = False,
+        *,
+        buffer: Any = None,
+        chunk_bytes: int = 1 << 16,
+        chunks_per_entry: int = 64,
+    ) -> None:
+        if max_size <= 0:
+            raise ValueError(f"max_size must be positive, got {max_size}")
+        if chunk_bytes < 1 or chunks_per_entry < 1:
+            raise ValueError(
+                f"chunk_bytes and chunks_per_entry: expected >= 1, found {chunk_bytes}, "
+                f"{chunks_per_entry}"
+            )
+        if buffer is None:
+            from posttrain.reference_impls import RingBuffer
+
+            buffer = RingBuffer(max_size * chunks_per_entry)
+        if not callable(getattr(buffer, "read", None)):
+            raise TypeError(
+                f"buffer: expected a ReplayBufferV1 with read(indices), found "
+                f"{type(buffer).__name__} without it"
+            )
+        self.max_size = max_size
+        self._drop_incomplete_targets_on_restore = drop_incomplete_targets_on_restore
+        self.buffer = buffer
+        self.capacity = _capacity_of(buffer)
+        self.chunk_bytes = chunk_bytes
+        self._entries: list[_Entry] = []
+        self._written = 0  # items written to the backing buffer by this facade
+        self.last_target_weight_already_generated = -1
+        self._lock = threading.RLock()
+
+    # -- NeMo-RL's parallel lists, read-only views ---------------------------------------------
+    @property
+    def trajectory_versions(self) -> list[int]:
+        """The weight version that generated each held group (NeMo-RL's attribute)."""
+        return [e.version for e in self._entries]
+
+    @property
+    def target_weight_versions(self) -> list[int]:
+        """The weight version each held group is meant to train (NeMo-RL's attribute)."""
+        return [e.target for e in self._entries]
+
+    # -- storage -----------------------------------------------------------------------------
+    def _chunks(self, payload: torch.Tensor) -> TensorDict:
+        k = max(1, -(-payload.numel() // self.chunk_bytes))
+        rows = torch.zeros(k * self.chunk_bytes, dtype=torch.uint8)
+        rows[: payload.numel()] = payload
+        return TensorDict({CHUNK_KEY: rows.reshape(k, self.chunk_bytes)}, batch_size=[k])
+
+    def _payload(self, e: _Entry) -> torch.Tensor:
+        rows: torch.Tensor = self.buffer.read(torch.tensor(e.indices, dtype=torch.int64))[CHUNK_KEY]
+        return rows.reshape(-1)[: e.nbytes].clone()
+
+    def _extend(self, td: TensorDict, expect: list[int] | None) -> list[int]:
+        got = [int(i) for i in self.buffer.extend(td).tolist()]
+        self._written += len(got)
+        if expect is not None and got != expect:
+            raise RuntimeError(
+                f"{type(self.buffer).__name__} wrote at storage indices {got[:10]}, expected "
+                f"{expect[:10]} (a FIFO ring of capacity {self.capacity}); this facade needs a "
+                "FIFO backing buffer"
+            )
+        return got
+
+    def _store(self, payload: torch.Tensor) -> list[int] | None:
+        """Write ``payload``'s chunks; ``None`` (nothing written) when they cannot fit."""
+        td = self._chunks(payload)
+        k = int(td.batch_size[0])
+        cap = self.capacity
+        if cap is None:
+            return self._extend(td, None)
+        live = sum(len(e.indices) for e in self._entries)
+        if live + k > cap:
+            return None
+        owner = {i: e for e in self._entries for i in e.indices}
+        # Advance the FIFO write position past live chunks by rewriting each live entry onto
+        # its own items (entries are contiguous runs, so the position is always at a run start).
+        while any((self._written + j) % cap in owner for j in range(k)):
+            pos = self._written % cap
+            if pos in owner:
+                e = owner[pos]
+                self._extend(self._chunks(self._payload(e)), e.indices)
+            else:  # a dead item before a live run: step over it with its own bytes
+                stale = self.buffer.read(torch.tensor([pos]))
+                self._extend(stale, [pos])
+        return self._extend(td, [(self._written + j) % cap for j in range(k)])
+
+    # -- NeMo-RL's interface -------------------------------------------------------------------
+    def add(
+        self, trajectory: dict[str, Any], weight_version: int, target_weight_version: int
+    ) -> str:
+        """Store one prompt group: ``"success"``, or ``"full"`` with nothing changed.
+
+        As NeMo-RL 7ea279a, ``last_target_weight_already_generated`` does not move here.
+        """
+        payload = encode_payload(trajectory)  # PayloadError before anything changes
+        k = -(-payload.numel() // self.chunk_bytes)
+        if self.capacity is not None and k > self.capacity:
+            raise ValueError(
+                f"trajectory: {payload.numel()} bytes need {k} items of {self.chunk_bytes} "
+                f"bytes, more than the backing buffer's capacity {self.capacity}; it can never fit"
+            )
+        with self._lock:
+            if len(self._entries) >= self.max_size:
+                return "full"
+            indices = self._store(payload)
+            if indices is None:
+                return "full"
+            task = trajectory.get(NEMO_GYM_TASK_INDEX_KEY)
+            self._entries.append(
+                _Entry(
+                    indices,
+                    int(payload.numel()),
+                    int(weight_version),
+                    int(target_weight_version),
+                    None if task is None else int(task),
+                )
+            )
+            return "success"
+
+    def push_with_wait_signal(
+        self, trajectory: dict[str, Any], weight_version: int, target_weight_version: int
+    ) -> str:
+        """NeMo-RL's name for ``add`` before the async_utils refactor (commit 4641794, #2448).
+
+        That version also advanced ``last_target_weight_already_generated`` to the pushed
+        target on success; so does this.
+        """
+        with self._lock:
+            status = self.add(trajectory, weight_version, target_weight_version)
+            if status == "success":
+                self.last_target_weight_already_generated = max(
+                    self.last_target_weight_already_generated, int(target_weight_version)
+                )
+            return status
+
+    def get_debug_info(self) -> dict[str, Any]:
+        """NeMo-RL's summary keys (no starvation diagnostics: they would decode every group)."""
+        with self._lock:
+            return {
+                "total_trajectories": len(self._entries),
+                "trajectory_versions": self.trajectory_versions,
+                "target_weight_versions": self.target_weight_versions,
+                "max_size": self.max_size,
+            }
+
+    def get_last_target_weight_already_generated(self) -> int:
+        """The highest target a complete batch was consumed for (NeMo-RL's bookkeeping)."""
+        with self._lock:
+            return self.last_target_weight_already_generated
+
+    def get_existing_target_weights(self) -> set[int]:
+        """Target versions with at least one held group."""
+        with self._lock:
+            return {e.target for e in self._entries}
+
+    def sample(
+        self, num_prompt_groups: int, current_weight_version: int, max_age_steps: int
+    ) -> dict[str, Any] | None:
+        """NeMo-RL's ``sample``: evict stale groups, then take the first ``num_prompt_groups``
+        meant for ``current_weight_version``, or ``None`` (stall) when there are fewer."""
+        with self._lock:
+            if not self._entries:
+                return None
+            min_valid = max(0, current_weight_version - max_age_steps)
+            self._entries = [e for e in self._entries if e.version >= min_valid]
+            valid = [e for e in self._entries if min_valid <= e.version <= current_weight_version]
+            if not valid or len(valid) < num_prompt_groups:
+                return None
+            intended = [e for e in valid if e.target == current_weight_version]
+            if len(intended) < num_prompt_groups:
+                return None
+            chosen = intended[:num_prompt_groups]
+            items = [decode_payload(self._payload(e)) for e in chosen]
+            taken = {id(e) for e in chosen}
+            self._entries = [e for e in self._entries if id(e) not in taken]
+            self.last_target_weight_already_generated = max(
+                self.last_target_weight_already_generated, current_weight_version
+            )
+            versions = [e.version for e in chosen]
+            age = current_weight_version - sum(versions) / len(versions)
+            return {"trajectories": items, "avg_trajectory_age": age}
+
+    def size(self) -> int:
+        """Prompt groups held."""
+        with self._lock:
+            return len(self._entries)
+
+    def clear(self) -> None:
+        """Forget every group (``last_target_weight_already_generated`` stays, as in NeMo-RL)."""
+        with self._lock:
+            self._entries = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """NeMo-RL's keys; ``trajectories`` are encoded payloads (uint8 tensors), not pickles."""
+        with self._lock:
+            return {
+                "format": PAYLOAD_FORMAT,
+                "trajectories": [self._payload(e) for e in self._entries],
+                "trajectory_versions": self.trajectory_versions,
+                "target_weight_versions": self.target_weight_versions,
+                "task_indices": [e.task_index for e in self._entries],
+                "last_target_weight_already_generated": self.last_target_weight_already_generated,
+                "max_size": self.max_size,
+            }
+
+    def save_to_path(self, path: str) -> int:
+        """Write :meth:`state_dict` to ``path`` atomically; return the number of groups."""
+        state = self.state_dict()
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return len(state["trajectories"])
+
+    def load_from_path(
+        self,
+        path: str,
+        num_prompts_per_step: int | None = None,
+        current_training_step: int | None = None,
+        max_age_steps: int | None = None,
+    ) -> dict[str, int]:
+        """Restore :meth:`save_to_path`'s file (``weights_only=True``); NeMo-RL's return keys."""
+        state = torch.load(path, weights_only=True)
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"{path}: expected a replay buffer state dict, found {type(state).__name__}"
+            )
+        tasks = [t for t in state.get("task_indices", []) if t is not None]
+        num = len(state.get("trajectories", []))
+        self.load_state_dict(
+            state,
+            num_prompts_per_step=num_prompts_per_step,
+            current_training_step=current_training_step,
+            max_age_steps=max_age_steps,
+        )
+        return {
+            "num_trajectories": num,
+            NEXT_NEMO_GYM_TASK_INDEX_KEY: max((int(t) for t in tasks), default=-1) + 1,
+        }
+
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        num_prompts_per_step: int | None = None,
+        current_training_step: int | None = None,
+        max_age_steps: int | None = None,
+    ) -> None:
+        """NeMo-RL's restore: stale rows out, then past/incomplete targets handled, then
+        truncation to ``max_size``; the kept groups are written to the backing buffer.
+
+        ``trajectories`` may be payloads (this class's ``state_dict``) or the trajectory dicts
+        NeMo-RL's own ``state_dict`` holds. Every check runs before anything changes.
+        """
+        required = {
+            "trajectories",
+            "trajectory_versions",
+            "target_weight_versions",
+            "last_target_weight_already_generated",
+        }
+        missing = required - set(state)
+        if missing:
+            raise ValueError(f"Checkpoint missing required keys: {missing}")
+        if "format" in state and state["format"] != PAYLOAD_FORMAT:
+            raise ValueError(
+                f"Checkpoint format: expected {PAYLOAD_FORMAT!r}, found {state['format']!r}"
+            )
+        trajs = list(state["trajectories"])
+        versions = [int(v) for v in state["trajectory_versions"]]
+        targets = [int(t) for t in state["target_weight_versions"]]
+        if not len(trajs) == len(versions) == len(targets):
+            raise ValueError(
+                "Checkpoint has inconsistent replay buffer lengths: "
+                f"trajectories={len(trajs)}, trajectory_versions={len(versions)}, "
+                f"target_weight_versions={len(targets)}"
+            )
+        payloads = [t if isinstance(t, torch.Tensor) else encode_payload(t) for t in trajs]
+        for p in payloads:
+            decode_payload(p)  # a malformed payload is refused before anything changes
+        tasks = list(state.get("task_indices", [None] * len(trajs)))
+        if len(tasks) != len(trajs):
+            raise ValueError(f"Checkpoint task_indices: expected {len(trajs)}, found {len(tasks)}")
+        for i, t in enumerate(trajs):
+            if not isinstance(t, torch.Tensor) and t.get(NEMO_GYM_TASK_INDEX_KEY) is not None:
+                tasks[i] = int(t[NEMO_GYM_TASK_INDEX_KEY])
+        rows = list(zip(payloads, versions, targets, tasks, strict=True))
+        last = int(state["last_target_weight_already_generated"])
+        rows, last = _restore_plan(
+            rows,
+            last,
+            self.max_size,
+            self._drop_incomplete_targets_on_restore,
+            num_prompts_per_step,
+            current_training_step,
+            max_age_steps,
+        )
+        with self._lock:
+            k_total = sum(max(1, -(-p.numel() // self.chunk_bytes)) for p, *_ in rows)
+            if self.capacity is not None and k_total > self.capacity:
+                raise ValueError(
+                    f"Checkpoint: {len(rows)} groups need {k_total} items of {self.chunk_bytes} "
+                    f"bytes, more than the backing buffer's capacity {self.capacity}"
+                )
+            self._entries = []
+            for p, v, t, task in rows:
+                indices = self._store(p)
+                if indices is None:  # cannot happen after the capacity check
+                    raise RuntimeError("restore: the backing buffer refused a group")
+                self._entries.append(_Entry(indices, int(p.numel()), v, t, task))
+            self.last_target_weight_already_generated = last
+
+    def get_trajectories_needed(
+        self, target_step: int, num_prompts_per_step: int, max_age_steps: int | None = None
+    ) -> int:
+        """How many more groups ``target_step`` needs for a complete batch."""
+        with self._lock:
+            return max(0, num_prompts_per_step - self._count_for_target(target_step, max_age_steps))
+
+    def has_complete_batch(
+        self, target_step: int, num_prompts_per_step: int, max_age_steps: int | None = None
+    ) -> bool:
+        """Whether ``target_step`` has ``num_prompts_per_step`` usable groups."""
+        with self._lock:
+            return self._count_for_target(target_step, max_age_steps) >= num_prompts_per_step
+
+    def _count_for_target(self, target_step: int, max_age_steps: int | None) -> int:
+        return sum(
+            1
+            for e in self._entries
+            if e.target == target_step and _valid_for_target(e.version, target_step, max_age_steps)
+        )
+
+
+def _valid_for_target(version: int, target: int, max_age_steps: int | None) -> bool:
+    """``ReplayBufferImpl._is_valid_for_target``."""
+    if max_age_steps is None:
+        return True
+    return max(0, target - max_age_steps) <= version <= target
+
+
+_Row = tuple[torch.Tensor, int, int, "int | None"]
+
+
+def _restore_plan(
+    rows: list[_Row],
+    last: int,
+    max_size: int,
+    drop_incomplete: bool,
+    num_prompts_per_step: int | None,
+    current_training_step: int | None,
+    max_age_steps: int | None,
+) -> tuple[list[_Row], int]:
+    """``ReplayBufferImpl.load_state_dict``'s filtering, on (payload, version, target, task) rows.
+
+    ``_remove_stale_trajectories``, then ``_prepare_for_training_step`` or
+    ``_remove_incomplete_target_steps``, then ``_truncate_to_max_size``, as NeMo-RL 7ea279a.
+    """
+    if max_age_steps is not None and rows:
+        rows = [r for r in rows if _valid_for_target(r[1], r[2], max_age_steps)]
+    if current_training_step is not None and num_prompts_per_step is not None:
+        rows = [r for r in rows if r[2] >= current_training_step]
+        if rows:
+            counts = Counter(r[2] for r in rows)
+            incomplete = {t for t, c in counts.items() if c < num_prompts_per_step}
+            if incomplete and drop_incomplete:
+                rows = [r for r in rows if r[2] not in incomplete]
+        last = current_training_step - 1
+    elif num_prompts_per_step is not None and rows:
+        counts = Counter(r[2] for r in rows)
+        incomplete = {t for t, c in counts.items() if c < num_prompts_per_step}
+        if incomplete:
+            rows = [r for r in rows if r[2] not in incomplete]
+            last = min(last, min(r[2] for r in rows) - 1) if rows else -1
+    if len(rows) > max_size:
+        if current_training_step is None:
+            rows = rows[len(rows) - max_size :]
+        else:
+            order = sorted(range(len(rows)), key=lambda i: (rows[i][2], i))
+            rows = [rows[i] for i in sorted(order[:max_size])]
+    return rows, last
+
+
+def nemo_replay_buffer_actor(
+    max_size: int,
+    drop_incomplete_targets_on_restore: bool = False,
+    *,
+    buffer_factory: Callable[..., Any] | None = None,
+    buffer_args: tuple[Any, ...] = (),
+    actor_options: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A Ray actor handle for :class:`NemoAsyncReplayBuffer`, called as NeMo-RL's ``ReplayBuffer``.
+
+    ``handle.add.remote(...)``, ``ray.get(handle.sample.remote(...))`` and the rest work as
+    on ``nemo_rl.algorithms.async_utils.ReplayBuffer``. The backing buffer is built inside the
+    actor by ``buffer_factory(*buffer_args)`` (default: a ``RingBuffer``), so the data stays
+    there. Joins the running cluster or starts the local one (``adapters/_ray.py``).
+
+    Example (not run by the doctests: tests own the cluster's lifetime):
+        >>> rb = nemo_replay_buffer_actor(8)  # doctest: +SKIP
+        >>> ray.get(rb.size.remote())  # doctest: +SKIP
+        0
+    """
+    from posttrain.adapters._ray import ensure_cluster
+
+    ray = ensure_cluster()
+    actor = ray.remote(_ActorBody).options(**{"num_cpus": 0, **(actor_options or {})})
+    return actor.remote(
+        max_size, drop_incomplete_targets_on_restore, buffer_factory, buffer_args, kwargs
+    )
+
+
+class _ActorBody(NemoAsyncReplayBuffer):
+    """Builds the backing buffer inside the actor process."""
+
+    def __init__(
+        self,
+        max_size: int,
+        drop_incomplete_targets_on_restore: bool,
+        buffer_factory: Callable[..., Any] | None,
+        buffer_args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        buffer = None if buffer_factory is None else buffer_factory(*buffer_args)
+        super().__init__(max_size, drop_incomplete_targets_on_restore, buffer=buffer, **kwargs)

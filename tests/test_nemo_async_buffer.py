@@ -1,0 +1,216 @@
+"""NemoAsyncReplayBuffer: what NeMo-RL's collector pushes, NeMo-RL's answers, checkpoints, Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from posttrain.adapters.nemo_rl.async_buffer import (
+    NemoAsyncReplayBuffer,
+    PayloadError,
+    decode_payload,
+    encode_payload,
+)
+from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict
+from posttrain.reference_impls import RingBuffer
+
+V = json.loads((Path(__file__).parent / "data" / "nemo_rl_replay_buffer.json").read_text())
+
+
+def collector_group(i: int, n: int = 2, task: int | None = None) -> dict[str, Any]:
+    """A prompt group shaped as ``_enqueue_rollout_group`` pushes it (7ea279a)."""
+    g = torch.Generator().manual_seed(i)
+    logs = []
+    for r in range(n):
+        gen = 2 + r + i % 3
+        logs.append(
+            [
+                {"role": "user", "content": f"q{i}", "token_ids": torch.tensor([1, 2, 3 + i])},
+                {
+                    "role": "assistant",
+                    "content": "a",
+                    "token_ids": torch.randint(5, 50, (gen,), generator=g),
+                    "generation_logprobs": -torch.rand(gen, generator=g),
+                },
+            ]
+        )
+    batch = BatchedDataDict(
+        {
+            "message_log": logs,
+            "length": torch.tensor([3 + len(m[1]["token_ids"]) for m in logs], dtype=torch.int32),
+            "loss_multiplier": torch.ones(n),
+            "idx": [i] * n,
+            "extra_env_info": [{"ground_truth": str(i), "nested": (1, None)}] * n,
+            "task_name": ["math"] * n,
+            "stop_strings": [None] * n,
+            "total_reward": torch.rand(n, generator=g),
+            "truncated": torch.zeros(n, dtype=torch.bool),
+            "bf16": torch.rand(n, 2, generator=g).to(torch.bfloat16),
+        }
+    )
+    out: dict[str, Any] = {
+        "batch": batch,
+        "rollout_metrics": {"mean_gen_tokens_per_sample": 3.5, "trajectory_duration_s": 0.25},
+        "timestamp": 1733350000.0 + i,
+    }
+    if task is not None:
+        out["_ng_task_index"] = task
+    return out
+
+
+def same(a: Any, b: Any, where: str = "") -> None:
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, where
+        assert a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict | BatchedDataDict):
+        assert list(a.keys()) == list(b.keys()), where
+        for k in a:
+            same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_takes_what_the_collector_pushes_and_gives_it_back_bit_exactly() -> None:
+    rb = NemoAsyncReplayBuffer(max_size=4, buffer=RingBuffer(64), chunk_bytes=256)
+    groups = [collector_group(i, task=100 + i) for i in range(3)]
+    for i, g in enumerate(groups):
+        assert rb.add(g, 0, 1 if i < 2 else 2) == "success"
+    out = rb.sample(num_prompt_groups=2, current_weight_version=1, max_age_steps=1)
+    assert out is not None
+    assert out["avg_trajectory_age"] == 1.0
+    for got, want in zip(out["trajectories"], groups[:2], strict=True):
+        same(got, want)
+    merged = BatchedDataDict.from_batches([t["batch"] for t in out["trajectories"]])
+    assert merged.size == 4
+    assert rb.size() == 1
+
+
+@pytest.mark.parametrize("case", sorted(k for k in V if not k.startswith("_")))
+def test_answers_as_nemo_rls_replay_buffer_impl(case: str, tmp_path: Path) -> None:
+    """Every op of a scripted sequence run on NeMo-RL 7ea279a's ReplayBufferImpl, replayed."""
+    c = V[case]
+    # Chunks of 512 bytes over a 24-item ring: the tiny groups still wrap the ring here.
+    rb = NemoAsyncReplayBuffer(c["max_size"], c["drop"], buffer=RingBuffer(24), chunk_bytes=512)
+    path = str(tmp_path / "replay_buffer.pt")
+    for step in c["trace"]:
+        name, *args = step["op"]
+        if name == "add":
+            group = {"batch": {"id": [args[0]]}, "rollout_metrics": {}, "timestamp": 0.0}
+            if len(args) > 3:
+                group["_ng_task_index"] = args[3]
+            out: Any = rb.add(group, args[1], args[2])
+        elif name == "sample":
+            s = rb.sample(*args)
+            out = (
+                None
+                if s is None
+                else {
+                    "ids": [t["batch"]["id"][0] for t in s["trajectories"]],
+                    "avg_trajectory_age": s["avg_trajectory_age"],
+                }
+            )
+        elif name == "save":
+            out = rb.save_to_path(path)
+        elif name == "restore":
+            rb = NemoAsyncReplayBuffer(args[0], args[1], buffer=RingBuffer(24), chunk_bytes=512)
+            meta = rb.load_from_path(path, **args[2])
+            assert meta["next_ng_task_index"] == 17
+            out = None
+        else:
+            out = getattr(rb, name)(*args)
+            if isinstance(out, set):
+                out = sorted(out)
+        assert out == step["out"], (step["op"], out, step["out"])
+        assert rb.trajectory_versions == step["versions"], step["op"]
+        assert rb.target_weight_versions == step["targets"], step["op"]
+        ids = [decode_payload(p)["batch"]["id"][0] for p in rb.state_dict()["trajectories"]]
+        assert ids == step["ids"], step["op"]
+        assert rb.get_last_target_weight_already_generated() == step["last"], step["op"]
+
+
+def test_full_is_explicit_and_out_of_order_consumption_loses_no_rows() -> None:
+    ring = RingBuffer(6)
+    rb = NemoAsyncReplayBuffer(8, buffer=ring, chunk_bytes=1024)
+    size = int(encode_payload(collector_group(0)).numel())
+    k = -(-size // 1024)
+    assert k == 2  # three groups fill the ring
+    a = collector_group(0)
+    assert rb.add(a, 0, 5) == "success"  # meant for a late step: stays while others pass
+    fulls = 0
+    held = 1
+    for i in range(1, 12):
+        g = collector_group(i)
+        status = rb.add(g, 1, 2)
+        if status == "full":  # the ring has no room beside the live groups: nothing changed
+            fulls += 1
+            assert rb.size() == held
+            out = rb.sample(1, 2, 5)
+            assert out is not None
+            held -= 1
+            assert rb.add(g, 1, 2) == "success"
+        held += 1
+    assert fulls == 9  # 34 items written through a 6-item ring
+    assert ring.write_count == 34
+    out = rb.sample(1, 5, 5)
+    assert out is not None
+    same(out["trajectories"][0], a)  # written long ago, moved past by the ring, intact
+
+
+def test_checkpoint_is_atomic_and_loads_weights_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rb = NemoAsyncReplayBuffer(4, buffer=RingBuffer(64), chunk_bytes=256)
+    g = collector_group(1, task=7)
+    rb.add(g, 0, 1)
+    path = str(tmp_path / "replay_buffer.pt")
+    assert rb.save_to_path(path) == 1
+    assert os.listdir(tmp_path) == ["replay_buffer.pt"]
+    before = Path(path).read_bytes()
+
+    def boom(*a: Any, **k: Any) -> None:
+        raise OSError("disk full")
+
+    rb.add(collector_group(2), 0, 1)
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError, match="disk full"):
+        rb.save_to_path(path)
+    monkeypatch.undo()
+    assert Path(path).read_bytes() == before  # the old checkpoint, whole
+    assert os.listdir(tmp_path) == ["replay_buffer.pt"]  # no temporary left
+    torch.load(path, weights_only=True)  # plain tensors, lists and ints only
+    fresh = NemoAsyncReplayBuffer(4)
+    assert fresh.load_from_path(path) == {"num_trajectories": 1, "next_ng_task_index": 8}
+    out = fresh.sample(1, 1, 1)
+    assert out is not None
+    same(out["trajectories"][0], g)
+
+
+def test_refuses_what_it_cannot_encode_and_malformed_states() -> None:
+    rb = NemoAsyncReplayBuffer(2)
+    with pytest.raises(PayloadError, match=r"trajectory\['batch'\]\['f'\]"):
+        rb.add({"batch": {"f": object()}}, 0, 0)
+    assert rb.size() == 0
+    with pytest.raises(ValueError, match="missing required keys"):
+        rb.load_state_dict({"trajectories": []})
+    with pytest.raises(ValueError, match="inconsistent"):
+        rb.load_state_dict(
+            {
+                "trajectories": [encode_payload({})],
+                "trajectory_versions": [],
+                "target_weight_versions": [],
+                "last_target_weight_already_generated": -1,
+            }
+        )
+    with pytest.raises(PayloadError):
+        decode_payload(torch.zeros(20, dtype=torch.uint8))
