@@ -9,7 +9,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict
 
 from posttrain.adapters._hf import word_level_tokenizer
-from posttrain.adapters.trl import hf_reward_model, trl_reward, trl_reward_func
+from posttrain.adapters.trl import RewardModule, hf_reward_model, trl_reward, trl_reward_func
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.testing import tiny_causal_lm, tiny_reward_model
 
@@ -166,8 +166,24 @@ def test_contract_reward_as_trl_reward_func_both_ways_agree() -> None:
     rm = trl_reward_func(hf_reward_model(tiny_reward_model()), tok)
     scores = rm(prompts=prompts, completions=completions, completion_ids=completion_ids)
     assert scores[0] == pytest.approx(_alone(tiny_reward_model(), [5, 6, 7, 8, 9]), abs=1e-5)
-    with pytest.raises(TypeError, match="conversational prompts need a `prompt_ids` column"):
-        rm(prompts=[[{"role": "user", "content": "hi"}]], completions=["x"], completion_ids=[[7]])
+    # Conversational prompts: TRL's chat-template call (a generation prompt, here "t3").
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}t3{% endif %}"
+    )
+    seen: list[list[int]] = []
+
+    def record(td: Any) -> torch.Tensor:
+        seen.extend(x.get(K("tokens")).tolist() for x in td.tensordicts)
+        return torch.zeros(td.batch_size)
+
+    chat = trl_reward_func(RewardModule(record), tok)
+    chat(
+        prompts=[[{"role": "user", "content": "t5 t6"}]],
+        completions=[[{"role": "assistant", "content": "t7"}]],
+        completion_ids=[[7]],
+    )
+    assert seen == [[5, 6, 3, 7]]
 
 
 def test_reward_model_without_a_pad_id_and_encoders() -> None:
@@ -207,3 +223,74 @@ def test_trl_reward_refuses_multi_turn_items_and_decodes_like_trl() -> None:
     asst[1] = True  # [F, T, F, T]: two spans
     with pytest.raises(ValueError, match="item 0: the assistant mask is not one span"):
         trl_reward(record, _tokenizer())(td)
+
+
+async def verifiable(
+    prompts: list[str],
+    completions: list[str],
+    completion_ids: list[list[int]],
+    trainer_state: Any,
+    log_extra: Any,
+    log_metric: Any,
+    solution: list[str],
+    **kwargs: Any,
+) -> list[float | None]:
+    """Written for TRL 1.16: async, reads trainer_state, logs a column and a metric."""
+    log_extra("solution", solution)
+    log_metric("step", float(trainer_state.global_step))
+    return [
+        float(s in c.split()) if c else None for c, s in zip(completions, solution, strict=True)
+    ]
+
+
+def test_a_trl_1_16_reward_function_runs_unchanged_sync_async_and_inside_an_event_loop() -> None:
+    import asyncio
+
+    from transformers import TrainerState
+
+    tok = word_level_tokenizer(tiny_causal_lm().config)
+    items = [_item([5, 6, 7, 8]), _item([5, 6, 9, 10])]  # completions "t7 t8" / "t9 t10"
+    td = LazyStackedTensorDict.lazy_stack([TensorDict(x, batch_size=[]) for x in items], 0)
+    state = TrainerState()
+    state.global_step = 3
+    rm = trl_reward(verifiable, tok, trainer_state=state, solution=["t8", "t3"])
+    assert rm.name == "verifiable"
+    assert rm(td).get(K("reward")).tolist() == [1.0, 0.0]
+    assert rm.extra_logs == {"solution": ["t8", "t3"]}
+    assert rm.logged_metrics == {"step": [3.0]}
+
+    async def inside_a_loop() -> list[float]:
+        out: list[float] = rm(td.clone()).get(K("reward")).tolist()
+        return out
+
+    assert asyncio.run(inside_a_loop()) == [1.0, 0.0]
+    seen: list[Any] = []
+
+    def chat(prompts: list[Any], completions: list[Any], **kw: Any) -> list[float]:
+        seen.append((prompts[0], completions[0]))
+        return [0.0] * len(prompts)
+
+    trl_reward(chat, tok, conversational=True)(td)
+    assert seen[0][1] == [{"role": "assistant", "content": "t7 t8"}]
+    assert seen[0][0][0]["role"] == "user"
+
+
+def test_reward_functions_get_distinct_names_and_hf_scoring_is_quiet(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    tok = word_level_tokenizer(tiny_causal_lm().config)
+    a = trl_reward_func(hf_reward_model(tiny_reward_model()), tok)
+    b = trl_reward_func(hf_reward_model(tiny_reward_model()), tok)
+    assert a.__name__ != b.__name__
+    assert a.__name__.startswith("LlamaForSequenceClassification")
+    assert trl_reward_func(hf_reward_model(tiny_reward_model()), tok, name="rm").__name__ == "rm"
+    rm = hf_reward_model(tiny_reward_model())
+    td = LazyStackedTensorDict.lazy_stack(
+        [TensorDict(_item([5, 6, 7, 8]), batch_size=[]), TensorDict(_item([5, 9]), batch_size=[])],
+        0,
+    )
+    capfd.readouterr()
+    for _ in range(2):
+        rm(td.clone())
+    out, err = capfd.readouterr()
+    assert "padding" not in out + err

@@ -8,14 +8,20 @@ A *contract reward* is a module ``td -> td`` that writes float32 per-sequence re
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
 import contextlib
+import functools
+import inspect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from posttrain._deps import optional_deps
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, key_str
 
 Score = Callable[[TensorDictBase], torch.Tensor]
@@ -74,7 +80,8 @@ class RewardModule(torch.nn.Module):
     """A contract reward from a scoring function ``td -> float rewards of shape td.batch_size``.
 
     Checks the shape, casts to float32, writes the layout's reward key in place, returns ``td``.
-    A failing score writes nothing.
+    A failing score writes nothing. ``name`` (default: the score function's name) is what
+    ``trl_reward_func`` reports to TRL's logs.
 
     Example:
         >>> from posttrain.testing import llm_batch
@@ -84,10 +91,17 @@ class RewardModule(torch.nn.Module):
         (torch.float32, torch.Size([2]))
     """
 
-    def __init__(self, score: Score, *, layout: Layout = LLM_LAYOUT_V1) -> None:
+    def __init__(
+        self, score: Score, *, layout: Layout = LLM_LAYOUT_V1, name: str | None = None
+    ) -> None:
         super().__init__()
         self.score = score
         self.layout = layout
+        self.name = name or getattr(score, "__name__", type(score).__name__)
+        # What a TRL reward function run through ``trl_reward`` logged (``log_extra``: a
+        # column per name; ``log_metric``: the values of each call).
+        self.extra_logs: dict[str, list[Any]] = {}
+        self.logged_metrics: dict[str, list[float]] = {}
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         """Score ``td`` and write the rewards at the layout's reward key."""
@@ -153,7 +167,11 @@ def hf_reward_model(
             ids[i, width - t.numel() :] = t
             mask[i, width - t.numel() :] = 1
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        with torch.set_grad_enabled(grad and torch.is_grad_enabled()), _some_pad_id(model):
+        with (
+            torch.set_grad_enabled(grad and torch.is_grad_enabled()),
+            _some_pad_id(model),
+            _quiet(model),
+        ):
             embeds = model.get_input_embeddings()(ids)
             out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions)
         scores = getattr(out, "logits", None)
@@ -172,7 +190,31 @@ def hf_reward_model(
             )
         return scores.float().reshape(shape)
 
-    return RewardModule(score, layout=layout)
+    return RewardModule(score, layout=layout, name=_model_name(model))
+
+
+def _model_name(model: Any) -> str:
+    # As TRL names a model reward function: the last part of its name or path.
+    path = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    return path.rstrip("/").split("/")[-1] or type(model).__name__
+
+
+@contextlib.contextmanager
+def _quiet(model: Any) -> Iterator[None]:
+    # Fed embeddings, HF classifiers warn that they "will not detect padding tokens": this
+    # adapter left-packs and reads the last position itself, so the warning says nothing here.
+    import logging
+
+    names = {"transformers.modeling_layers", type(model).__module__}
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 _ENCODERS = frozenset(
@@ -197,31 +239,49 @@ def _some_pad_id(model: Any) -> Iterator[None]:
         text.pad_token_id = None
 
 
-TRLRewardFunc = Callable[..., Sequence[float | None]]
+TRLRewardFunc = Callable[
+    ..., Sequence[float | None] | Awaitable[Sequence[float | None]]
+]  # TRL 1.16 takes both
 
 
 def trl_reward(
-    func: TRLRewardFunc, tokenizer: Any, *, layout: Layout = LLM_LAYOUT_V1, **kwargs: Any
+    func: TRLRewardFunc,
+    tokenizer: Any,
+    *,
+    layout: Layout = LLM_LAYOUT_V1,
+    conversational: bool = False,
+    trainer_state: Any = None,
+    **kwargs: Any,
 ) -> RewardModule:
-    """A TRL reward function ``f(prompts, completions, completion_ids, **kw)`` as a contract reward.
+    """A TRL reward function as a contract reward: TRL 1.16's reward-function protocol, whole.
 
-    The prompt is the real tokens before the assistant span and the completion the span
-    (one span per item: multi-turn items are refused), decoded with ``tokenizer`` as
-    GRPOTrainer does (completions without special tokens); ``None`` rewards become NaN
-    (TRL's "unscored"). Extra ``kwargs`` are passed on, plus ``prompt_ids``.
+    The function is called as GRPOTrainer calls it: ``f(prompts=, completions=,
+    completion_ids=, prompt_ids=, trainer_state=, log_extra=, log_metric=, **kwargs)``, sync
+    or ``async`` (awaited here; in a worker thread when an event loop already runs). The
+    prompt is the real tokens before the assistant span and the completion the span (one
+    span per item: multi-turn items are refused), decoded with ``tokenizer`` as GRPOTrainer
+    does (completions without special tokens). ``conversational=True`` hands them as TRL's
+    conversational format: ``[{"role": "user", "content": prompt}]`` and
+    ``[{"role": "assistant", "content": completion}]``. ``trainer_state`` defaults to a fresh
+    ``transformers.TrainerState`` (step 0); what the function logs lands in the module's
+    ``extra_logs`` / ``logged_metrics``. ``None`` rewards become NaN (TRL's "unscored").
+    Extra ``kwargs`` (dataset columns, one value per item) are passed on.
 
     Example:
         >>> from posttrain.testing import llm_batch
         >>> from posttrain.testing import tiny_causal_lm
         >>> from posttrain.adapters._hf import word_level_tokenizer
-        >>> def n_tokens(prompts, completions, completion_ids, **kw):
+        >>> async def n_tokens(completion_ids, trainer_state, log_metric, **kw):
+        ...     log_metric("step", float(trainer_state.global_step))
         ...     return [float(len(c)) for c in completion_ids]
         >>> rm = trl_reward(n_tokens, word_level_tokenizer(tiny_causal_lm().config))
         >>> td = rm(llm_batch(2, 6, vocab_size=64))
         >>> td["next", "reward"].tolist() == td["masks", "all_assistant_mask"].sum(-1).float().tolist()
         True
+        >>> rm.name, rm.logged_metrics
+        ('n_tokens', {'step': [0.0]})
     """
-    name = getattr(func, "__name__", type(func).__name__)
+    name = _callable_name(func)
 
     def score(td: TensorDictBase) -> torch.Tensor:
         shape, toks, assts = sequences(td, layout)
@@ -236,14 +296,29 @@ def trl_reward(
                 )
             prompt_ids.append(t[:first].tolist())
             completion_ids.append(t[first : first + span.numel()].tolist())
+        prompts: list[Any] = tokenizer.batch_decode(prompt_ids)
+        # As GRPOTrainer decodes completions for its reward functions.
+        completions: list[Any] = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        if conversational:
+            prompts = [[{"role": "user", "content": p}] for p in prompts]
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        state = trainer_state if trainer_state is not None else _fresh_state()
         out = func(
-            prompts=tokenizer.batch_decode(prompt_ids),
-            # As GRPOTrainer decodes completions for its reward functions.
-            completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            prompts=prompts,
+            completions=completions,
             completion_ids=completion_ids,
             prompt_ids=prompt_ids,
+            trainer_state=state,
+            log_extra=lambda column, values: module.extra_logs.setdefault(column, []).extend(
+                values
+            ),
+            log_metric=lambda metric, value: module.logged_metrics.setdefault(metric, []).append(
+                float(value)
+            ),
             **kwargs,
         )
+        if inspect.isawaitable(out):
+            out = _await(out)
         values = list(out)
         if len(values) != len(toks):
             raise ValueError(
@@ -253,7 +328,36 @@ def trl_reward(
             [math.nan if v is None else float(v) for v in values], dtype=torch.float32
         ).reshape(shape)
 
-    return RewardModule(score, layout=layout)
+    module = RewardModule(score, layout=layout, name=name)
+    return module
+
+
+def _callable_name(func: Any) -> str:
+    # TRL's get_callable_name: partials unwrapped, instances by their class.
+    while isinstance(func, functools.partial):
+        func = func.func
+    return str(getattr(func, "__name__", type(func).__name__))
+
+
+def _fresh_state() -> Any:
+    with optional_deps():
+        from transformers import TrainerState
+    return TrainerState()
+
+
+def _await(awaitable: Any) -> Any:
+    """The result of ``awaitable``, run to completion from synchronous code."""
+
+    async def wait() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    # A loop already runs in this thread (a notebook, an async caller): run it beside it.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, wait()).result()
 
 
 def trl_reward_func(
@@ -268,7 +372,11 @@ def trl_reward_func(
     Each (prompt, completion) pair becomes one item of a ragged LLM-layout batch: prompt ids
     from TRL's ``prompt_ids`` column when the trainer passes one (a ``rollout_func`` or a
     dataset column), else the prompt text tokenized without special tokens; the assistant
-    mask covers ``completion_ids``. Conversational prompts need ``prompt_ids``.
+    mask covers ``completion_ids``. Conversational prompts (lists of messages) go through the
+    tokenizer's chat template with a generation prompt, as GRPOTrainer tokenizes them. TRL's
+    other keyword arguments (``trainer_state``, ``log_extra``, columns) are accepted and
+    ignored. The name TRL logs is ``name``, else the reward's ``name`` (``hf_reward_model``:
+    the model's name), made unique in this process: two reward models never share a column.
 
     Example:
         >>> from posttrain.testing import tiny_causal_lm
@@ -285,12 +393,17 @@ def trl_reward_func(
     ) -> list[float | None]:
         prompt_ids = kw.get("prompt_ids")
         if prompt_ids is None:
-            if not all(isinstance(p, str) for p in prompts):
-                raise TypeError(
-                    "prompts: conversational prompts need a `prompt_ids` column (token ids); "
-                    f"found {type(prompts[0]).__name__}"
-                )
-            prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+            if all(isinstance(p, str) for p in prompts):
+                prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+            else:  # conversational: TRL's own call (chat template, generation prompt)
+                prompt_ids = [
+                    list(
+                        tokenizer.apply_chat_template(
+                            p, add_generation_prompt=True, tokenize=True, return_dict=True
+                        )["input_ids"]
+                    )
+                    for p in prompts
+                ]
         items = []
         for p, c in zip(prompt_ids, completion_ids, strict=True):
             n, m = len(p), len(c)
@@ -310,5 +423,15 @@ def trl_reward_func(
         values: list[float | None] = out.get(layout.key("reward")).tolist()
         return values
 
-    func.__name__ = str(name or getattr(reward, "__name__", type(reward).__name__))
+    func.__name__ = name or _unique(getattr(reward, "name", None) or _callable_name(reward))
     return func
+
+
+_NAMES: collections.Counter[str] = collections.Counter()
+
+
+def _unique(name: str) -> str:
+    # TRL logs each reward function under its name: two reward models both called
+    # "RewardModule" would write one column. A name handed out before gets a suffix.
+    _NAMES[name] += 1
+    return name if _NAMES[name] == 1 else f"{name}_{_NAMES[name]}"
