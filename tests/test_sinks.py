@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +24,8 @@ def test_wandb_sink_conforms() -> None:
         "MET-005": Status.NOT_APPLICABLE,  # W&B writes its .wandb log on its own schedule
         "MET-006": Status.NOT_APPLICABLE,  # one run per process (offline W&B has no shared run)
         "MET-007": Status.PASS,  # no step: the name's next step, not W&B's or MLflow's 0
+        "MET-008": Status.PASS,  # wandb.Histogram over exactly [min, max]
+        "MET-009": Status.PASS,  # wandb.Table, read back from the run's table file
     }
 
 
@@ -31,6 +35,8 @@ def test_mlflow_sink_conforms_but_clips_infinities() -> None:
     assert status["MET-001"] is status["MET-002"] is status["MET-003"] is Status.PASS
     assert status["MET-007"] is Status.PASS  # MLflow itself would store a missing step as 0
     assert status["MET-004"] is Status.FAIL  # SHOULD: MLflow stores +-inf as +-1.797e308
+    # No histogram or sample table in MLflow's metric store: neither capability is declared.
+    assert status["MET-008"] is status["MET-009"] is Status.NOT_APPLICABLE
     assert rep.ok  # a SHOULD failure does not fail the run
     assert rep.surprises() == []  # declared: known_failures={"MET-004"}
 
@@ -175,3 +181,110 @@ def test_met002_names_at_the_bound_are_mlflows_limit(tmp_path: Path) -> None:
     sink.log_scalar(LONG_NAMES[0], 1.0, step=0)
     sink.close()
     assert read_mlflow(tmp_path) == {LONG_NAMES[0]: [(0, 1.0)]}
+
+
+def test_tensorboard_sink_conforms_with_histograms() -> None:
+    from posttrain.observability.implementations import TENSORBOARD_SINK
+
+    status = {r.id: r.status for r in run(TENSORBOARD_SINK).results}
+    assert status == {
+        **{f"MET-00{i}": Status.PASS for i in (1, 2, 3, 4, 5, 7, 8)},
+        "MET-006": Status.NOT_APPLICABLE,
+        "MET-009": Status.NOT_APPLICABLE,  # TensorBoard has text, not tables of rows
+    }
+
+
+def _batch_with_nan_outside_mask() -> Any:
+    from posttrain.contracts.layout import LLM_LAYOUT_V1
+    from posttrain.testing import llm_batch
+
+    k = LLM_LAYOUT_V1.key
+    td = llm_batch(4, 8)
+    asst = td.get(k("assistant_mask")) & td.get(k("attention_mask"))
+    adv = torch.where(asst, torch.arange(4.0)[:, None], torch.nan)  # TorchRL writes NaN there
+    td.set(k("advantage"), adv)
+    td.set(k("reward"), torch.tensor([1.0, float("nan"), 0.5, 2.0]))
+    return td
+
+
+def test_distributions_read_back_from_jsonl_tensorboard_and_wandb(tmp_path: Path) -> None:
+    from posttrain.observability.distributions import log_distributions, rollout_distributions
+    from posttrain.observability.sinks import (
+        TensorboardSink,
+        read_tensorboard_histograms,
+        read_wandb_histograms,
+    )
+    from posttrain.reference_impls.jsonl_sink import read_jsonl_histograms
+
+    td = _batch_with_nan_outside_mask()
+    want = rollout_distributions(td)
+    assert want["rollout/advantage"] == [0.0, 1.0, 2.0, 3.0]  # NaN outside the mask unread
+    assert want["rollout/reward"] == [1.0, 0.5, 2.0]  # a NaN reward is no value
+    sinks: dict[str, tuple[Any, Any]] = {
+        "jsonl": (JsonlSink(tmp_path / "j"), read_jsonl_histograms),
+        "tb": (TensorboardSink(tmp_path / "t"), read_tensorboard_histograms),
+        "wandb": (WandbSink(tmp_path / "w"), read_wandb_histograms),
+    }
+    for sink, _reader in sinks.values():
+        assert log_distributions(sink, td, step=7) == {n: len(v) for n, v in want.items()}
+        sink.close()
+    for key, (_sink, reader) in sinks.items():
+        got = reader(tmp_path / key[0])
+        for name, values in want.items():
+            ((step, h),) = got[name]
+            assert (step, h["count"], h["min"], h["max"]) == (
+                7,
+                len(values),
+                min(values),
+                max(values),
+            ), key
+
+
+def test_mlflow_has_no_histograms_and_says_so_tee_sends_them_where_they_fit(tmp_path: Path) -> None:
+    from posttrain.observability.distributions import log_completion_samples, log_distributions
+    from posttrain.observability.sinks import MlflowSink, Tee
+    from posttrain.reference_impls.jsonl_sink import read_jsonl_histograms, read_jsonl_samples
+
+    td = _batch_with_nan_outside_mask()
+    mlflow = MlflowSink(tmp_path / "m")
+    with pytest.raises(
+        TypeError, match=r"MlflowSink has no log_histogram: .*MLflow has no histogram type"
+    ):
+        log_distributions(mlflow, td, step=1)
+    with pytest.raises(TypeError, match="MlflowSink has no log_samples"):
+        log_completion_samples(mlflow, ["p"], ["c"], [1.0], step=1)
+    with pytest.raises(TypeError, match=r"Tee: none of its sinks \(MlflowSink\) has log_histogram"):
+        Tee(mlflow).log_histogram("rollout/reward", [1.0], step=1)
+    tee = Tee(mlflow, JsonlSink(tmp_path / "j"))
+    log_distributions(tee, td, step=2)
+    assert (
+        log_completion_samples(
+            tee, ["a", "b", "c"], ["x", "y", "z"], torch.tensor([1.0, 0.0, 0.5]), 2, k=2
+        )
+        == 2
+    )
+    tee.close()
+    assert read_jsonl_histograms(tmp_path / "j")["rollout/reward"][0][1]["values"] == [
+        1.0,
+        0.5,
+        2.0,
+    ]
+    assert read_jsonl_samples(tmp_path / "j") == {
+        "samples": [(2, [("a", "x", 1.0), ("b", "y", 0.0)])]
+    }
+    with pytest.raises(ValueError, match="expected as many prompts, completions and rewards"):
+        log_completion_samples(tee, ["a"], ["x", "y"], [1.0], 3)
+
+
+def test_samples_read_back_from_wandb_next_to_scalars(tmp_path: Path) -> None:
+    from posttrain.observability.sinks import read_wandb_samples
+
+    sink = WandbSink(tmp_path)
+    sink.log_scalar("rollout/reward/mean", 0.5, step=1)
+    sink.log_samples("samples", [("p\n", " c ", float("nan"))], step=1)
+    sink.log_histogram("rollout/reward", [0.5, 0.5], step=1)
+    sink.close()
+    assert read_wandb(tmp_path) == {"rollout/reward/mean": [(1, 0.5)]}  # media are no scalars
+    ((step, rows),) = read_wandb_samples(tmp_path)["samples"]
+    assert (step, rows[0][:2]) == (1, ("p\n", " c "))
+    assert math.isnan(rows[0][2])

@@ -1,9 +1,12 @@
-"""Contract ``metrics`` v1: a sink for scalar metrics (TorchRL's ``Logger.log_scalar``)."""
+"""Contract ``metrics`` v1: a sink for scalar metrics (TorchRL's ``Logger.log_scalar``), and
+optionally for distributions (``log_histogram``) and completion samples (``log_samples``)."""
 
 from __future__ import annotations
 
+import math
 import re
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from posttrain._args import as_count
@@ -100,6 +103,112 @@ def metric_point(
     return name, v, s
 
 
+def histogram_values(name: str, values: Any) -> list[float]:
+    """``log_histogram``'s values checked: a non-empty flat list of finite floats.
+
+    Accepts a sequence of numbers, a tensor or an array of any shape (flattened). A NaN or an
+    infinity is refused rather than binned or dropped (MET-008): no backend bins it faithfully
+    (NumPy's autodetected range raises, TensorBoard's counts go wrong), and dropping it would
+    change the count the reader sees. Filter what is not a value first
+    (``posttrain.observability.distributions`` does, for NaN rewards).
+
+    Example:
+        >>> histogram_values("rollout/reward", [1, 0.5])
+        [1.0, 0.5]
+        >>> histogram_values("rollout/reward", [1.0, float("nan")])
+        Traceback (most recent call last):
+        ...
+        ValueError: histogram 'rollout/reward': expected finite values, found 1 non-finite of 2 (nan)
+    """
+    if not isinstance(name, str) or not METRIC_NAME.match(name):
+        raise ValueError(
+            f"histogram name: expected a match of {METRIC_NAME.pattern}, found {name!r}"
+        )
+    flat = values.reshape(-1).tolist() if hasattr(values, "reshape") else list(values)
+    try:
+        out = [float(v) for v in flat]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"histogram {name!r}: expected numbers, found {flat[:5]!r:.80}") from e
+    if not out:
+        raise ValueError(f"histogram {name!r}: expected at least one value, found none")
+    bad = [v for v in out if not math.isfinite(v)]
+    if bad:
+        raise ValueError(
+            f"histogram {name!r}: expected finite values, found {len(bad)} non-finite of "
+            f"{len(out)} ({', '.join(map(repr, bad[:3]))})"
+        )
+    return out
+
+
+SAMPLE_COLUMNS = ("prompt", "completion", "reward")
+"""The columns of a completion sample table, in order."""
+
+
+def sample_rows(name: str, rows: Any) -> list[tuple[str, str, float]]:
+    """``log_samples``'s rows checked: ``(prompt, completion, reward)`` triples.
+
+    A row is a mapping with keys :data:`SAMPLE_COLUMNS` or a 3-sequence; texts must be ``str``
+    (kept exactly: newlines, spaces, non-ASCII), the reward one real number (NaN kept).
+
+    Example:
+        >>> sample_rows("samples", [{"prompt": "2+2=", "completion": " 4", "reward": 1}])
+        [('2+2=', ' 4', 1.0)]
+        >>> sample_rows("samples", [("2+2=", 4, 1.0)])
+        Traceback (most recent call last):
+        ...
+        ValueError: samples 'samples': row 0 expected (prompt: str, completion: str, reward: number), found ('2+2=', 4, 1.0)
+    """
+    if not isinstance(name, str) or not METRIC_NAME.match(name):
+        raise ValueError(f"samples name: expected a match of {METRIC_NAME.pattern}, found {name!r}")
+    out = []
+    for i, row in enumerate(rows):
+        cells = tuple(row[c] for c in SAMPLE_COLUMNS) if isinstance(row, Mapping) else row
+        ok = (
+            isinstance(cells, Sequence)
+            and len(cells) == 3
+            and isinstance(cells[0], str)
+            and isinstance(cells[1], str)
+            and not isinstance(cells[2], str | bytes | bool)
+        )
+        try:
+            reward = float(cells[2]) if ok else math.nan
+        except (TypeError, ValueError, RuntimeError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"samples {name!r}: row {i} expected (prompt: str, completion: str, reward: "
+                f"number), found {row!r:.200}"
+            )
+        out.append((cells[0], cells[1], reward))
+    return out
+
+
+class HistogramSinkV1(Protocol):
+    """The ``histogram`` capability: a sink that also stores distributions.
+
+    Example:
+        >>> def log_lengths(sink: HistogramSinkV1, step: int, lengths: list[int]) -> None:
+        ...     sink.log_histogram("rollout/response_len", lengths, step=step)
+    """
+
+    def log_histogram(self, name: str, values: Any, step: int) -> Any:
+        """Record the distribution of ``values`` (finite numbers) for ``name`` at ``step``."""
+        ...
+
+
+class SampleSinkV1(Protocol):
+    """The ``samples`` capability: a sink that also stores completion sample tables.
+
+    Example:
+        >>> def log_table(sink: SampleSinkV1, step: int) -> None:
+        ...     sink.log_samples("samples", [("2+2=", " 4", 1.0)], step=step)
+    """
+
+    def log_samples(self, name: str, rows: Any, step: int) -> Any:
+        """Record ``rows`` of ``(prompt, completion, reward)`` as ``name``'s table at ``step``."""
+        ...
+
+
 class MetricSinkV1(Protocol):
     """Where metrics go. TorchRL's loggers (``CSVLogger``, ``TensorboardLogger``) conform.
 
@@ -123,7 +232,7 @@ METRICS = Contract(
         "real backend (CSV, TensorBoard, MLflow, W&B, JSONL), from which they read back unchanged."
     ),
     protocol=MetricSinkV1,
-    version="1.2",
+    version="1.3",
     factory=(
         "factory(directory: pathlib.Path) -> MetricSinkV1  # and Implementation.extras['reader']"
         "(directory) -> {name: [(step, value), ...]}, reading through the backend's own reader"
@@ -131,6 +240,8 @@ METRICS = Contract(
     capabilities=(
         Capability(name="flush", text="`flush()` makes everything logged so far readable by the backend's own reader.", methods=("flush",)),
         Capability(name="cross_process", text="Several processes may log into one run."),
+        Capability(name="histogram", text="`log_histogram(name, values, step)` stores a distribution (TensorBoard histograms, `wandb.Histogram`); read back with `Implementation.extras['histogram_reader'](directory) -> {name: [(step, {'count', 'min', 'max'}), ...]}`.", methods=("log_histogram",)),
+        Capability(name="samples", text="`log_samples(name, rows, step)` stores a table of (prompt, completion, reward) rows (`wandb.Table`); read back with `Implementation.extras['samples_reader'](directory) -> {name: [(step, [(prompt, completion, reward), ...]), ...]}`.", methods=("log_samples",)),
     ),
     requirements=(
         Requirement(id="MET-001", level=_M, title="read back exactly", tightened=("1.1", "1.2"),
@@ -147,5 +258,9 @@ METRICS = Contract(
             text="Metrics logged from several processes into one run MUST all read back.", depends_on=("MET-001",)),
         Requirement(id="MET-007", level=_S, title="no step: the next step", since="1.1",
             text="A value logged without a step (`step=None`) SHOULD be recorded at the sink's next step for its name, one past the highest step logged for that name through the sink (0 for its first value), and read back there, not raise or fall back to step 0 (a SHOULD until v2: the 1.0 Protocol allowed `step=None` without saying what it means).", depends_on=("MET-001",)),
+        Requirement(id="MET-008", level=_M, title="distributions", capability="histogram", since="1.3",
+            text="`log_histogram(name, values, step)` with finite values MUST store one distribution per call that reads back at its step with the number of values, their minimum and their maximum (float32 rounding allowed), steps in any order, a sample whose values are all equal included; a NaN or infinite value MUST be refused with ValueError rather than binned or dropped.", depends_on=("MET-001",)),
+        Requirement(id="MET-009", level=_M, title="completion samples", capability="samples", since="1.3",
+            text="`log_samples(name, rows, step)` with rows of (prompt: str, completion: str, reward: float) MUST store one table per call that reads back at its step with every row in order, each text unchanged (newlines, leading and trailing spaces, non-ASCII, empty and 20,000-character texts) and each reward as logged (NaN kept); tables of one name at several steps are all kept.", depends_on=("MET-001",)),
     ),
 )  # fmt: skip

@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from posttrain._deps import optional_deps
-from posttrain.contracts.metrics import NextStep, metric_point
+from posttrain.contracts.metrics import (
+    SAMPLE_COLUMNS,
+    NextStep,
+    histogram_values,
+    metric_point,
+    sample_rows,
+)
 
 EXPERIMENT = "posttrain"
 
@@ -129,6 +135,86 @@ def read_mlflow(
     return out
 
 
+class TensorboardSink:
+    """``MetricSinkV1`` writing TensorBoard event files under ``directory``, histograms too.
+
+    Scalars through ``SummaryWriter.add_scalar`` (stored as float32), distributions through
+    ``add_histogram`` (TensorBoard keeps count, min, max, sum and the buckets). TorchRL's
+    ``TensorboardLogger`` is the same writer, but its ``log_histogram`` needs ``bins=`` (it
+    raises ``KeyError: 'bins'`` without) and its ``log_scalar`` puts a value without a step at
+    step 0 (MET-007). Needs tensorboard (``posttrain[observability]``).
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> sink = TensorboardSink(d)
+        >>> sink.log_scalar("loss/total", 0.5, step=1)
+        >>> sink.log_histogram("rollout/response_len", [3, 5, 5], step=1); sink.close()
+        >>> read_tensorboard_histograms(d)["rollout/response_len"][0][1]["count"]
+        3
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        with optional_deps():
+            from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory))
+        self._steps = NextStep()
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        """One value at ``step`` (None: one past ``name``'s highest step so far)."""
+        _, v, s = metric_point(name, value, step, steps=self._steps)
+        self.writer.add_scalar(name, v, global_step=s)
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        """The distribution of ``values`` (finite numbers) at ``step``."""
+        import numpy as np
+
+        vals = np.asarray(histogram_values(name, values), dtype=np.float64)
+        self.writer.add_histogram(name, vals, global_step=metric_point(name, 0.0, step)[2])
+
+    def flush(self) -> None:
+        """Write the pending events to the file."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self.writer.close()
+
+
+def read_tensorboard_histograms(
+    directory: str | os.PathLike[str],
+) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """Every histogram in the event files under ``directory``, through TensorBoard's own
+    ``EventAccumulator``: ``{name: [(step, {"count", "min", "max", "sum"}), ...]}``.
+
+    Example:
+        >>> import tempfile
+        >>> read_tensorboard_histograms(tempfile.mkdtemp())
+        {}
+    """
+    with optional_deps():
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for run in sorted({p.parent for p in Path(directory).rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(str(run), size_guidance={"histograms": 0})
+        acc.Reload()
+        for tag in acc.Tags()["histograms"]:
+            for e in acc.Histograms(tag):
+                h = e.histogram_value
+                summary = {
+                    "count": int(h.num),
+                    "min": float(h.min),
+                    "max": float(h.max),
+                    "sum": float(h.sum),
+                }
+                out.setdefault(tag, []).append((int(e.step), summary))
+    for vals in out.values():
+        vals.sort(key=lambda sv: sv[0])
+    return out
+
+
 WANDB_STEP = "posttrain:step"
 """The history column holding each row's step (a ':' keeps it apart from catalogue names)."""
 
@@ -211,7 +297,7 @@ class WandbSink:
             **init_kwargs,
         )
         self.run.define_metric("*", step_metric=WANDB_STEP)
-        self._row: dict[str, float] = {}
+        self._row: dict[str, Any] = {}
         self._closed = False
         self._steps = NextStep()
 
@@ -228,10 +314,44 @@ class WandbSink:
             )
         # After the name check: a refused call must not advance the name's next step.
         _, v, s = metric_point(name, value, step, steps=self._steps)
-        if self._row and (self._row[WANDB_STEP] != s or name in self._row):
+        self._put(name, v, s)
+
+    def _put(self, name: str, value: Any, step: int) -> None:
+        if self._row and (self._row[WANDB_STEP] != step or name in self._row):
             self._commit()
-        self._row[name] = v
-        self._row[WANDB_STEP] = s
+        self._row[name] = value
+        self._row[WANDB_STEP] = step
+
+    def _open(self, what: str, name: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"WandbSink: {what}({name!r}) after close(): the run is finished")
+
+    def log_histogram(self, name: str, values: Any, step: int, *, bins: int = 64) -> None:
+        """A ``wandb.Histogram`` of ``values`` (finite numbers) at ``step``, ``bins`` bins.
+
+        The bin edges span exactly [min, max] (a sample of one value v is one bin [v, v],
+        where ``wandb.Histogram(values)`` would make it [v - 0.5, v + 0.5]), so the reader
+        gets count, min and max back from the stored bins.
+        """
+        import numpy as np
+
+        self._open("log_histogram", name)
+        vals = np.asarray(histogram_values(name, values), dtype=np.float64)
+        s = metric_point(name, 0.0, step)[2]
+        lo, hi = float(vals.min()), float(vals.max())
+        if lo == hi:
+            counts, edges = np.array([vals.size]), np.array([lo, hi])
+        else:
+            counts, edges = np.histogram(vals, bins=bins, range=(lo, hi))
+        hist = _wandb().Histogram(np_histogram=(counts.tolist(), edges.tolist()))
+        self._put(name, hist, s)
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        """A ``wandb.Table`` of ``(prompt, completion, reward)`` rows at ``step``."""
+        self._open("log_samples", name)
+        data = [list(r) for r in sample_rows(name, rows)]
+        s = metric_point(name, 0.0, step)[2]
+        self._put(name, _wandb().Table(columns=list(SAMPLE_COLUMNS), data=data), s)
 
     def _commit(self) -> None:
         if self._row:
@@ -293,7 +413,8 @@ def read_wandb(
     for path in sorted(files):
         seen, placed = 0, 0
         for item in _history(path):
-            names = [k for k in item if not k.startswith("_")]
+            # Media (histograms, tables) flatten to "<name>.<field>": no catalogue name has a '.'.
+            names = [k for k in item if not k.startswith("_") and "." not in k]
             steps = {key_of(k) for k in names}
             for k in names:
                 if k in steps or k == key_of(k):
@@ -310,6 +431,75 @@ def read_wandb(
                 f"{path}: {seen} metric values but none at its step column (expected e.g. "
                 f"{key_of('x')!r}): a run written with another step convention"
             )
+    for vals in out.values():
+        vals.sort(key=lambda sv: sv[0])
+    return out
+
+
+def _wandb_media(
+    directory: str | os.PathLike[str], kind: str
+) -> list[tuple[Path, str, int, dict[str, Any]]]:
+    # (run directory, name, step, {field: value}) of every media value of ``kind`` under
+    # ``directory``, at WandbSink's step column.
+    out = []
+    files = {p.resolve() for p in Path(directory).glob("**/run-*.wandb")}
+    for path in sorted(files):
+        for item in _history(path):
+            step = item.get(WANDB_STEP)
+            for key, value in item.items():
+                name, dot, field = key.partition(".")
+                if dot and field == "_type" and value == kind and isinstance(step, int | float):
+                    fields = {
+                        f.partition(".")[2]: v for f, v in item.items() if f.startswith(name + ".")
+                    }
+                    out.append((path.parent, name, int(step), fields))
+    return out
+
+
+def read_wandb_histograms(
+    directory: str | os.PathLike[str],
+) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """Every ``wandb.Histogram`` a ``WandbSink`` logged under ``directory``, through W&B's own
+    reader: ``{name: [(step, {"count", "min", "max", "bins", "counts"}), ...]}``.
+
+    Example:
+        >>> import tempfile
+        >>> read_wandb_histograms(tempfile.mkdtemp())
+        {}
+    """
+    out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for _run, name, step, f in _wandb_media(directory, "histogram"):
+        edges, counts = [float(x) for x in f["bins"]], [int(x) for x in f["values"]]
+        summary = {
+            "count": sum(counts),
+            "min": edges[0],
+            "max": edges[-1],
+            "bins": edges,
+            "counts": counts,
+        }
+        out.setdefault(name, []).append((step, summary))
+    for vals in out.values():
+        vals.sort(key=lambda sv: sv[0])
+    return out
+
+
+def read_wandb_samples(
+    directory: str | os.PathLike[str],
+) -> dict[str, list[tuple[int, list[tuple[str, str, float]]]]]:
+    """Every sample table a ``WandbSink`` logged under ``directory``: the history row names
+    the table's file (``files/media/table/*.table.json``), read as W&B wrote it.
+
+    Example:
+        >>> import tempfile
+        >>> read_wandb_samples(tempfile.mkdtemp())
+        {}
+    """
+    out: dict[str, list[tuple[int, list[tuple[str, str, float]]]]] = {}
+    for run, name, step, f in _wandb_media(directory, "table-file"):
+        table = json.loads((run / "files" / str(f["path"])).read_text(encoding="utf-8"))
+        cols = [table["columns"].index(c) for c in SAMPLE_COLUMNS]
+        rows = [(str(r[cols[0]]), str(r[cols[1]]), float(r[cols[2]])) for r in table["data"]]
+        out.setdefault(name, []).append((step, rows))
     for vals in out.values():
         vals.sort(key=lambda sv: sv[0])
     return out
@@ -335,6 +525,22 @@ class Tee:
         """Log to every sink."""
         for s in self.sinks:
             s.log_scalar(name, value, step=step)
+
+    def _each(self, method: str, name: str, payload: Any, step: int) -> None:
+        fns = [getattr(s, method) for s in self.sinks if callable(getattr(s, method, None))]
+        if not fns:
+            kinds = ", ".join(type(s).__name__ for s in self.sinks)
+            raise TypeError(f"Tee: none of its sinks ({kinds}) has {method}({name!r}, ...)")
+        for fn in fns:
+            fn(name, payload, step=step)
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        """Log a distribution to every sink that has ``log_histogram`` (MLflow's has none)."""
+        self._each("log_histogram", name, values, step)
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        """Log a sample table to every sink that has ``log_samples``."""
+        self._each("log_samples", name, rows, step)
 
     def close(self) -> None:
         """Close (or flush) every sink that can be."""

@@ -11,7 +11,12 @@ from functools import partial
 from posttrain.contracts import Implementation
 from posttrain.reference_impls.generation_server import ThreadGenerationServer
 from posttrain.reference_impls.hf_rollout import HFRolloutSource
-from posttrain.reference_impls.jsonl_sink import JsonlSink, read_jsonl
+from posttrain.reference_impls.jsonl_sink import (
+    JsonlSink,
+    read_jsonl,
+    read_jsonl_histograms,
+    read_jsonl_samples,
+)
 from posttrain.reference_impls.pg_loss import PolicyGradientLoss
 from posttrain.reference_impls.ring_buffer import RingBuffer
 from posttrain.reference_impls.weight_sync import (
@@ -105,9 +110,13 @@ JSONL_SINK = Implementation(
     "metrics",
     JsonlSink,
     name="posttrain.JsonlSink",
-    capabilities={"flush", "cross_process"},
-    extras={"reader": read_jsonl},
-    description="Reference JSONL metrics sink, read back with read_jsonl.",
+    capabilities={"flush", "cross_process", "histogram", "samples"},
+    extras={
+        "reader": read_jsonl,
+        "histogram_reader": read_jsonl_histograms,
+        "samples_reader": read_jsonl_samples,
+    },
+    description="Reference JSONL metrics sink, read back with read_jsonl (histograms and samples in files of their own).",
 )
 """The reference metrics sink's declaration (entry point ``reference-metrics-jsonl``)."""
 

@@ -10,7 +10,13 @@ from typing import Any
 
 from posttrain.contracts import Implementation
 from posttrain.reference_impls import JsonlSink, read_jsonl
-from posttrain.reference_impls.jsonl_sink import FILE_NAME
+from posttrain.reference_impls.jsonl_sink import (
+    FILE_NAME,
+    HISTOGRAMS,
+    SAMPLES,
+    read_jsonl_histograms,
+    read_jsonl_samples,
+)
 
 __all__ = ["EXTRA_MUTANTS", "MUTANTS"]
 
@@ -201,10 +207,119 @@ class FlushesLastNameOnly(BuffersUntilClose):
             JsonlSink.flush(self)
 
 
-def _impl(req: str, cls: type[JsonlSink], reader: Any = read_jsonl, **kw: Any) -> Implementation:
+class BinsWithAutodetectedRange(JsonlSink):
+    """Keeps a distribution as 64 bins over NumPy's autodetected range, as
+    ``wandb.Histogram(values)`` does: a sample of one value v reads back as [v - 0.5, v + 0.5]."""
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        import numpy as np
+
+        counts, edges = np.histogram(np.asarray(values, dtype=np.float64), bins=64)
+        rec = {"name": name, "step": step, "counts": counts.tolist(), "edges": edges.tolist()}
+        self._append(HISTOGRAMS, rec)
+
+
+def read_binned(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """Count, min and max from the stored bins."""
+    out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    path = Path(directory) / HISTOGRAMS
+    for line in path.read_text().splitlines() if path.exists() else []:
+        r = json.loads(line)
+        summary = {"count": sum(r["counts"]), "min": r["edges"][0], "max": r["edges"][-1]}
+        out.setdefault(r["name"], []).append((r["step"], summary))
+    return out
+
+
+class HistogramDropsNonFinite(JsonlSink):
+    """Leaves NaN and infinities out of a distribution without a word: the count shrinks."""
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        super().log_histogram(name, [v for v in values if math.isfinite(v)], step)
+
+
+class HistogramLatestOnly(JsonlSink):
+    """One distribution per name (a run summary): a later call replaces the earlier steps'."""
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        path = self.path.parent / HISTOGRAMS
+        rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["name"] != name))
+        super().log_histogram(name, values, step)
+
+
+class TruncatesCompletions(JsonlSink):
+    """Texts cut to 1,000 characters (a table cell limit)."""
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        super().log_samples(name, [(p[:1000], c[:1000], r) for p, c, r in rows], step)
+
+
+class StripsTexts(JsonlSink):
+    """Texts stripped of leading and trailing whitespace (a tidy-up that changes them)."""
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        super().log_samples(name, [(p.strip(), c.strip(), r) for p, c, r in rows], step)
+
+
+class TableLatestOnly(JsonlSink):
+    """One table per name (W&B's ``latest`` alias read as the table): earlier steps' go."""
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        path = self.path.parent / SAMPLES
+        old = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        path.write_text("".join(json.dumps(r) + "\n" for r in old if r["name"] != name))
+        super().log_samples(name, rows, step)
+
+
+class RawUnicodeLines(JsonlSink):
+    """Writes tables with ``ensure_ascii=False`` ...: U+2028 lands in the file unescaped."""
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        rec = {"name": name, "step": step, "rows": [list(r) for r in rows]}
+        with (self.path.parent / SAMPLES).open("a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def read_samples_splitlines(
+    directory: str | os.PathLike[str],
+) -> dict[str, list[tuple[int, list[tuple[str, str, float]]]]]:
+    """... and reads them back with ``str.splitlines``, which also cuts at U+2028."""
+    out: dict[str, list[tuple[int, list[tuple[str, str, float]]]]] = {}
+    path = Path(directory) / SAMPLES
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a cut line: its table is lost
+        rows = [(p, c, float(x)) for p, c, x in r["rows"]]
+        out.setdefault(r["name"], []).append((r["step"], rows))
+    return out
+
+
+class DropsNanRewardRows(JsonlSink):
+    """Rows whose reward is NaN (a failed reward call) are left out of the table."""
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        super().log_samples(name, [r for r in rows if not math.isnan(float(r[2]))], step)
+
+
+def _impl(
+    req: str,
+    cls: type[JsonlSink],
+    reader: Any = read_jsonl,
+    *,
+    histogram_reader: Any = read_jsonl_histograms,
+    samples_reader: Any = read_jsonl_samples,
+    **kw: Any,
+) -> Implementation:
     kw.setdefault("capabilities", {"flush"})
     name = f"mutant-{req}-{cls.__name__}"
-    return Implementation("metrics", cls, name=name, extras={"reader": reader}, **kw)
+    extras = {
+        "reader": reader,
+        "histogram_reader": histogram_reader,
+        "samples_reader": samples_reader,
+    }
+    return Implementation("metrics", cls, name=name, extras=extras, **kw)
 
 
 MUTANTS: dict[str, Implementation] = {
@@ -215,6 +330,13 @@ MUTANTS: dict[str, Implementation] = {
     "MET-005": _impl("MET-005", BuffersUntilClose),
     "MET-006": _impl("MET-006", FilePerProcess, read_newest_file, capabilities={"cross_process"}),
     "MET-007": _impl("MET-007", NoStepAtZero),
+    "MET-008": _impl(
+        "MET-008",
+        BinsWithAutodetectedRange,
+        histogram_reader=read_binned,
+        capabilities={"histogram"},
+    ),
+    "MET-009": _impl("MET-009", TruncatesCompletions, capabilities={"samples"}),
 }
 """Requirement id -> a sink that breaks exactly that requirement."""
 
@@ -227,5 +349,19 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("MET-005", _impl("MET-005", FlushesLastNameOnly)),
     ("MET-007", _impl("MET-007", NoStepCrashes)),
     ("MET-007", _impl("MET-007", NoStepCountsValues)),
+    ("MET-008", _impl("MET-008", HistogramDropsNonFinite, capabilities={"histogram"})),
+    ("MET-008", _impl("MET-008", HistogramLatestOnly, capabilities={"histogram"})),
+    ("MET-009", _impl("MET-009", StripsTexts, capabilities={"samples"})),
+    ("MET-009", _impl("MET-009", TableLatestOnly, capabilities={"samples"})),
+    (
+        "MET-009",
+        _impl(
+            "MET-009",
+            RawUnicodeLines,
+            samples_reader=read_samples_splitlines,
+            capabilities={"samples"},
+        ),
+    ),
+    ("MET-009", _impl("MET-009", DropsNanRewardRows, capabilities={"samples"})),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""

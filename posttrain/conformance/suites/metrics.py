@@ -269,3 +269,148 @@ def no_step_is_the_next_step(ctx: Context) -> None:
                 f"{[w for n, _v, _s, w in _NO_STEP if n == name and w < want]}, expected at step "
                 f"{want}, read back {vals}"
             )
+
+
+def _extra_reader(ctx: Context, key: str, capability: str) -> Any:
+    reader = ctx.impl.extras.get(key)
+    if not callable(reader):
+        raise _fail(
+            f"the implementation declares {capability!r} but no reader: set "
+            f"Implementation.extras[{key!r}] to read(directory)"
+        )
+    return reader
+
+
+# (name, values, step): steps out of order, a constant sample (NumPy's autodetected range puts
+# a single value v in [v - 0.5, v + 0.5]), a single value, negatives and a wide sample whose
+# extremes a fixed or clipped bucket range would move.
+_HISTOGRAMS: list[tuple[str, list[float], int]] = [
+    ("rollout/response_len", [float(n) for n in (3, 17, 17, 64, 5, 9, 9, 9)], 4),
+    ("rollout/response_len", [12.0] * 6, 2),
+    ("rollout/reward", [0.25], 3),
+    ("rollout/advantage", [-1.5 + 0.03 * i for i in range(100)] + [1e6, -2e5], 3),
+]
+
+
+@requirement("MET-008")
+def distributions(ctx: Context) -> None:
+    reader = _extra_reader(ctx, "histogram_reader", "histogram")
+    with ctx.tmpdir() as d:
+        sink = ctx.make(d)
+        for name, values, step in _HISTOGRAMS:
+            try:
+                sink.log_histogram(name, list(values), step=step)
+            except Exception as e:
+                raise _fail(
+                    f"log_histogram({name!r}, <{len(values)} values>, step={step}) raised "
+                    f"{type(e).__name__}: {str(e)[:200]}; expected the distribution stored"
+                ) from None
+        refused = None
+        try:
+            sink.log_histogram("rollout/reward", [0.5, math.nan, 1.0], step=5)
+        except ValueError as e:
+            refused = e
+        except Exception as e:
+            raise _fail(
+                f"log_histogram('rollout/reward', [0.5, nan, 1.0], step=5) raised "
+                f"{type(e).__name__}, expected ValueError"
+            ) from None
+        _finish(sink)
+        got = dict(reader(d))
+    if refused is None:
+        raise _fail(
+            "log_histogram('rollout/reward', [0.5, nan, 1.0], step=5) was accepted; expected "
+            "ValueError (a NaN is neither a bin nor a value to drop silently)"
+        )
+    for name, values, step in _HISTOGRAMS:
+        want = (len(values), min(values), max(values))
+        found = [(s, h) for s, h in got.get(name, []) if s == step]
+        summary = [(int(h["count"]), float(h["min"]), float(h["max"])) for _s, h in found]
+        if not any(
+            c == want[0] and _close(lo, want[1]) and _close(hi, want[2]) for c, lo, hi in summary
+        ):
+            raise _fail(
+                f"log_histogram({name!r}, {len(values)} values in [{want[1]}, {want[2]}], "
+                f"step={step}): expected (count, min, max) = {want} at step {step}, read back "
+                f"{summary or 'nothing at that step'}"
+            )
+        if len(found) != sum(1 for n, _v, s in _HISTOGRAMS if (n, s) == (name, step)):
+            raise _fail(f"{name!r} at step {step}: one distribution logged, {len(found)} read back")
+    if any(s == 5 for s, _h in got.get("rollout/reward", [])):
+        raise _fail("a refused distribution (NaN among its values) was stored at step 5")
+
+
+_LONG_TEXT = "".join(f"line {i}: {'é' if i % 7 else '字'} " + "\n" * (i % 3) for i in range(1200))[
+    :20_000
+]
+_TABLES: list[tuple[str, list[tuple[str, str, float]], int]] = [
+    (
+        "samples",
+        [
+            ("What is 2+2?\n", " 4", 1.0),
+            ("  leading and trailing  ", "\n\nline\r\nbreaks\t ", -0.5),
+            ("", "", math.nan),
+            ("naïve → ünïcødé 字", "emoji 🙂 and \u2028 separators", 0.125),
+            ("long", _LONG_TEXT, 2.0),
+        ],
+        3,
+    ),
+    ("samples", [("second step", "kept too", 0.0)], 1),
+    ("samples/eval", [("other table", "same step", 3.5)], 3),
+]
+
+
+def _same_row(a: tuple[str, str, float], b: tuple[str, str, float]) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and _close(float(a[2]), float(b[2]))
+
+
+def _row_shown(row: Any) -> str:
+    return repr(tuple(x[:40] + "..." if isinstance(x, str) and len(x) > 40 else x for x in row))
+
+
+def _text_diff(want: tuple[str, str, float], found: tuple[str, str, float]) -> str:
+    for col, a, b in (("prompt", want[0], found[0]), ("completion", want[1], found[1])):
+        if a != b:
+            at = next(
+                (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)),
+            )
+            return f" ({col}: {len(a)} characters logged, {len(b)} read back, first difference at {at})"
+    return ""
+
+
+@requirement("MET-009")
+def completion_samples(ctx: Context) -> None:
+    reader = _extra_reader(ctx, "samples_reader", "samples")
+    with ctx.tmpdir() as d:
+        sink = ctx.make(d)
+        for name, rows, step in _TABLES:
+            try:
+                sink.log_samples(name, [list(r) for r in rows], step=step)
+            except Exception as e:
+                raise _fail(
+                    f"log_samples({name!r}, <{len(rows)} rows>, step={step}) raised "
+                    f"{type(e).__name__}: {str(e)[:200]}; expected the table stored"
+                ) from None
+        _finish(sink)
+        got = dict(reader(d))
+    for name, rows, step in _TABLES:
+        tables = [list(t) for s, t in got.get(name, []) if s == step]
+        if len(tables) != 1:
+            raise _fail(
+                f"log_samples({name!r}, step={step}): expected one table at step {step}, read "
+                f"back {len(tables)} (steps read back for {name!r}: "
+                f"{sorted(s for s, _t in got.get(name, []))})"
+            )
+        (table,) = tables
+        if len(table) != len(rows):
+            raise _fail(
+                f"log_samples({name!r}, step={step}) with {len(rows)} rows reads back {len(table)}"
+            )
+        for i, (want, found) in enumerate(zip(rows, table, strict=True)):
+            found = (found[0], found[1], float(found[2]))
+            if not _same_row(want, found):
+                raise _fail(
+                    f"log_samples({name!r}, step={step}): row {i} logged as {_row_shown(want)}, "
+                    f"read back {_row_shown(found)}{_text_diff(want, found)}"
+                )
