@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest report specs specs-check bench fuzz gpu-wheels torchrl-report clean
+.PHONY: install test lint typecheck pytest report specs specs-check bench fuzz gpu-wheels torchrl-report losses-report matrix clean
 
 install: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# verl's and OpenRLHF's loss code for their loss rows: --no-deps, since their own pins would
+	# replace torch, transformers and tensordict (and OpenRLHF's need flash_attn, no CPU build).
+	$(BIN)/python -m pip install -q omegaconf codetiming
+	$(BIN)/python -m pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -42,6 +46,17 @@ specs: $(STAMP)
 
 torchrl-report: $(STAMP)
 	RL_WARNINGS=0 $(BIN)/python scripts/publish_torchrl_report.py docs/reports
+
+# Every loss row of the field (reference, NeMo-RL, TorchRL, verl, TRL, OpenRLHF) through the
+# loss suite, with measured gradient weights: docs/reports/losses.md (a few minutes on 2 cores).
+losses-report: $(STAMP)
+	RL_WARNINGS=0 $(BIN)/python scripts/publish_losses_report.py docs/reports
+
+# The release matrix: one venv per TorchRL/TRL release (scripts/release_matrix.py's CELLS, or
+# CELLS="torchrl-0.12 trl-1.0"), built from the registry under /tmp/posttrain-matrix; writes
+# docs/reports/compatibility.md. About 1-2 min of install and 2-15 min of runs per cell on 2 cores.
+matrix: $(STAMP)
+	$(BIN)/python scripts/release_matrix.py $(if $(CELLS),--cells $(CELLS))
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q -p no:randomly --benchmark-only $(BENCH_ARGS)

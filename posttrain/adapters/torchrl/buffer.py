@@ -150,7 +150,7 @@ class ValidatedReplayBuffer:
         does): a snapshot would change with every later write (BUF-014).
         """
         return {
-            "rb": _copied(self.rb.state_dict()),
+            "rb": _copied(_rb_state(self.rb)),
             "schema": None if self._schema is None else self._schema.to_state(),
         }
 
@@ -170,6 +170,7 @@ class ValidatedReplayBuffer:
             before = _copied(self.rb.state_dict())
             try:
                 self.rb.load_state_dict(rb_state)
+                _restore_write_count(self.rb, rb_state)
             except Exception as e:
                 self.rb.load_state_dict(before)
                 raise ValueError(
@@ -210,7 +211,7 @@ class ValidatedReplayBuffer:
         """
         with self._lock:
             state = {
-                "rb": _plain(self.rb.state_dict()),
+                "rb": _plain(_rb_state(self.rb)),
                 "schema": None if self._schema is None else self._schema.to_state(),
             }
             save_state(path, _STATE_FILE, state)
@@ -389,6 +390,34 @@ def _keeps_references(rb: Any) -> bool:
     except Exception:  # a served buffer's storage lives elsewhere: what it gets is a copy
         return False
     return isinstance(storage, ListStorage)
+
+
+def _rb_state(rb: Any) -> dict[str, Any]:
+    """``rb.state_dict()`` with the writer's write count in it.
+
+    Per-release branch for TorchRL 0.13 (and older): its ``RoundRobinWriter.state_dict()``
+    holds only ``_cursor`` (0.14 added ``_write_count``), and a length check needs the count,
+    so it is read from the live writer; :func:`_restore_write_count` puts it back on load.
+    """
+    state: dict[str, Any] = rb.state_dict()
+    writer, w = state.get("_writer"), getattr(rb, "_writer", None)
+    if isinstance(writer, dict) and "_cursor" in writer and "_write_count" not in writer:
+        count = getattr(w, "_write_count", None)
+        if isinstance(count, int):
+            state["_writer"] = {**writer, "_write_count": count}
+    return state
+
+
+def _restore_write_count(rb: Any, state: Mapping[str, Any]) -> None:
+    """After TorchRL 0.13's ``load_state_dict`` (which restores only ``_cursor``), the count."""
+    w, saved = getattr(rb, "_writer", None), state.get("_writer")
+    if (
+        w is not None
+        and isinstance(saved, Mapping)
+        and "_write_count" in saved
+        and "_write_count" not in w.state_dict()
+    ):
+        w._write_count = saved["_write_count"]
 
 
 def _copied(state: Any) -> Any:
