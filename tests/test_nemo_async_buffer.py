@@ -214,3 +214,36 @@ def test_refuses_what_it_cannot_encode_and_malformed_states() -> None:
         )
     with pytest.raises(PayloadError):
         decode_payload(torch.zeros(20, dtype=torch.uint8))
+
+
+def test_runs_as_a_ray_actor_called_as_nemo_rl_calls_it(tmp_path: Path) -> None:
+    """``replay_buffer.add.remote`` / ``ray.get(...sample.remote(...))`` as grpo.py does."""
+    from posttrain.adapters._ray import ensure_cluster
+    from posttrain.adapters.nemo_rl.async_buffer import nemo_replay_buffer_actor
+
+    ray = ensure_cluster()
+    try:
+        rb = nemo_replay_buffer_actor(
+            4, False, buffer_factory=RingBuffer, buffer_args=(64,), chunk_bytes=256
+        )
+        g = collector_group(3, task=5)
+        assert ray.get(rb.add.remote(g, 0, 1)) == "success"
+        assert ray.get(rb.size.remote()) == 1
+        assert ray.get(rb.has_complete_batch.remote(1, 1, 1)) is True
+        assert ray.get(rb.get_trajectories_needed.remote(2, 1, 1)) == 1
+        path = str(tmp_path / "replay_buffer.pt")
+        assert ray.get(rb.save_to_path.remote(path)) == 1
+        out = ray.get(
+            rb.sample.remote(num_prompt_groups=1, current_weight_version=1, max_age_steps=1)
+        )
+        same(out["trajectories"][0], g)
+        meta = ray.get(
+            rb.load_from_path.remote(
+                path, num_prompts_per_step=1, current_training_step=1, max_age_steps=1
+            )
+        )
+        assert meta == {"num_trajectories": 1, "next_ng_task_index": 6}
+        assert ray.get(rb.get_last_target_weight_already_generated.remote()) == 0
+        ray.kill(rb)
+    finally:
+        ray.shutdown()
