@@ -205,8 +205,18 @@ class TRLGRPOLoss(torch.nn.Module):
         self.trainer = grpo_trainer(loss_type, **config)
         _fuse(policy, self.trainer)
 
-    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
-        """TRL's loss of ``td`` (never mutated), as a part of the batch ``counts`` describes."""
+    def forward(
+        self,
+        td: TensorDictBase,
+        *,
+        counts: GlobalCounts | None = None,
+        num_items_in_batch: int | None = None,
+    ) -> TensorDict:
+        """TRL's loss of ``td`` (never mutated), as a part of the batch ``counts`` describes.
+
+        ``num_items_in_batch`` (raw row only): TRL's own global token count, as its trainer
+        passes it under gradient accumulation (default: this batch's loss tokens).
+        """
         if self.adapted:
             check(td, require=("sample_log_probs", "advantage"), context=f"TRL {self.loss_type}")
             if counts is not None and not isinstance(counts, GlobalCounts):
@@ -214,6 +224,10 @@ class TRLGRPOLoss(torch.nn.Module):
         elif counts is not None:
             raise TypeError("counts: the raw TRL row takes no global counts")
         inputs, _ = trl_inputs(td, zero_outside=self.adapted)
+        if num_items_in_batch is not None:
+            if self.adapted:
+                raise TypeError("num_items_in_batch: the adapted row takes counts=GlobalCounts")
+            inputs["num_items_in_batch"] = torch.tensor(float(num_items_in_batch))
         scale = 1.0
         if self.adapted:
             own = GlobalCounts.of(td)
