@@ -4,15 +4,19 @@ objective's figures in float64 and the dtype rule for float fields and masks."""
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDict
 
+from posttrain.conformance import Status
+from posttrain.conformance.runner import run
 from posttrain.conformance.suites.loss import _logp_grads
 from posttrain.contracts import LLM_LAYOUT_V1
 from posttrain.contracts.alignment import token_log_probs
+from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import PolicyGradientLoss
 from posttrain.testing import llm_batch, tiny_causal_lm
 from tests.mutants.losses import DualClipLoss
@@ -146,3 +150,38 @@ def test_global_counts_count_assistant_tokens_and_rows_holding_one() -> None:
         GlobalCounts(2.5, 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"GlobalCounts.sequences"):
         GlobalCounts(3, True)
+
+
+_CLIP_PAIR = (0.2, 0.28)
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [
+        {
+            "aggregation": "token_mean",
+            "kl_estimator": "k1",
+            "kl_gradient": "score",
+            "ratio": "sequence",
+        },
+        {"aggregation": "seq_mean_token_mean", "kl_estimator": "k2", "ratio": "none"},
+        {"aggregation": "seq_mean_token_sum", "kl_gradient": "score", "ratio": "on_policy"},
+    ],
+    ids=["k1-score-sequence", "k2-none", "k3-score-on_policy"],
+)
+def test_the_reference_conforms_with_the_1_4_options_declared(declared: dict[str, str]) -> None:
+    impl = Implementation(
+        "loss",
+        partial(PolicyGradientLoss, clip_epsilon=_CLIP_PAIR, kl_coef=0.05, entropy_coef=0.01),
+        name=f"PolicyGradientLoss{declared}",
+        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "clip", "global_counts"},
+        options=declared,
+        extras={"clip_epsilon": _CLIP_PAIR},
+    )
+    rows = {r.id: r for r in run(impl).results}
+    bad = {k: r.message for k, r in rows.items() if r.status in (Status.FAIL, Status.ERROR)}
+    assert bad == {}
+    for rid in ("LOSS-019", "LOSS-020", "LOSS-021"):
+        declared_here = {"LOSS-019": "kl_estimator", "LOSS-020": "kl_gradient", "LOSS-021": "ratio"}
+        want = Status.PASS if declared_here[rid] in declared else Status.NOT_APPLICABLE
+        assert rows[rid].status == want, rid

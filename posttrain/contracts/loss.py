@@ -146,6 +146,27 @@ class SupportsGlobalCounts(Protocol):
         ...
 
 
+# The precisions the suite runs a loss in (``Implementation.extras['precision']``, default
+# float32): the policy's weights in that dtype, layout fields as the layout says. Each maps to
+# (factor, micro-batch tolerance): every float32 tolerance of the suite is multiplied by the
+# factor; LOSS-017/018 compare parts with the whole within the second figure, relative to the
+# largest magnitude. Half-precision factors are measured, not derived: the largest error seen
+# on the bundled and adapted losses over several seeds, with a margin.
+LOSS_PRECISIONS: dict[str, tuple[float, float]] = {
+    "float32": (1.0, 1e-5),
+    "float64": (1.0, 1e-10),
+    "float16": (50.0, 5e-3),
+    "bfloat16": (400.0, 4e-2),
+}
+
+
+def _precision_table() -> str:
+    rows = [
+        f"| {name} | x{factor:g} | {add:.0e} |" for name, (factor, add) in LOSS_PRECISIONS.items()
+    ]
+    return "\n".join(["| precision | float32 tolerances | LOSS-017/018 |", "|---|---|---|", *rows])
+
+
 def _counts_table() -> str:
     head = "| count | " + " | ".join(LOSS_COUNT_FRAMEWORKS) + " |"
     rule = "|---|" + "---|" * len(LOSS_COUNT_FRAMEWORKS)
@@ -171,17 +192,27 @@ LOSS = Contract(
         "batch, not a row. `tokens` counts assistant tokens (position 0 excluded); `sequences` "
         "counts rows holding at least one (verl's rule: a row without one weighs nothing and is "
         "not counted). Without `counts` a loss keeps its single-batch meaning. Where the "
-        "frameworks take these counts:\n\n" + _counts_table()
+        "frameworks take these counts:\n\n" + _counts_table() + "\n\n"
+        "Precision: `Implementation.extras['precision']` (default `float32`) says in which dtype "
+        "the suite runs the policy's weights; layout fields stay in the layout's dtypes. Every "
+        "float32 tolerance of the suite is multiplied by the precision's factor, and LOSS-017/"
+        "018 compare micro-batches with the whole batch within the last column (relative to "
+        "the largest magnitude). The half-precision figures cover a loss that computes "
+        "log-probs from its half-precision logits in float32 (as NeMo-RL and verl do); one that "
+        "runs log-softmax in half precision misplaces log-probs by up to about |log p| x 2^-8 "
+        "in bfloat16 and fails where that exceeds them (at ratio 1 a `kl_approx` off zero, a "
+        "clipped surrogate off its value).\n\n" + _precision_table()
     ),
     protocol=LossModuleV1,
     extra_protocols=(SupportsGlobalCounts, GlobalCounts),
-    version="1.3",
+    version="1.4",
     factory=(
         "factory(policy, **overrides) -> LossModuleV1  # policy: an HF-style causal LM the suite "
         "supplies; overrides only in LOSS-008 (a declared option's name, a misspelt keyword); "
         "seq_mean_token_sum_norm reads Implementation.extras['t_norm'], capability clip "
         "extras['clip_epsilon'] (and 'dual_clip'); capability global_counts: "
-        "loss(td, counts=GlobalCounts(...)) on micro-batches (LOSS-016 to LOSS-018)"
+        "loss(td, counts=GlobalCounts(...)) on micro-batches (LOSS-016 to LOSS-018); "
+        "extras['precision'] the dtype of the policy's weights (see Precision)"
     ),
     uses_layout=True,
     capabilities=(
@@ -194,6 +225,9 @@ LOSS = Contract(
     ),
     options=(
         Option(name="aggregation", values=AGGREGATIONS, default="token_mean", text="How per-token terms are reduced to a scalar (see the weights above)."),
+        Option(name="kl_estimator", values=("k1", "k2", "k3"), default="k3", text="Capability kl_to_ref: the per-token estimate of KL(pi || pi_ref) from log r = log pi_ref - log pi (Schulman): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. Since 1.4; checked only where declared (LOSS-019)."),
+        Option(name="kl_gradient", values=("pathwise", "score"), default="pathwise", text="Capability kl_to_ref: how the KL estimate is differentiated: as written (`pathwise`), or times exp(log pi - sg(log pi)) (`score`: the same value, plus the score-function term k per token; NeMo-RL's form). Since 1.4; checked only where declared (LOSS-020)."),
+        Option(name="ratio", values=("token", "sequence", "on_policy", "none"), default="token", text="The ratio the surrogate clips: per token r_t = exp(log pi - sample_log_probs); `sequence` the row's geometric mean exp(mean_t log r_t) at every token (GSPO); `on_policy` exactly 1 with the gradient of log pi (NeMo-RL force_on_policy_ratio); `none` the log-prob itself, the surrogate -A log pi (REINFORCE, NeMo-RL disable_ppo_ratio). Since 1.4; checked only where declared (LOSS-021)."),
     ),
     requirements=(
         Requirement(id="LOSS-001", level=_M, title="scalar finite terms",
@@ -229,8 +263,14 @@ LOSS = Contract(
         Requirement(id="LOSS-016", level=_M, title="global counts normalize", capability="global_counts", since="1.3",
             text="`loss(td, counts=GlobalCounts(tokens=N, sequences=S))` MUST weight every term as the declared aggregation does with the token count sum(m) replaced by N and the row count B by S, whatever the batch's own counts; `loss(td)` MUST equal `loss(td, counts=GlobalCounts.of(td))`, whose `sequences` holds only rows with at least one assistant token (a row without one weighs nothing and is not counted).", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-017", level=_M, title="micro-batches add up", since="1.3",
-            text="Under capability `global_counts`, for every aggregation and any split of a batch into micro-batches (uneven, a single row, one without any assistant token), each called with the whole batch's `GlobalCounts`, the micro-batches' `loss_*` terms MUST sum to the whole batch's (called without counts) and the policy-parameter gradients of their sums to its gradient, within 1e-5 of the largest magnitude in float32 (1e-10 in float64). A loss without the capability is not failed but measured: the suite reports (NOT_APPLICABLE) the gradient weight one token of a short and of a long answer gets in one batch and when they land in different micro-batches accumulated as users write it (the mean of the micro-batch losses).", depends_on=("LOSS-002",)),
+            text="Under capability `global_counts`, for every aggregation and any split of a batch into micro-batches (uneven, a single row, one without any assistant token), each called with the whole batch's `GlobalCounts`, the micro-batches' `loss_*` terms MUST sum to the whole batch's (called without counts) and the policy-parameter gradients of their sums to its gradient, within the declared precision's tolerance of the largest magnitude (1e-5 in float32, 1e-10 in float64; see Precision). A loss without the capability is not failed but measured: the suite reports (NOT_APPLICABLE) the gradient weight one token of a short and of a long answer gets in one batch and when they land in different micro-batches accumulated as users write it (the mean of the micro-batch losses).", depends_on=("LOSS-002",)),
         Requirement(id="LOSS-018", level=_M, title="diagnostics add up", capability="global_counts", since="1.3",
             text="Under capabilities `global_counts` and `diagnostics`, with `counts`, `clip_fraction`, `kl_approx` and `entropy` MUST be sums over the micro-batch's assistant tokens divided by `counts.tokens`, so the micro-batches' values sum to the whole batch's and the metric catalogue's `tok` reduction of the pairs (value x `counts.tokens`, the micro-batch's token count) gives it exactly, never a mean of micro-batch means (within the tolerance of LOSS-017).", depends_on=("LOSS-001",)),
+        Requirement(id="LOSS-019", level=_M, title="declared KL estimator", capability="kl_to_ref", since="1.4",
+            text="Where option `kl_estimator` is declared, with reference log-probs the policy's own shifted by δ on every assistant token, `loss_kl_to_ref` MUST have the sign of the declared estimator's k(δ) and the ratio loss_kl_to_ref(δ) / loss_kl_to_ref(-δ) MUST equal k(δ) / k(-δ) (the coefficient cancels)."),
+        Requirement(id="LOSS-020", level=_M, title="declared KL gradient", capability="kl_to_ref", since="1.4",
+            text="Where option `kl_gradient` is declared, with reference log-probs the policy's own shifted by δ on every assistant token, the gradient of `loss_kl_to_ref` with respect to each assistant token's log-prob MUST be w·β·(-k'(δ)) (`pathwise`) or w·β·(k(δ) - k'(δ)) (`score`), w the aggregation's weight, k the declared estimator (k3 if undeclared) with k' its derivative in log r, and β = loss_kl_to_ref / (k(δ)·Σw)."),
+        Requirement(id="LOSS-021", level=_M, title="declared ratio", since="1.4",
+            text="Where option `ratio` is declared, off policy (sample log-probs the policy's own minus small per-token offsets, inside the clip bounds), `loss_objective` MUST equal Σ w·(-A·ρ) and its gradient with respect to each token's log-prob the derivative of that sum, ρ being exp(log r_t) (`token`), exp(mean of log r over the row's assistant tokens) (`sequence`), 1 with the gradient of log pi (`on_policy`) or log pi itself (`none`). A declared ratio other than `token` scopes the PPO readings of the other requirements: LOSS-014 is NOT_APPLICABLE, LOSS-012's all-clipped `clip_fraction` of 1 holds for `sequence` only, LOSS-003's [B, T]-advantage reading is skipped for `sequence` (a row's ratio mixes its tokens), and LOSS-016's value at ratio 1 is Σ w·(-A·log pi) for `none`."),
     ),
 )  # fmt: skip

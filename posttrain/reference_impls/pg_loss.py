@@ -51,8 +51,8 @@ class PolicyGradientLoss(torch.nn.Module):
     Options beyond PPO/GRPO (each NeMo-RL ``ClippedPGLossConfig`` key maps to one, see
     :func:`posttrain.adapters.nemo_rl.loss.clipped_pg_options`): ``ratio`` (:data:`RATIOS`:
     per token, GSPO's per sequence, forced on-policy, none = REINFORCE), ``dual_clip`` c > 1,
-    ``cispo``, ``kl_type`` (:data:`KL_TYPES`), ``kl_input_clamp`` / ``kl_output_clamp``,
-    ``kl_weight`` (:data:`KL_WEIGHTS`: NeMo-RL differentiates the KL times
+    ``cispo``, ``kl_estimator`` (:data:`KL_ESTIMATORS`), ``kl_input_clamp`` / ``kl_output_clamp``,
+    ``kl_gradient`` (:data:`KL_GRADIENTS`: NeMo-RL differentiates the KL times
     exp(log p - sg(log p)), ``"score"``), ``importance_correction`` /
     ``importance_bounds`` (:data:`IMPORTANCE_CORRECTIONS`: weights pi_sample / pi_generation
     with the sampler's log-probs at ``generation_key``), ``positive_nll_coef`` (VAPO's
@@ -72,7 +72,7 @@ class PolicyGradientLoss(torch.nn.Module):
         >>> out = PolicyGradientLoss(policy, aggregation="seq_mean_token_mean")(td)
         >>> sorted(k for k in out.keys() if k.startswith("loss_"))
         ['loss_objective']
-        >>> out = PolicyGradientLoss(policy, kl_coef=1.0, kl_type="k2", nemo_metrics=True)(td)
+        >>> out = PolicyGradientLoss(policy, kl_coef=1.0, kl_estimator="k2", nemo_metrics=True)(td)
         >>> float(out["kl_penalty"]) == float(out["loss_kl_to_ref"])
         True
         >>> PolicyGradientLoss(policy, aggregation="token_meen")
@@ -93,10 +93,10 @@ class PolicyGradientLoss(torch.nn.Module):
         ratio: str = "token",
         dual_clip: float | None = None,
         cispo: bool = False,
-        kl_type: str = "k3",
+        kl_estimator: str = "k3",
         kl_input_clamp: float | None = None,
         kl_output_clamp: float | None = None,
-        kl_weight: str = "pathwise",
+        kl_gradient: str = "pathwise",
         importance_correction: str | None = None,
         importance_bounds: tuple[float | None, float] | None = None,
         generation_key: Any = None,
@@ -130,8 +130,8 @@ class PolicyGradientLoss(torch.nn.Module):
         if not _real(entropy_coef) or not math.isfinite(entropy_coef):
             raise ValueError(f"entropy_coef: expected a finite number, found {entropy_coef!r}")
         _choice("ratio", ratio, RATIOS)
-        _choice("kl_type", kl_type, KL_TYPES)
-        _choice("kl_weight", kl_weight, KL_WEIGHTS)
+        _choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+        _choice("kl_gradient", kl_gradient, KL_GRADIENTS)
         _choice("importance_correction", importance_correction, IMPORTANCE_CORRECTIONS)
         if dual_clip is not None and (not _real(dual_clip) or not dual_clip > 1):
             raise ValueError(f"dual_clip: expected None or a number > 1, found {dual_clip!r}")
@@ -157,9 +157,9 @@ class PolicyGradientLoss(torch.nn.Module):
         self.ratio = ratio
         self.dual_clip = None if dual_clip is None else float(dual_clip)
         self.cispo = bool(cispo)
-        self.kl_type = kl_type
+        self.kl_estimator = kl_estimator
         self.kl_clamp = (kl_input_clamp, kl_output_clamp)
-        self.kl_weight = kl_weight
+        self.kl_gradient = kl_gradient
         self.importance_correction = importance_correction
         self.importance_bounds = bounds
         self.generation_key = generation_key
@@ -259,13 +259,13 @@ class PolicyGradientLoss(torch.nn.Module):
 
     def _kl(self, logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         """Per-token KL estimate to the reference: k1, k2 or k3 of log(pi_ref / pi), clamped on
-        the way in and out as declared, and weighted as ``kl_weight`` says (the weight's
+        the way in and out as declared, and weighted as ``kl_gradient`` says (the weight's
         gradient is the score-function term; detached where the input clamp is active)."""
         logr = ref - logp
         weight = None
-        if self.kl_weight == "score":
+        if self.kl_gradient == "score":
             weight = (logp - logp.detach()).exp()
-        elif self.kl_weight == "behaviour":
+        elif self.kl_gradient == "behaviour":
             weight = (logp - old.detach()).exp()
         lo_in, lo_out = self.kl_clamp
         if lo_in is not None:
@@ -273,9 +273,9 @@ class PolicyGradientLoss(torch.nn.Module):
             if weight is not None:
                 weight = torch.where(logr == clamped, weight, weight.detach())
             logr = clamped
-        if self.kl_type == "k1":
+        if self.kl_estimator == "k1":
             kl = -logr
-        elif self.kl_type == "k2":
+        elif self.kl_estimator == "k2":
             kl = logr.square() / 2
         else:
             kl = logr.exp() - logr - 1
@@ -302,9 +302,9 @@ class PolicyGradientLoss(torch.nn.Module):
         fm = mask.to(logp.dtype)
 
         def kl(logr: torch.Tensor) -> torch.Tensor:
-            if self.kl_type == "k1":
+            if self.kl_estimator == "k1":
                 return -logr
-            if self.kl_type == "k2":
+            if self.kl_estimator == "k2":
                 return logr.square() / 2
             return logr.exp() - 1 - logr
 
@@ -447,21 +447,21 @@ Example:
     >>> RATIOS[0]
     'token'
 """
-KL_TYPES = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 """KL estimators of log r = log pi_ref - log pi (Schulman): k1 -log r, k2 (log r)^2 / 2,
 k3 r - 1 - log r.
 
 Example:
-    >>> KL_TYPES[-1]
+    >>> KL_ESTIMATORS[-1]
     'k3'
 """
-KL_WEIGHTS = ("pathwise", "score", "behaviour")
+KL_GRADIENTS = ("pathwise", "score", "behaviour")
 """How the KL estimate is differentiated: as written (``pathwise``), times
 exp(log pi - sg(log pi)) (``score``: value 1, adds the score-function term, NeMo-RL's form),
 or times exp(log pi - log pi_behaviour) (``behaviour``: NeMo-RL's on-policy KL approximation).
 
 Example:
-    >>> "score" in KL_WEIGHTS
+    >>> "score" in KL_GRADIENTS
     True
 """
 IMPORTANCE_CORRECTIONS = (None, "plain", "tis", "icepop", "seq_mask_tis")

@@ -431,6 +431,65 @@ class DiagnosticsPerMicroBatch(PolicyGradientLoss):
         return out
 
 
+class IgnoresKlEstimator(PolicyGradientLoss):
+    """Takes ``kl_estimator`` (validated) and computes k3 whatever it says."""
+
+    def __init__(self, policy: Any, *, kl_estimator: str = "k3", **kwargs: Any) -> None:
+        super().__init__(policy, kl_estimator=kl_estimator, **kwargs)
+        self.kl_estimator = "k3"
+
+
+class K1SignFlipped(PolicyGradientLoss):
+    """k1 as log pi_ref - log pi (the sign of KL(pi_ref || pi)'s estimator, not KL(pi || pi_ref)'s)."""
+
+    def _kl(self, logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return -super()._kl(logp, ref, old)
+
+
+class IgnoresKlGradient(PolicyGradientLoss):
+    """Takes ``kl_gradient`` (validated) and differentiates the estimate as written."""
+
+    def __init__(self, policy: Any, *, kl_gradient: str = "pathwise", **kwargs: Any) -> None:
+        super().__init__(policy, kl_gradient=kl_gradient, **kwargs)
+        self.kl_gradient = "pathwise"
+
+
+class AlwaysScoreKl(PolicyGradientLoss):
+    """Adds the score-function term whatever ``kl_gradient`` says (NeMo-RL's form everywhere)."""
+
+    def __init__(self, policy: Any, *, kl_gradient: str = "pathwise", **kwargs: Any) -> None:
+        super().__init__(policy, kl_gradient=kl_gradient, **kwargs)
+        self.kl_gradient = "score"
+
+
+class IgnoresRatio(PolicyGradientLoss):
+    """Takes ``ratio`` (validated) and clips the per-token ratio whatever it says."""
+
+    def __init__(self, policy: Any, *, ratio: str = "token", **kwargs: Any) -> None:
+        super().__init__(policy, ratio=ratio, **kwargs)
+        self.ratio = "token"
+
+
+class ArithmeticSequenceRatio(PolicyGradientLoss):
+    """GSPO's sequence ratio as the arithmetic mean of the token ratios, not the geometric."""
+
+    def _ratios(self, logp: torch.Tensor, prox: torch.Tensor, fm: torch.Tensor) -> torch.Tensor:
+        if self.ratio != "sequence":
+            return super()._ratios(logp, prox, fm)
+        r = torch.where(fm > 0, (logp - prox).exp(), 0.0)
+        mean = r.sum(-1, keepdim=True) / fm.sum(-1, keepdim=True).clamp_min(1)
+        return torch.where(fm > 0, mean.expand_as(logp), 1.0)
+
+
+class NoneAsOnPolicy(PolicyGradientLoss):
+    """``ratio="none"`` (REINFORCE, -A log pi) computed as a forced ratio of 1 (-A)."""
+
+    def __init__(self, policy: Any, *, ratio: str = "token", **kwargs: Any) -> None:
+        super().__init__(policy, ratio=ratio, **kwargs)
+        if ratio == "none":
+            self.ratio = "on_policy"
+
+
 _CLIP = (0.2, 0.28)
 
 
@@ -461,6 +520,19 @@ def _impl(req: str, cls: type, agg: str = "seq_mean_token_mean", **kw: Any) -> I
 
 _COUNTED = {"kl_to_ref", "per_token_advantage", "diagnostics", "global_counts"}
 
+
+def _opt_impl(req: str, cls: type, **declared: str) -> Implementation:
+    """A mutant declaring a 1.4 option: the value reaches the factory only as declared."""
+    return Implementation(
+        "loss",
+        partial(cls, clip_epsilon=_CLIP, kl_coef=0.05),
+        name=f"mutant-{req}-{cls.__name__}",
+        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "clip"},
+        options={"aggregation": "seq_mean_token_mean", **declared},
+        extras={"clip_epsilon": _CLIP},
+    )
+
+
 MUTANTS: dict[str, Implementation] = {
     "LOSS-001": _impl("LOSS-001", ShapeOneObjective),
     "LOSS-002": _impl("LOSS-002", Detached),
@@ -480,6 +552,9 @@ MUTANTS: dict[str, Implementation] = {
     "LOSS-016": _impl("LOSS-016", IgnoresCounts, capabilities=_COUNTED),
     "LOSS-017": _impl("LOSS-017", LocalTokenMean, agg="token_mean", capabilities=_COUNTED),
     "LOSS-018": _impl("LOSS-018", DiagnosticsPerMicroBatch, capabilities=_COUNTED),
+    "LOSS-019": _opt_impl("LOSS-019", IgnoresKlEstimator, kl_estimator="k2"),
+    "LOSS-020": _opt_impl("LOSS-020", IgnoresKlGradient, kl_gradient="score"),
+    "LOSS-021": _opt_impl("LOSS-021", IgnoresRatio, ratio="sequence"),
 }
 """Requirement id -> a loss that breaks exactly that requirement."""
 
@@ -499,6 +574,10 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-017", _impl("LOSS-017", IgnoresCounts, agg="token_mean", capabilities=_COUNTED)),
     ("LOSS-017", _impl("LOSS-017", PaddedWidthCounts, agg="token_mean", capabilities=_COUNTED)),
     ("LOSS-016", _impl("LOSS-016", CountsEveryRow, capabilities=_COUNTED)),
+    ("LOSS-019", _opt_impl("LOSS-019", K1SignFlipped, kl_estimator="k1")),
+    ("LOSS-020", _opt_impl("LOSS-020", AlwaysScoreKl, kl_gradient="pathwise")),
+    ("LOSS-021", _opt_impl("LOSS-021", ArithmeticSequenceRatio, ratio="sequence")),
+    ("LOSS-021", _opt_impl("LOSS-021", NoneAsOnPolicy, ratio="none")),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
 

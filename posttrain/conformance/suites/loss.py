@@ -47,12 +47,35 @@ def _setup(ctx: Context, *, peaked: bool = False) -> tuple[Any, Any]:
     if peaked:
         with torch.no_grad():
             policy.get_output_embeddings().weight.mul_(_PEAK)
+    dtype = _precision(ctx)[0]
+    if dtype != torch.float32:
+        policy.to(dtype)  # the policy's weights in the declared precision, as users train
     # The declared options reach the factory by name (a factory not pre-bound to them is
     # built as declared); a factory declaring none gets no keyword (LOSS-008 says why).
     return policy, ctx.make(policy, **ctx.impl.options)
 
 
 _PEAK = 30.0
+
+
+def _precision(ctx: Context) -> tuple[torch.dtype, float, float]:
+    """The declared precision's dtype, the factor on every float32 tolerance, and LOSS-017/
+    018's tolerance (the contract's precision table)."""
+    from posttrain.contracts.loss import LOSS_PRECISIONS
+
+    name = ctx.impl.extras.get("precision", "float32")
+    if name not in LOSS_PRECISIONS:
+        raise _fail(
+            f"Implementation.extras['precision'] is {name!r}; expected one of "
+            f"{sorted(LOSS_PRECISIONS)}"
+        )
+    factor, add = LOSS_PRECISIONS[name]
+    return getattr(torch, name), factor, add
+
+
+def _tol(ctx: Context) -> float:
+    """The factor every float32 tolerance is multiplied by in the declared precision."""
+    return _precision(ctx)[1]
 
 
 def _own_log_probs(policy: Any, td: TensorDictBase) -> torch.Tensor:
@@ -206,7 +229,9 @@ def _match_row(
     return best
 
 
-def _logp_grads(policy: Any, loss: Any, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
+def _logp_grads(
+    policy: Any, loss: Any, td: TensorDictBase, tol: float = 1.0, term: str = "loss_objective"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``loss_objective`` and its gradient with respect to each token's log-prob, [B, T].
 
     Read through a zero probe added to the logits of every policy call, however the loss
@@ -214,6 +239,7 @@ def _logp_grads(policy: Any, loss: Any, td: TensorDictBase) -> tuple[torch.Tenso
     each call's row is matched to the batch row it scores (:func:`_match_row`), and for a term
     that sees the logits only through log p(token_t), d/d logit(token_t) is d/d log p(token_t)
     times (1 - p), p from that call's own logits. Calls scoring one token twice add up.
+    ``tol`` multiplies the float32 tolerance of that reading (a half-precision policy's).
     """
     tokens, att = td.get(TOK), td.get(ATT)
     b, t = tokens.shape
@@ -240,7 +266,10 @@ def _logp_grads(policy: Any, loss: Any, td: TensorDictBase) -> tuple[torch.Tenso
         policy.get_output_embeddings().register_forward_hook(probe),
     ]
     try:
-        obj = _loss_terms(loss(td))["loss_objective"]
+        terms = _loss_terms(loss(td))
+        if term not in terms:
+            raise _fail(f"no {term!r} among the loss terms {sorted(terms)}")
+        obj = terms[term]
         torch.autograd.backward(obj)
     finally:
         for h in handles:
@@ -285,7 +314,7 @@ def _logp_grads(policy: Any, loss: Any, td: TensorDictBase) -> tuple[torch.Tenso
             implied[picked, tok] += g
             off_by = float((g_row - implied).abs().max()) if len(pos) else 0.0
             scale = float(g.abs().max()) if len(pos) else 0.0
-            if off_by > 1e-4 * scale + 1e-8:
+            if off_by > tol * (1e-4 * scale + 1e-8):
                 raise _fail(
                     f"d loss_objective / d logp could not be observed: the gradient on the "
                     f"logits of batch row {i} (policy call {n_call + 1} of {len(calls)}) is not "
@@ -311,17 +340,19 @@ def aggregation_weights(ctx: Context) -> None:
     policy, loss = _setup(ctx)
     td = _batch(policy, ctx)
     cases = [("a [B] advantage", td)]
-    if "per_token_advantage" in ctx.capabilities:
+    # A declared sequence ratio (GSPO) spreads a row's advantages over its tokens at ratio 1:
+    # LOSS-021 checks it; the per-token reading below is the token ratio's.
+    if "per_token_advantage" in ctx.capabilities and _ratio(ctx) != "sequence":
         per_token = td.clone()
         per_token.set(ADV, _token_advantages(td, ctx.seed), inplace=False)
         cases.append(("a [B, T] advantage, different at every position", per_token))
     mask = td.get(ASST)
     weights = _expected_weights(ctx, mask)
     for what, batch in cases:
-        _, got = _logp_grads(policy, loss, batch)
+        _, got = _logp_grads(policy, loss, batch, _tol(ctx))
         adv = batch.get(ADV)
         want = -(adv[:, None] if adv.ndim == 1 else adv) * weights
-        if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
+        if not torch.allclose(got, want, atol=1e-6 * _tol(ctx), rtol=1e-4 * _tol(ctx)):
             i, t = divmod(int((got - want).abs().argmax()), T)
             where = "an assistant token" if mask[i, t] else "a position outside the assistant mask"
             raise _fail(
@@ -334,6 +365,7 @@ def aggregation_weights(ctx: Context) -> None:
 def _variant_check(
     ctx: Context, change: Callable[[TensorDictBase], TensorDictBase], what: str, tol: float = 1e-5
 ) -> None:
+    tol *= _tol(ctx)
     policy, loss = _setup(ctx)
     td = _batch(policy, ctx)
     with torch.no_grad():
@@ -370,6 +402,7 @@ def masked_positions_inert(ctx: Context) -> None:
                     base,
                     _scalars(loss(garbage(value)(td.clone()))),
                     f"per-token values {value} outside the assistant mask",
+                    1e-5 * _tol(ctx),
                 )
     for value in (123.0, float("nan"), -1e30):
         _variant_check(
@@ -523,6 +556,7 @@ def bad_layout_rejected(ctx: Context) -> None:
                     want,
                     got,
                     f"{dtype_name(dtype)} {key_str(key)} (against the same values in float32)",
+                    1e-5 * _tol(ctx),
                 )
 
 
@@ -540,14 +574,15 @@ def kl_to_reference(ctx: Context) -> None:
             )
         return float(terms["loss_kl_to_ref"])
 
+    tol = _tol(ctx)
     same = kl(td.clone())
-    if abs(same) > 1e-6:
+    if abs(same) > 1e-6 * tol:
         raise _fail(
             f"loss_kl_to_ref is {same:.6g} with reference log-probs equal to the policy's own; expected 0"
         )
     outside = td.clone()
     outside.set(RLP, torch.where(td.get(ASST), td.get(RLP), -3.0))
-    if abs(kl(outside)) > 1e-6:
+    if abs(kl(outside)) > 1e-6 * tol:
         raise _fail(
             f"loss_kl_to_ref is {kl(outside):.6g} when reference log-probs differ only outside the assistant mask; expected 0"
         )
@@ -559,7 +594,7 @@ def kl_to_reference(ctx: Context) -> None:
             f"loss_kl_to_ref is {base:.6g} when reference log-probs differ by 0.5 on assistant tokens; expected > 0"
         )
     padded = kl(_pad(inside))
-    if not math.isclose(padded, base, rel_tol=1e-4, abs_tol=1e-7):
+    if not math.isclose(padded, base, rel_tol=1e-4 * tol, abs_tol=1e-7 * tol):
         raise _fail(
             f"loss_kl_to_ref went from {base:.6g} to {padded:.6g} when 3 padding columns were appended: it is reduced over positions, not assistant tokens"
         )
@@ -614,8 +649,9 @@ def diagnostics_over_assistant_tokens(ctx: Context) -> None:
             )
         return out
 
+    tol = _tol(ctx)
     at_one = diag(td.clone())
-    if abs(at_one["clip_fraction"]) > 1e-6 or abs(at_one["kl_approx"]) > 1e-6:
+    if abs(at_one["clip_fraction"]) > 1e-6 * tol or abs(at_one["kl_approx"]) > 1e-6 * tol:
         raise _fail(
             f"at ratio 1: clip_fraction {at_one['clip_fraction']:.6g} and kl_approx {at_one['kl_approx']:.6g}; expected 0 and 0"
         )
@@ -629,7 +665,9 @@ def diagnostics_over_assistant_tokens(ctx: Context) -> None:
         batch.set(ASST, m)
         got = at_one["entropy"] if m is mask else diag(batch)["entropy"]
         full, sampled = _entropies(policy, batch, m)
-        if not any(math.isclose(got, x, rel_tol=1e-4, abs_tol=1e-5) for x in (full, sampled)):
+        if not any(
+            math.isclose(got, x, rel_tol=1e-4 * tol, abs_tol=1e-5 * tol) for x in (full, sampled)
+        ):
             raise _fail(
                 f"at ratio 1{what}, entropy is {got:.6g}; over the assistant tokens, of the "
                 f"distributions they were drawn from (the logits one position earlier), the "
@@ -638,7 +676,9 @@ def diagnostics_over_assistant_tokens(ctx: Context) -> None:
     shifted = td.clone()
     shifted.set(SLP, td.get(SLP) - 1.0)  # ratio e on every assistant token: all clipped
     hi = diag(shifted)
-    if not math.isclose(hi["clip_fraction"], 1.0, abs_tol=1e-6):
+    # A declared ratio "none" or "on_policy" has nothing to clip (LOSS-021).
+    clips = _ratio(ctx) in ("token", "sequence")
+    if clips and not math.isclose(hi["clip_fraction"], 1.0, abs_tol=1e-6 * tol):
         raise _fail(
             f"with every assistant token's ratio at e (all clipped), clip_fraction is {hi['clip_fraction']:.6g}; expected 1 (a smaller value means prompt or padding positions are counted)"
         )
@@ -648,7 +688,7 @@ def diagnostics_over_assistant_tokens(ctx: Context) -> None:
     m2[torch.arange(B), first] = False  # one assistant token fewer per row: the same per-token KL
     fewer.set(ASST, m2)
     lo = diag(fewer)
-    if not math.isclose(lo["kl_approx"], hi["kl_approx"], rel_tol=1e-4, abs_tol=1e-6):
+    if not math.isclose(lo["kl_approx"], hi["kl_approx"], rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
         raise _fail(
             f"with the same per-token KL on every assistant token, kl_approx went from {hi['kl_approx']:.6g} to {lo['kl_approx']:.6g} when assistant tokens became prompt: it is averaged over more than the assistant tokens"
         )
@@ -662,7 +702,12 @@ def ragged_equals_padded(ctx: Context) -> None:
     items = [_trim(td[i], int(n)) for i, n in enumerate(lengths)]
     ragged = LazyStackedTensorDict.lazy_stack(items, 0)
     with torch.no_grad():
-        _same(_scalars(loss(td)), _scalars(loss(ragged)), "the ragged form of the batch")
+        _same(
+            _scalars(loss(td)),
+            _scalars(loss(ragged)),
+            "the ragged form of the batch",
+            1e-5 * _tol(ctx),
+        )
 
 
 def _trim(item: TensorDictBase, n: int) -> TensorDictBase:
@@ -707,6 +752,8 @@ def _probe_ratios(lo: float, hi: float, dual: float | None) -> list[float]:
 
 @requirement("LOSS-014")
 def clipped_surrogate(ctx: Context) -> None:
+    if _ratio(ctx) != "token":
+        raise NotApplicable(f"option ratio {_ratio(ctx)!r} declared: LOSS-021 checks its surrogate")
     eps_low, eps_high, dual = _clip_declaration(ctx)
     lo, hi = 1 - eps_low, 1 + eps_high
     ratios = _probe_ratios(lo, hi, dual)
@@ -749,8 +796,9 @@ def clipped_surrogate(ctx: Context) -> None:
         w = _expected_weights(ctx, asst).double()
         want_value = float((per_token * w).where(asst, 0.0).sum())
         want = torch.where(asst & active, -a * ratio * w, 0.0)
-    value, got = _logp_grads(policy, loss, td)
-    bad = ~torch.isclose(got.double(), want, atol=1e-6, rtol=1e-4)
+    tol = _tol(ctx)
+    value, got = _logp_grads(policy, loss, td, tol)
+    bad = ~torch.isclose(got.double(), want, atol=1e-6 * tol, rtol=1e-4 * tol)
     if bool(bad.any()):
         i, p = divmod(int(((got.double() - want).abs() * bad).argmax()), t)
         unclipped_side = bool(active[i, p])
@@ -763,7 +811,7 @@ def clipped_surrogate(ctx: Context) -> None:
             f"{' (-A x r x weight)' if unclipped_side else ''}; "
             f"{int(bad.sum())} of {int(asst.sum())} assistant tokens differ"
         )
-    if not math.isclose(float(value), want_value, rel_tol=1e-4, abs_tol=1e-6):
+    if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
         raise _fail(
             f"clip bounds [{lo:.4g}, {hi:.4g}]: loss_objective is {float(value):.6g} at ratios "
             f"{', '.join(f'{x:.3g}' for x in ratios)} with advantages of both signs, expected "
@@ -800,7 +848,12 @@ _SPLITS = (
     ((0, 1, 3), (2,), (4,)),  # uneven; a micro-batch without any assistant token
     ((3, 1), (4, 0, 2)),  # shuffled rows
 )
-_TOL32 = 1e-5
+
+
+def _add_tol(ctx: Context) -> float:
+    """LOSS-017/018's relative tolerance in the declared precision (in float64 tighter than
+    float32's: the parts and the whole see the same float64 arithmetic)."""
+    return _precision(ctx)[2]
 
 
 def _counted_batch(policy: Any, ctx: Context) -> TensorDictBase:
@@ -867,6 +920,10 @@ def global_counts_normalize(ctx: Context) -> None:
     mask, adv = td.get(ASST), td.get(ADV).double()
     n, s = _counts_of(mask)
     every_row = mask.shape[0]
+    # At ratio 1 the surrogate is -A, or -A log pi under a declared ratio "none" (LOSS-021).
+    rho: Any = 1.0
+    if _ratio(ctx) == "none":
+        rho = torch.where(mask, _own_log_probs(policy, td).double(), 0.0)
     cases = [
         ("loss(td), no counts", None, n, s),
         ("counts=GlobalCounts.of(td)", GlobalCounts.of(td), n, s),
@@ -877,13 +934,15 @@ def global_counts_normalize(ctx: Context) -> None:
         with torch.no_grad():
             out = loss(td) if counts is None else _call_counted(loss, td, counts)
         got = float(_loss_terms(out)["loss_objective"])
-        want = float((-adv[:, None] * _weights_for(ctx, mask, tokens, seqs)).sum())
-        if math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7):
+        want = float((-adv[:, None] * rho * _weights_for(ctx, mask, tokens, seqs)).sum())
+        if math.isclose(got, want, rel_tol=1e-5 * _tol(ctx), abs_tol=1e-7 * _tol(ctx)):
             continue
         hint = ""
         if ctx.options["aggregation"] != "token_mean":
             all_rows = float((-adv[:, None] * _weights_for(ctx, mask, tokens, every_row)).sum())
-            if counts is None and math.isclose(got, all_rows, rel_tol=1e-5, abs_tol=1e-7):
+            if counts is None and math.isclose(
+                got, all_rows, rel_tol=1e-5 * _tol(ctx), abs_tol=1e-7 * _tol(ctx)
+            ):
                 hint = f" (it counted the row without an assistant token: {every_row} sequences)"
         raise _fail(
             f"aggregation {ctx.options['aggregation']!r}, a batch of {every_row} rows, one "
@@ -925,7 +984,8 @@ def micro_batches_add_up(ctx: Context) -> None:
     td = _counted_batch(policy, ctx)
     counts = GlobalCounts.of(td)
     full, g_full = _value_and_grads(policy, loss, td, None)
-    g_tol = _TOL32 * max(float(g_full.abs().max()), 1e-12)
+    add = _add_tol(ctx)
+    g_tol = add * max(float(g_full.abs().max()), 1e-12)
     agg = ctx.options["aggregation"]
     for split in _SPLITS:
         parts = [_value_and_grads(policy, loss, _trimmed(td[list(p)]), counts) for p in split]
@@ -941,7 +1001,7 @@ def micro_batches_add_up(ctx: Context) -> None:
             got = sum(terms.get(name, 0.0) for terms, _ in parts)
             want = full.get(name, 0.0)
             scale = max([abs(want)] + [abs(t.get(name, 0.0)) for t, _ in parts])
-            if not abs(got - want) <= _TOL32 * max(scale, 1e-6):  # NaN fails too
+            if not abs(got - want) <= add * max(scale, 1e-6):  # NaN fails too
                 raise _fail(
                     f"{where}: the micro-batches' {name} sum to {got:.6g}, the whole batch's "
                     f"is {want:.6g}"
@@ -974,15 +1034,17 @@ def _micro_batch_dependence(ctx: Context) -> str:
         td.set(SLP, lp)
         td.set(RLP, lp.clone())
         td.set(ADV, torch.ones(len(lengths)))
-        _, g = _logp_grads(policy, loss, td)
+        tol = _tol(ctx)
+        _, g = _logp_grads(policy, loss, td, tol)
         one = (-float(g[0, prompt]), -float(g[1, prompt]))
-        _, g_short = _logp_grads(policy, loss, td[[0]])
-        _, g_long = _logp_grads(policy, loss, td[[1, 2]])
+        _, g_short = _logp_grads(policy, loss, td[[0]], tol)
+        _, g_long = _logp_grads(policy, loss, td[[1, 2]], tol)
         acc = (-float(g_short[0, prompt]) / 2, -float(g_long[0, prompt]) / 2)
     except Exception as e:
         return f"{head}; its dependence on micro-batching could not be measured: {type(e).__name__}: {e}"
     same = all(
-        math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-8) for a, b in zip(one, acc, strict=True)
+        math.isclose(a, b, rel_tol=1e-4 * tol, abs_tol=1e-8 * tol)
+        for a, b in zip(one, acc, strict=True)
     )
     verdict = (
         "this split leaves its gradient unchanged (other splits may not)"
@@ -1008,6 +1070,7 @@ def diagnostics_add_up(ctx: Context) -> None:
     from posttrain.contracts.loss import GlobalCounts
 
     policy, loss = _setup(ctx, peaked=True)
+    add = _add_tol(ctx)
     td = _counted_batch(policy, ctx)
     td.set(ADV, td.get(ADV).abs())
     # Ratio e on rows 0 and 3 (all clipped, KL > 0), 1 elsewhere: per-row diagnostics differ.
@@ -1034,7 +1097,7 @@ def diagnostics_add_up(ctx: Context) -> None:
                 sums += values[name] * counts.tokens
                 counted += GlobalCounts.of(td[list(rows)]).tokens
             got, want = sums / max(counted, 1.0), full[name]
-            if not math.isclose(got, want, rel_tol=_TOL32, abs_tol=1e-7):
+            if not math.isclose(got, want, rel_tol=add, abs_tol=1e-7 * _tol(ctx)):
                 shown = ", ".join(f"{v[name]:.4g}" for v, _ in parts)
                 raise _fail(
                     f"a batch split into micro-batches {_split_name(split)}, each called with the "
@@ -1043,3 +1106,138 @@ def diagnostics_add_up(ctx: Context) -> None:
                     f"micro-batch's tokens) is {got:.6g}; the whole batch's is {want:.6g} (each "
                     f"must be its sum over assistant tokens / counts.tokens)"
                 )
+
+
+# ---- declared options (since 1.4): checked only where the implementation declares them ----
+
+_KL: dict[str, tuple[Callable[[float], float], Callable[[float], float]]] = {
+    "k1": (lambda x: -x, lambda x: -1.0),
+    "k2": (lambda x: x * x / 2, lambda x: x),
+    "k3": (lambda x: math.exp(x) - 1 - x, lambda x: math.exp(x) - 1),
+}
+"""Each KL estimator k(log r) and its derivative k'(log r), log r = log pi_ref - log pi."""
+
+
+def _ratio(ctx: Context) -> str:
+    """The declared ``ratio`` option, ``"token"`` where undeclared."""
+    return str(ctx.impl.options.get("ratio", "token"))
+
+
+def _declared(ctx: Context, option: str) -> str:
+    if option not in ctx.impl.options:
+        raise NotApplicable(f"option {option!r} not declared")
+    return str(ctx.options[option])
+
+
+def _shifted_ref(td: TensorDictBase, delta: float) -> TensorDictBase:
+    out = td.clone()
+    out.set(RLP, td.get(SLP) + delta)  # the policy's own on assistant tokens, NaN elsewhere
+    return out
+
+
+@requirement("LOSS-019")
+def declared_kl_estimator(ctx: Context) -> None:
+    est = _declared(ctx, "kl_estimator")
+    policy, loss = _setup(ctx)
+    td = _batch(policy, ctx)
+    k = _KL[est][0]
+    vals = {}
+    for delta in (0.5, -0.5):
+        with torch.no_grad():
+            terms = _loss_terms(loss(_shifted_ref(td, delta)))
+        if "loss_kl_to_ref" not in terms:
+            raise _fail(f"kl_estimator {est!r} declared but no 'loss_kl_to_ref' in {sorted(terms)}")
+        vals[delta] = float(terms["loss_kl_to_ref"])
+    want = k(0.5) / k(-0.5)
+    got = vals[0.5] / vals[-0.5] if vals[-0.5] != 0 else math.inf
+    if math.copysign(1.0, vals[0.5]) != math.copysign(1.0, k(0.5)) or not math.isclose(
+        got, want, rel_tol=1e-4 * _tol(ctx)
+    ):
+        raise _fail(
+            f"kl_estimator {est!r}: with reference log-probs the policy's own + 0.5 and - 0.5 on "
+            f"every assistant token, loss_kl_to_ref is {vals[0.5]:.6g} and {vals[-0.5]:.6g} "
+            f"(ratio {got:.6g}); expected the sign of k(0.5) = {k(0.5):.6g} and the ratio "
+            f"k(0.5)/k(-0.5) = {want:.6g}"
+        )
+
+
+@requirement("LOSS-020")
+def declared_kl_gradient(ctx: Context) -> None:
+    form = _declared(ctx, "kl_gradient")
+    est = str(ctx.options.get("kl_estimator", "k3"))
+    policy, loss = _setup(ctx)
+    delta = 0.5
+    td = _shifted_ref(_batch(policy, ctx), delta)
+    value, got = _logp_grads(policy, loss, td, _tol(ctx), term="loss_kl_to_ref")
+    k, dk = _KL[est]
+    w = _expected_weights(ctx, td.get(ASST))
+    beta = float(value) / (k(delta) * float(w.sum()))
+    per = -dk(delta) + (k(delta) if form == "score" else 0.0)
+    want = w * beta * per
+    if not torch.allclose(got, want, atol=1e-6 * _tol(ctx), rtol=1e-4 * _tol(ctx)):
+        i, t = divmod(int((got - want).abs().argmax()), got.shape[1])
+        other = -dk(delta) + (0.0 if form == "score" else k(delta))
+        raise _fail(
+            f"kl_gradient {form!r} ({est}): with reference log-probs the policy's own + {delta} "
+            f"on assistant tokens, d loss_kl_to_ref / d logp at row {i}, position {t} is "
+            f"{float(got[i, t]):.6g}, expected {float(want[i, t]):.6g} "
+            f"(the other form gives {float(w[i, t]) * beta * other:.6g})"
+        )
+
+
+def _ratio_batch(policy: Any, ctx: Context) -> tuple[TensorDictBase, torch.Tensor]:
+    """Off policy inside the clip bounds: sample log-probs = own - ε_t, |ε_t| <= 0.1."""
+    td = _batch(policy, ctx)
+    lo, hi = (0.2, 0.2)
+    if "clip" in ctx.capabilities:
+        lo, hi, _ = _clip_declaration(ctx)
+    cap = min(
+        0.1, 0.5 * math.log1p(hi) if hi > 0 else 0.0, -0.5 * math.log1p(-lo) if lo > 0 else 0.0
+    )
+    g = torch.Generator().manual_seed(ctx.seed + 11)
+    eps = (torch.rand(td.get(TOK).shape, generator=g) * 2 - 1) * cap
+    mask = td.get(ASST)
+    eps = torch.where(mask, eps, 0.0)
+    td.set(SLP, td.get(SLP) - eps)
+    return td, eps.double()
+
+
+@requirement("LOSS-021")
+def declared_ratio(ctx: Context) -> None:
+    kind = _declared(ctx, "ratio")
+    policy, loss = _setup(ctx)
+    td, eps = _ratio_batch(policy, ctx)
+    value, got = _logp_grads(policy, loss, td, _tol(ctx))
+    mask = td.get(ASST)
+    m = mask.double()
+    w = _expected_weights(ctx, mask).double()
+    adv = td.get(ADV).double()
+    a = adv[:, None] if adv.ndim == 1 else adv
+    logp = torch.where(mask, _own_log_probs(policy, td).double(), 0.0)
+    if kind == "token":
+        rho = eps.exp()
+        grad = -a * rho * w
+    elif kind == "sequence":
+        n = m.sum(-1, keepdim=True).clamp_min(1)
+        r = ((eps * m).sum(-1, keepdim=True) / n).exp()
+        rho = r.expand_as(m)
+        grad = -a * r * (w * m).sum(-1, keepdim=True) / n * m
+    elif kind == "on_policy":
+        rho, grad = torch.ones_like(m), -a * w
+    else:
+        rho, grad = logp, -a * w
+    want_value = float((w * -a * rho * m).sum())
+    tol = _tol(ctx)
+    if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
+        raise _fail(
+            f"ratio {kind!r}: off policy (sample log-probs = own - ε, |ε| <= "
+            f"{float(eps.abs().max()):.3g}), loss_objective is {float(value):.6g}, expected "
+            f"sum of w x (-A x ρ) = {want_value:.6g}"
+        )
+    grad = grad.float()
+    if not torch.allclose(got, grad, atol=1e-6 * tol, rtol=1e-4 * tol):
+        i, t = divmod(int((got - grad).abs().argmax()), got.shape[1])
+        raise _fail(
+            f"ratio {kind!r}: off policy, d loss_objective / d logp at row {i}, position {t} is "
+            f"{float(got[i, t]):.6g}, expected {float(grad[i, t]):.6g}"
+        )
