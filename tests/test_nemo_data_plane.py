@@ -98,7 +98,7 @@ def test_a_refused_write_leaves_every_id_as_it_was() -> None:
 
 
 def test_a_write_refused_on_a_later_field_leaves_earlier_fields_of_other_ids_intact() -> None:
-    dp = NemoDataPlaneClient(RingBuffer, capacity=2)
+    dp = NemoDataPlaneClient(RingBuffer, capacity=2, full="evict_oldest")
     dp.put_samples(
         ["a", "b"],
         "train",
@@ -117,7 +117,7 @@ def test_a_write_refused_on_a_later_field_leaves_earlier_fields_of_other_ids_int
 
 
 def test_an_id_whose_row_was_overwritten_raises_instead_of_reading_the_new_row() -> None:
-    dp = NemoDataPlaneClient(RingBuffer, capacity=2)
+    dp = NemoDataPlaneClient(RingBuffer, capacity=2, full="evict_oldest")
     dp.put_samples(["a", "b"], "train", TensorDict({"x": torch.tensor([1.0, 2.0])}, [2]))
     dp.put_samples(["c"], "train", TensorDict({"x": torch.tensor([3.0])}, [1]))  # over a's row
     with pytest.raises(KeyError, match=r"sample ids \['a'\] were evicted"):
@@ -135,3 +135,51 @@ def test_an_id_whose_row_was_overwritten_raises_instead_of_reading_the_new_row()
     with pytest.raises(ValueError, match=r"at most capacity=2 ids per write, found 3"):
         dp.put_samples(["p", "q", "r"], "train", TensorDict({"x": torch.zeros(3)}, [3]))
     assert dp.get_samples(["c"], "train", ["x"])["x"].tolist() == [5.0]
+
+
+def test_full_refuse_is_the_default_and_writes_nothing() -> None:
+    from posttrain.adapters.nemo_rl.data_plane import DataPlaneFullError
+
+    dp = NemoDataPlaneClient(RingBuffer, capacity=2)
+    td = TensorDict({"x": torch.tensor([1.0, 2.0])}, [2])
+    dp.put_samples(["a", "b"], "train", td)
+    with pytest.raises(DataPlaneFullError, match=r"live ids 'a'"):
+        dp.put_samples(["c"], "train", TensorDict({"x": torch.tensor([3.0])}, [1]))
+    assert dp.get_samples(["a", "b"], "train", ["x"])["x"].tolist() == [1.0, 2.0]
+    dp.put_samples(["a"], "train", TensorDict({"x": torch.tensor([5.0])}, [1]))  # a rewrite
+    dp.clear_samples(["b"], "train")
+    dp.put_samples(["c"], "train", TensorDict({"x": torch.tensor([3.0])}, [1]))
+    assert dp.get_samples(["a", "c"], "train", ["x"])["x"].tolist() == [5.0, 3.0]
+
+
+def test_reserve_then_commit_as_tq_replay_buffer() -> None:
+    from posttrain.adapters.nemo_rl.data_plane import DataPlaneFullError, NemoGroupSlots
+
+    dp = NemoDataPlaneClient(RingBuffer, capacity=4)
+    slots = NemoGroupSlots(dp, "train")
+    g0 = slots.reserve(weight_version=0, target_step=1, group_id="g0")
+    g1 = slots.reserve(weight_version=0, target_step=1)
+    assert slots.ready_list == [False, False]
+    with pytest.raises(ValueError, match="unknown group_id"):
+        slots.commit("nope", ["x"], TensorDict({"x": torch.ones(1)}, [1]), 0, 0)
+    lengths = TensorDict({"input_lengths": torch.tensor([3, 4])}, [2])
+    meta = slots.commit(g1, ["g1_0", "g1_1"], lengths, 0, 1)  # commits land out of order
+    assert slots.ready_list == [False, True]
+    assert meta.sequence_lengths == [3, 4]
+    assert slots.end_weight_list == [-1, 1]
+    slots.commit(g0, ["g0_0", "g0_1"], lengths, 0, 1)
+    g2 = slots.reserve(weight_version=1, target_step=2)
+    with pytest.raises(DataPlaneFullError):  # the store is full of live rows: nothing kept
+        slots.commit(g2, ["g2_0"], TensorDict({"input_lengths": torch.tensor([1])}, [1]), 1, 1)
+    assert slots.ready_list == [True, True, False]
+    assert slots.count_for_target_step(1) == 2
+    # The ring writes FIFO: freeing g0's rows (written second) does not free the next row.
+    assert slots.remove_group(g0, remove_in_dp=True) == 1
+    with pytest.raises(DataPlaneFullError, match="'g1_0'"):
+        slots.commit(g2, ["g2_0"], TensorDict({"input_lengths": torch.tensor([1])}, [1]), 1, 1)
+    assert slots.remove_group(g1, remove_in_dp=True) == 1
+    slots.commit(g2, ["g2_0"], TensorDict({"input_lengths": torch.tensor([1])}, [1]), 1, 1)
+    got = dp.get_samples(["g2_0"], "train", ["input_lengths"])
+    assert got["input_lengths"].tolist() == [1]
+    with pytest.raises(IndexError):
+        slots.remove([5], remove_in_dp=False)

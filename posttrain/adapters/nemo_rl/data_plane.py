@@ -10,8 +10,13 @@ None, partition_id)`` drops ids (``None``: all of the partition). Values travel 
 Here each (partition, field) is stored in its own buffer made by ``make_buffer(capacity)``:
 one item per sample, a per-token row kept at its own length (a ragged buffer) or a fixed
 shape, read back by index (buffer capability ``read``). The interface says nothing of a full
-store (TransferQueue's ``storage_capacity`` bounds a partition); here a store's FIFO write
-evicts the oldest rows, and reading an id whose row was overwritten raises ``KeyError``.
+store (TransferQueue's ``storage_capacity`` bounds a partition); here the policy is explicit:
+``full="refuse"`` (the default) raises :class:`DataPlaneFullError` before anything is written
+when a write would land on a live id's row; ``full="evict_oldest"`` lets the FIFO write evict
+the oldest rows, and reading an id whose row was overwritten raises ``KeyError``.
+
+:class:`NemoGroupSlots` is the reserve-then-commit slot list of NeMo-RL's ``TQReplayBuffer``
+(``nemo_rl/algorithms/async_utils/replay_buffer.py``, 7ea279a) over this client.
 """
 
 from __future__ import annotations
@@ -25,6 +30,21 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.schema import ItemSchema
 from posttrain.contracts.validation import ContractViolation
+from posttrain.errors import PosttrainError
+
+
+class DataPlaneFullError(PosttrainError, RuntimeError):
+    """A write refused because it would overwrite rows of live sample ids (``full="refuse"``).
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> dp = NemoDataPlaneClient(RingBuffer, capacity=1)
+        >>> _ = dp.put_samples(["a"], "p", TensorDict({"x": torch.ones(1)}, [1]))
+        >>> dp.put_samples(["b"], "p", TensorDict({"x": torch.ones(1)}, [1]))
+        Traceback (most recent call last):
+        ...
+        posttrain.adapters.nemo_rl.data_plane.DataPlaneFullError: put_samples: ...
+    """
 
 
 @dataclass
@@ -81,7 +101,12 @@ class NemoDataPlaneClient:
         *,
         make_ragged_buffer: Callable[[int], Any] | None = None,
         capacity: int = 1024,
+        full: str = "refuse",
     ) -> None:
+        if full not in ("refuse", "evict_oldest"):
+            raise ValueError(f"full: expected 'refuse' or 'evict_oldest', found {full!r}")
+        self.full = full
+        self._writes: dict[tuple[str, str], int] = {}  # items extended per store (FIFO position)
         self.make_buffer = make_buffer
         self.make_ragged_buffer = make_ragged_buffer
         self.capacity = capacity
@@ -149,11 +174,14 @@ class NemoDataPlaneClient:
             name: self._check(partition_id, name, items, nested[name])
             for name, items in rows.items()
         }
+        if self.full == "refuse":
+            self._refuse_if_full(partition_id, list(rows), set(sample_ids), n)
         written: dict[str, list[int]] = {}
         try:
             for name, items in rows.items():
                 store = self._store(partition_id, name, nested[name])
                 written[name] = [int(i) for i in store.extend(items).tolist()]
+                self._writes[(partition_id, name)] = self._writes.get((partition_id, name), 0) + n
         finally:
             # A store that refuses despite the check leaves the fields written before it
             # unindexed, but the rows they overwrote are gone all the same.
@@ -166,6 +194,26 @@ class NemoDataPlaneClient:
         if "input_lengths" in rows:
             lengths = [int(v) for v in fields.get("input_lengths").reshape(-1).tolist()]  # type: ignore[union-attr]
         return KVBatchMeta(partition_id, None, list(sample_ids), names, lengths, {}, tags)
+
+    def _refuse_if_full(self, partition_id: str, names: list[str], ids: set[str], n: int) -> None:
+        """Raise before writing when the FIFO's next ``n`` rows of a store hold live ids."""
+        for name in names:
+            key = (partition_id, name)
+            slots = self._slots.get(key, {})
+            w = self._writes.get(key, 0)
+            hit = sorted(
+                {slots[r] for r in ((w + j) % self.capacity for j in range(n)) if r in slots} - ids
+            )
+            if hit:
+                shown = ", ".join(repr(h) for h in hit[:10]) + (
+                    f" and {len(hit) - 10} more" if len(hit) > 10 else ""
+                )
+                raise DataPlaneFullError(
+                    f"put_samples: field {name!r} of partition {partition_id!r}: writing {n} ids "
+                    f"would overwrite the rows of live ids {shown} (capacity={self.capacity}, "
+                    "full='refuse'); nothing written. clear_samples them first, raise capacity, "
+                    "or pass full='evict_oldest'"
+                )
 
     def get_samples(
         self, sample_ids: list[str], partition_id: str, select_fields: list[str]
@@ -227,6 +275,7 @@ class NemoDataPlaneClient:
         self._evicted.clear()
         self._schemas.clear()
         self._nested.clear()
+        self._writes.clear()
 
     def _open(self) -> None:
         if self._closed:
@@ -298,3 +347,134 @@ def _column(items: TensorDictBase, nested: bool) -> torch.Tensor:
         return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
     out: torch.Tensor = items.get(_VALUE)
     return out
+
+
+class NemoGroupSlots:
+    """Reserve-then-commit prompt-group slots over a data-plane client, as ``TQReplayBuffer``.
+
+    ``nemo_rl/algorithms/async_utils/replay_buffer.py:TQReplayBuffer`` (7ea279a): ``reserve``
+    appends an unready slot stamped with the weight version (and target step) before the
+    rollout starts; ``commit`` writes the group's rows to the data plane and marks the slot
+    ready, rolling the rows back with ``clear_samples`` if the write fails; ``remove_group`` /
+    ``remove`` drop slots (and, asked, their rows). Differences, on purpose: calls are
+    synchronous (NeMo-RL's ``commit``/``remove`` are coroutines), and ``commit`` takes the
+    packed ``sample_ids`` and ``fields`` (NeMo-RL packs a ``PromptGroupRecord`` itself with
+    ``record_to_train_batch`` / ``pack_payload``).
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> slots = NemoGroupSlots(NemoDataPlaneClient(RingBuffer, capacity=8), "train")
+        >>> gid = slots.reserve(weight_version=3, target_step=4, group_id="g0")
+        >>> slots.ready_list, slots.size()
+        ([False], 1)
+        >>> meta = slots.commit(gid, ["g0_0", "g0_1"], TensorDict({"input_lengths": torch.tensor([2, 3])}, [2]), 3, 4)
+        >>> slots.ready_list, meta.sequence_lengths, slots.count_for_target_step(4)
+        ([True], [2, 3], 1)
+    """
+
+    def __init__(self, dp_client: NemoDataPlaneClient, partition_id: str) -> None:
+        self._dp = dp_client
+        self._partition_id = partition_id
+        self.meta_list: list[KVBatchMeta | None] = []
+        self.start_weight_list: list[int] = []
+        self.end_weight_list: list[int] = []
+        self.target_step_list: list[int | None] = []
+        self.ready_list: list[bool] = []
+        self._group_ids: list[str] = []
+
+    def reserve(
+        self, *, weight_version: int, target_step: int | None = None, group_id: str | None = None
+    ) -> str:
+        """Append an unready slot; return its ``group_id`` (a fresh uuid4 by default)."""
+        import uuid
+
+        gid = str(uuid.uuid4()) if group_id is None else group_id
+        if gid in self._group_ids:
+            raise ValueError(f"group_id={gid!r}: already has a live slot")
+        self.meta_list.append(None)
+        self.start_weight_list.append(weight_version)
+        self.end_weight_list.append(-1)
+        self.target_step_list.append(target_step)
+        self.ready_list.append(False)
+        self._group_ids.append(gid)
+        return gid
+
+    def commit(
+        self,
+        group_id: str,
+        sample_ids: list[str],
+        fields: TensorDictBase,
+        start_weight_version: int,
+        end_weight_version: int,
+        tags: list[dict[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        """Write the group's rows and mark its slot ready; unknown ``group_id``: ``ValueError``.
+
+        A failed write (a refused schema, :class:`DataPlaneFullError`) clears whatever rows of
+        ``sample_ids`` it left and re-raises; the slot stays reserved and unready.
+        """
+        if group_id not in self._group_ids:
+            raise ValueError(
+                f"commit called with unknown group_id={group_id!r}; reserve() must precede "
+                "commit() (or the slot was already removed)"
+            )
+        if tags is None:
+            tags = [{"group_id": group_id, "weight_version": start_weight_version}] * len(
+                sample_ids
+            )
+        try:
+            meta = self._dp.put_samples(list(sample_ids), self._partition_id, fields, tags)
+        except BaseException:
+            self._dp.clear_samples(list(sample_ids), self._partition_id)
+            raise
+        meta.task_name = "train"
+        i = self._group_ids.index(group_id)
+        self.meta_list[i] = meta
+        self.start_weight_list[i] = start_weight_version
+        self.end_weight_list[i] = end_weight_version
+        self.ready_list[i] = True
+        return meta
+
+    def remove_group(self, group_id: str, *, remove_in_dp: bool = False) -> int:
+        """Drop the slot of ``group_id`` (``ValueError`` if none is live)."""
+        try:
+            i = self._group_ids.index(group_id)
+        except ValueError as error:
+            raise ValueError(f"unknown group_id={group_id!r}") from error
+        return self.remove([i], remove_in_dp=remove_in_dp)
+
+    def remove(self, idxs: list[int], remove_in_dp: bool) -> int:
+        """Drop the slots at ``idxs`` (and their rows when ``remove_in_dp``); how many."""
+        if not idxs:
+            return 0
+        drop = sorted(set(idxs), reverse=True)
+        if drop[0] >= len(self.meta_list) or drop[-1] < 0:
+            raise IndexError(f"remove: indices out of range: {drop[0]}; size={len(self.meta_list)}")
+        ids: list[str] = []
+        for i in drop:
+            meta = self.meta_list[i]
+            if meta is not None:
+                ids.extend(meta.sample_ids)
+            for lst in (
+                self.meta_list,
+                self.start_weight_list,
+                self.end_weight_list,
+                self.target_step_list,
+                self.ready_list,
+                self._group_ids,
+            ):
+                del lst[i]
+        if remove_in_dp and ids:
+            self._dp.clear_samples(ids, self._partition_id)
+        return len(drop)
+
+    def count_for_target_step(self, target_step: int) -> int:
+        """Slots stamped with ``target_step``."""
+        return sum(1 for t in self.target_step_list if t == target_step)
+
+    def size(self) -> int:
+        """Slots held, ready or not."""
+        return len(self.meta_list)
+
+    def __len__(self) -> int:
+        return len(self.meta_list)
