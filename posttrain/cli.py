@@ -123,7 +123,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     for name, text in (
         ("report", "run the conformance matrix and write Markdown, HTML and JSON reports"),
         ("specs", "write specs/ from the contracts (--check: exit 1 on drift)"),
-        ("plot", "draw a run directory's metrics as a dashboard PNG"),
+        ("plot", "draw the runs under directories as one dashboard PNG (overlaid, smoothed)"),
     ):
         sub.add_parser(name, help=text, add_help=False)
     sub.add_parser("list", help="list contracts with versions and registered implementations")

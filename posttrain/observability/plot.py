@@ -1,15 +1,25 @@
-"""A run's metrics as one PNG dashboard of the core panels.
+"""Runs' metrics as one PNG dashboard: every run overlaid, smoothed, with spread bands.
 
-``python -m posttrain.observability.plot RUN_DIR --out dashboard.png`` reads JSONL
-(``JsonlSink``), TensorBoard event files or an MLflow store (``MlflowSink``) under ``RUN_DIR``
-and draws reward, KL, entropy, clip fractions, lengths, throughput and staleness, one panel
-each, with the catalogue's names and units. Needs matplotlib (``posttrain[observability]``).
+``posttrain plot DIR [DIR ...] --out dashboard.png`` finds every run under each directory:
+a folder of JSONL (``JsonlSink``), a folder of TensorBoard event files, each run of an MLflow
+store (``MlflowSink``'s ``mlflow.db``) and each offline W&B run (``WandbSink``). Each run is
+drawn once, in its own colour, with a legend: a run written to several backends at once
+(``Tee``) is found in each and drawn from the first (the others are listed as its copies), so
+a parent folder never counts a point twice. ``--run NAME`` keeps the runs whose label contains
+NAME (an MLflow store with two runs is two runs, never one line through both). Lines are a
+debiased EMA of the points (``--smoothing``, TensorBoard's rule; the raw points stay faint
+behind), a ``<name>/mean`` with a ``<name>/std`` gets a mean +- std band, steps are integers
+and no axis carries an offset. Needs matplotlib (``posttrain[observability]``).
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import math
 import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +29,215 @@ from posttrain.contracts.catalogue import CATALOGUE_V1
 Scalars = dict[str, list[tuple[int, float]]]
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("rollout/reward/mean", "rollout/reward/min", "rollout/reward/max")),
+    ("reward", ("rollout/reward/mean",)),
+    ("advantage", ("rollout/advantage/mean", "rollout/advantage/min", "rollout/advantage/max")),
+    ("zero-std groups", ("rollout/group/zero_std_frac",)),
     ("KL to reference", ("policy/kl_ref/k3", "policy/kl_ref/k1")),
     ("entropy", ("policy/entropy", "policy/entropy/sampled")),
     ("clip fraction", ("policy/clip_frac/low", "policy/clip_frac/high")),
+    ("importance ratio", ("policy/ratio/mean", "policy/ratio/min", "policy/ratio/max")),
+    ("sampler-trainer mismatch KL", ("policy/mismatch_kl",)),
     ("lengths", ("rollout/response_len/mean", "rollout/prompt_len/mean")),
+    ("truncated", ("rollout/truncated_frac",)),
+    ("loss", ("loss/total", "loss/policy")),
+    ("grad norm", ("optim/grad_norm",)),
+    ("learning rate", ("optim/lr",)),
     ("throughput", ("perf/gen_tokens_per_s", "perf/train_tokens_per_s")),
     ("staleness", ("staleness/mean", "staleness/max")),
-    ("loss", ("loss/total", "loss/policy")),
+    ("time", ("time/step_s", "time/rollout_s", "time/train_s")),
 )
-"""Panel title -> the catalogue metrics it draws."""
+"""Panel title -> the catalogue metrics it draws (a ``/mean`` with a ``/std`` gets a band)."""
+
+DEFAULT_SMOOTHING = 0.6
+"""The EMA weight of the previous smoothed value (TensorBoard's slider): 0 draws the points."""
+
+
+@dataclass
+class Run:
+    """One run found under a directory: where, from which backend, and its scalars.
+
+    Example:
+        >>> Run("trl", "mlflow", Path("runs"), {"loss/total": [(1, 0.5)]}).label
+        'trl'
+    """
+
+    label: str
+    source: str
+    path: Path
+    scalars: Scalars
+    copies: list[str] = field(default_factory=list)
+    """Labels of the same run found in other backends (skipped: one drawing per point)."""
+
+
+def _rel(path: Path, root: Path) -> str:
+    rel = path.resolve().relative_to(root.resolve()).as_posix()
+    return root.resolve().name if rel == "." else rel
+
+
+def _jsonl_runs(root: Path) -> list[Run]:
+    from posttrain.reference_impls import read_jsonl
+    from posttrain.reference_impls.jsonl_sink import FILE_NAME
+
+    dirs = sorted({p.parent for p in root.rglob(FILE_NAME)})
+    return [Run(_rel(d, root), "jsonl", d, read_jsonl(d)) for d in dirs]
+
+
+def _tensorboard_runs(root: Path) -> list[Run]:
+    dirs = sorted({p.parent for p in root.rglob("events.out.tfevents.*")})
+    if not dirs:
+        return []
+    with optional_deps():
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = []
+    for d in dirs:
+        # This folder's event files only: read from a parent, they would count twice.
+        acc = EventAccumulator(str(d), size_guidance={"scalars": 0})
+        acc.Reload()
+        scalars = {
+            tag: [(int(e.step), float(e.value)) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()["scalars"]
+        }
+        if scalars:
+            out.append(Run(_rel(d, root), "tensorboard", d, scalars))
+    return out
+
+
+def _mlflow_runs(root: Path) -> list[Run]:
+    stores = sorted({p.parent for p in root.rglob("mlflow.db")})
+    if not stores:
+        return []
+    with optional_deps():
+        from mlflow.tracking import MlflowClient
+
+    from posttrain.observability.sinks import EXPERIMENT, mlflow_uri
+
+    out = []
+    for store in stores:
+        client = MlflowClient(tracking_uri=mlflow_uri(store))
+        exp = client.get_experiment_by_name(EXPERIMENT)
+        if exp is None:
+            continue
+        runs = sorted(client.search_runs([exp.experiment_id]), key=lambda r: r.info.start_time)
+        names = [r.info.run_name for r in runs]
+        for r in runs:
+            scalars = {
+                key: sorted(
+                    (int(m.step), float(m.value))
+                    for m in client.get_metric_history(r.info.run_id, key)
+                )
+                for key in r.data.metrics
+            }
+            name = str(r.info.run_name)
+            if names.count(r.info.run_name) > 1:  # two runs of one name stay two runs
+                name = f"{name}:{r.info.run_id[:8]}"
+            at_root = store.resolve() == root.resolve()
+            label = name if at_root else f"{_rel(store, root)}/{name}"
+            out.append(Run(label, "mlflow", store, scalars))
+    return out
+
+
+def _wandb_runs(root: Path) -> list[Run]:
+    files = sorted({p.resolve() for p in root.rglob("run-*.wandb")})
+    if not files:
+        return []
+    from posttrain.observability.sinks import read_wandb
+
+    out = []
+    for f in files:
+        # One run's folder: read_wandb reads every .wandb under what it is given.
+        scalars = read_wandb(f.parent)
+        out.append(Run(_rel(f.parent, root), "wandb", f.parent, scalars))
+    return out
+
+
+def _fingerprint(scalars: Scalars) -> tuple[Any, ...]:
+    # float32: TensorBoard keeps float32, so a Tee's copies agree only to that precision.
+    import numpy as np
+
+    return tuple(
+        (
+            k,
+            tuple(
+                (s, float(np.float32(v)) if math.isfinite(v) else repr(v)) for s, v in sorted(vals)
+            ),
+        )
+        for k, vals in sorted(scalars.items())
+    )
+
+
+def find_runs(directory: str | os.PathLike[str]) -> list[Run]:
+    """Every run under ``directory``, each once (see the module docstring), by label.
+
+    A run found with the same points in a second backend is listed in the first's ``copies``
+    and not returned again.
+
+    Example:
+        >>> import tempfile
+        >>> from posttrain.reference_impls import JsonlSink
+        >>> d = Path(tempfile.mkdtemp())
+        >>> for name in ("a", "b"):
+        ...     sink = JsonlSink(d / name); sink.log_scalar("loss/total", 1.0, step=1); sink.close()
+        >>> [r.label for r in find_runs(d)]
+        ['a', 'b']
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: expected a run directory, found none")
+    found = [
+        *_jsonl_runs(root),
+        *_tensorboard_runs(root),
+        *_mlflow_runs(root),
+        *_wandb_runs(root),
+    ]
+    out: list[Run] = []
+    seen: dict[tuple[Any, ...], Run] = {}
+    for run in found:
+        if not run.scalars:
+            continue
+        key = _fingerprint(run.scalars)
+        # Equal points from another backend: one Tee wrote both. Within one backend, equal
+        # runs (a deterministic rerun) are runs of their own.
+        if key in seen and seen[key].source != run.source:
+            seen[key].copies.append(f"{run.label} ({run.source})")
+            continue
+        seen[key] = run
+        out.append(run)
+    labels = [r.label for r in out]
+    for run in out:  # one folder holding two backends' different runs: name the backend too
+        if labels.count(run.label) > 1:
+            run.label = f"{run.label} ({run.source})"
+    return out
+
+
+def select_runs(runs: Sequence[Run], patterns: Sequence[str]) -> list[Run]:
+    """The runs whose label contains one of ``patterns`` (or matches it as a glob); all of
+    them without patterns. A pattern matching nothing raises, listing the labels.
+
+    Example:
+        >>> runs = [Run("mlflow/trl", "mlflow", Path("."), {}), Run("mlflow/torchrl", "mlflow", Path("."), {})]
+        >>> [r.label for r in select_runs(runs, ["mlflow"])]
+        ['mlflow/trl', 'mlflow/torchrl']
+        >>> [r.label for r in select_runs(runs, ["*/trl"])]
+        ['mlflow/trl']
+    """
+    if not patterns:
+        return list(runs)
+    out = []
+    for p in patterns:
+        hit = [r for r in runs if p in r.label or fnmatch.fnmatchcase(r.label, p)]
+        if not hit:
+            raise ValueError(
+                f"--run {p!r}: no run matches; runs found: {[r.label for r in runs][:10]}"
+            )
+        out += [r for r in hit if r not in out]
+    return out
 
 
 def read_run(directory: str | os.PathLike[str], *, mlflow_run: str | None = None) -> Scalars:
-    """Every scalar under ``directory``: JSONL, TensorBoard, an MLflow store (one run of it
-    with ``mlflow_run``) and offline W&B runs written by ``WandbSink``, merged.
+    """The scalars of the one run under ``directory`` (``mlflow_run`` selects one by label).
+
+    Several different runs raise rather than merge: merged, two runs draw one zig-zag line.
 
     Example:
         >>> import tempfile
@@ -43,46 +247,139 @@ def read_run(directory: str | os.PathLike[str], *, mlflow_run: str | None = None
         >>> read_run(d)
         {'rollout/reward/mean': [(1, 0.5)]}
     """
-    d = Path(directory)
-    out: Scalars = {}
-    if any(d.rglob("*.jsonl")):
-        from posttrain.reference_impls import read_jsonl
-
-        for sub in sorted({p.parent for p in d.rglob("*.jsonl")}):
-            for k, v in read_jsonl(sub).items():
-                out.setdefault(k, []).extend(v)
-    if any(d.rglob("events.out.tfevents.*")):
-        with optional_deps():
-            from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        for run in sorted({p.parent for p in d.rglob("events.out.tfevents.*")}):
-            acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
-            acc.Reload()
-            for tag in acc.Tags()["scalars"]:
-                out.setdefault(tag, []).extend(
-                    (int(e.step), float(e.value)) for e in acc.Scalars(tag)
-                )
-    if (d / "mlflow.db").exists():
-        from posttrain.observability.sinks import read_mlflow
-
-        for k, v in read_mlflow(d, mlflow_run).items():
-            out.setdefault(k, []).extend(v)
-    if any(d.rglob("run-*.wandb")):
-        from posttrain.observability.sinks import read_wandb
-
-        for k, v in read_wandb(d).items():
-            out.setdefault(k, []).extend(v)
-    return {k: sorted(v) for k, v in out.items()}
+    runs = find_runs(directory)
+    if mlflow_run is not None:
+        runs = [r for r in runs if r.label.split("/")[-1] == mlflow_run] or select_runs(
+            runs, [mlflow_run]
+        )
+    if len(runs) > 1:
+        raise ValueError(
+            f"{directory}: {len(runs)} runs found ({[r.label for r in runs][:10]}); select one "
+            "(mlflow_run=, or --run in `posttrain plot`) or draw them all with dashboard()"
+        )
+    return runs[0].scalars if runs else {}
 
 
-def dashboard(scalars: Scalars, out: str | os.PathLike[str], *, title: str = "") -> Path:
-    """Draw :data:`PANELS` from ``scalars`` into a PNG at ``out``; empty panels say so.
+def ema(values: Sequence[float], smoothing: float) -> list[float]:
+    """TensorBoard's debiased exponential moving average; a NaN or inf point is skipped
+    (the line holds its last value) rather than poisoning every later one.
 
     Example:
-        >>> import tempfile, os
+        >>> ema([1.0, 3.0], 0.5)  # (0.5 * 1 + 1 * 3 ...) debiased: the first point is itself
+        [1.0, 2.3333333333333335]
+        >>> ema([1.0, float("nan"), 3.0], 0.0)
+        [1.0, 1.0, 3.0]
+    """
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing: expected a weight in [0, 1), found {smoothing!r}")
+    out, last, weight = [], 0.0, 0.0
+    for v in values:
+        if math.isfinite(v):
+            last = last * smoothing + (1 - smoothing) * v
+            weight = weight * smoothing + (1 - smoothing)
+        out.append(last / weight if weight else math.nan)
+    return out
+
+
+@dataclass
+class Series:
+    """One metric of one run as drawn: its points, the smoothed line and the band, if any."""
+
+    run: str
+    metric: str
+    steps: list[int]
+    values: list[float]
+    smooth: list[float]
+    band: tuple[list[float], list[float]] | None = None
+
+
+@dataclass
+class Panel:
+    """One panel: its title (with the catalogue's unit) and its series."""
+
+    title: str
+    metrics: tuple[str, ...]
+    series: list[Series]
+
+
+def panels(runs: Mapping[str, Scalars], *, smoothing: float = DEFAULT_SMOOTHING) -> list[Panel]:
+    """What :func:`dashboard` draws, as data: one :class:`Panel` per :data:`PANELS` entry.
+
+    Example:
+        >>> ps = panels({"a": {"rollout/reward/mean": [(1, 1.0), (2, 3.0)],
+        ...                    "rollout/reward/std": [(1, 0.5), (2, 0.5)]}}, smoothing=0.0)
+        >>> s = ps[0].series[0]
+        >>> (s.run, s.steps, s.smooth, s.band)
+        ('a', [1, 2], [1.0, 3.0], ([0.5, 2.5], [1.5, 3.5]))
+    """
+    out = []
+    for title, metrics in PANELS:
+        series = []
+        for label, scalars in runs.items():
+            for m in metrics:
+                points = sorted(scalars.get(m, []))
+                if not points:
+                    continue
+                steps = [s for s, _ in points]
+                values = [v for _, v in points]
+                smooth = ema(values, smoothing)
+                band = None
+                if m.endswith("/mean") and scalars.get(m[: -len("mean")] + "std"):
+                    std = dict(scalars[m[: -len("mean")] + "std"])
+                    sd = ema([std.get(s, math.nan) for s in steps], smoothing)
+                    band = (
+                        [a - b for a, b in zip(smooth, sd, strict=True)],
+                        [a + b for a, b in zip(smooth, sd, strict=True)],
+                    )
+                series.append(Series(label, m, steps, values, smooth, band))
+        unit = CATALOGUE_V1.metric(metrics[0]).unit
+        out.append(Panel(f"{title} [{unit}]", metrics, series))
+    return out
+
+
+_STYLES = ("-", "--", ":", "-.")
+
+
+def dashboard(
+    runs: Scalars | Mapping[str, Scalars],
+    out: str | os.PathLike[str],
+    *,
+    title: str = "",
+    smoothing: float = DEFAULT_SMOOTHING,
+) -> Path:
+    """Draw :func:`panels` of ``runs`` (label -> scalars, or one run's scalars) into a PNG.
+
+    Example:
+        >>> import tempfile
         >>> path = dashboard({"rollout/reward/mean": [(1, 0.1), (2, 0.4)]}, tempfile.mktemp(suffix=".png"))
         >>> path.stat().st_size > 1000
         True
+    """
+    fig = figure(runs, title=title, smoothing=smoothing)
+    with optional_deps():
+        import matplotlib.pyplot as plt
+
+    path = Path(out)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def _as_runs(runs: Scalars | Mapping[str, Scalars]) -> dict[str, Scalars]:
+    if runs and all(isinstance(v, list) for v in runs.values()):
+        return {"run": runs}  # type: ignore[dict-item]
+    return dict(runs)  # type: ignore[arg-type]
+
+
+def figure(
+    runs: Scalars | Mapping[str, Scalars], *, title: str = "", smoothing: float = DEFAULT_SMOOTHING
+) -> Any:
+    """The dashboard as a matplotlib ``Figure`` (what :func:`dashboard` saves).
+
+    Example:
+        >>> fig = figure({"a": {"optim/lr": [(0, 1e-6), (1, 2e-6)]}}, smoothing=0.0)
+        >>> ax = fig.axes[12]; ax.get_title(), [float(y) for y in ax.lines[-1].get_ydata()]
+        ('learning rate [1]', [1e-06, 2e-06])
     """
     with optional_deps():
         import matplotlib
@@ -90,24 +387,32 @@ def dashboard(scalars: Scalars, out: str | os.PathLike[str], *, title: str = "")
     matplotlib.use("Agg")
     with optional_deps():
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
+    by_run = _as_runs(runs)
+    colours = {label: f"C{i % 10}" for i, label in enumerate(by_run)}
+    several = len(by_run) > 1
     cols = 4
     rows = -(-len(PANELS) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
-    for ax, (name, metrics) in zip(axes.flat, PANELS, strict=False):
-        drawn = False
-        for m in metrics:
-            series = scalars.get(m)
-            if not series:
-                continue
-            steps, values = zip(*series, strict=True)
-            ax.plot(steps, values, marker="o", markersize=3, label=m)
-            drawn = True
-        unit = CATALOGUE_V1.metric(metrics[0]).unit
-        ax.set_title(f"{name} [{unit}]", fontsize=10)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels(by_run, smoothing=smoothing), strict=False):
+        for s in panel.series:
+            c = colours[s.run]
+            style = _STYLES[panel.metrics.index(s.metric) % len(_STYLES)]
+            label = f"{s.run} · {s.metric}" if several else s.metric
+            if smoothing:  # the points themselves, faint, under the smoothed line
+                ax.plot(s.steps, s.values, style, color=c, alpha=0.25, linewidth=0.8)
+            ax.plot(s.steps, s.smooth, style, color=c, linewidth=1.6, label=label)
+            if s.band is not None:
+                ax.fill_between(s.steps, *s.band, color=c, alpha=0.15, linewidth=0)
+        ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
-        if drawn:
-            ax.legend(fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        fmt = ScalarFormatter(useOffset=False)
+        fmt.set_powerlimits((-3, 4))  # 1e-8 reads as "x1e-8" over the axis, never an offset
+        ax.yaxis.set_major_formatter(fmt)
+        if panel.series:
+            ax.legend(fontsize=6.5, loc="best")
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
         ax.tick_params(labelsize=7)
@@ -116,16 +421,13 @@ def dashboard(scalars: Scalars, out: str | os.PathLike[str], *, title: str = "")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(out)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def main(
     argv: list[str] | None = None, prog: str = "python -m posttrain.observability.plot"
 ) -> int:
-    """The command line: read a run directory, write the dashboard PNG.
+    """The command line: find the runs under each directory, write the dashboard PNG.
 
     Example:
         >>> import tempfile
@@ -136,16 +438,58 @@ def main(
         /.../dashboard.png
         0
     """
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
-    p.add_argument("run", type=Path)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="run directories")
     p.add_argument("--out", type=Path, default=Path("dashboard.png"))
-    p.add_argument("--mlflow-run", default=None, help="the MLflow run to draw (default: all)")
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="draw only runs whose label contains NAME (or matches it as a glob); repeatable",
+    )
+    p.add_argument("--mlflow-run", default=None, help="the same as --run (kept for old scripts)")
+    p.add_argument(
+        "--smoothing",
+        type=float,
+        default=DEFAULT_SMOOTHING,
+        help=f"EMA weight in [0, 1), 0 draws the points (default {DEFAULT_SMOOTHING})",
+    )
+    p.add_argument("--title", default=None, help="figure title (default: the runs' labels)")
+    p.add_argument("--list", action="store_true", help="list the runs found and exit")
     args = p.parse_args(argv)
-    scalars: Any = read_run(args.run, mlflow_run=args.mlflow_run)
-    if not scalars:
-        print(f"no metrics found under {args.run}")
-        return 1
-    print(dashboard(scalars, args.out, title=str(args.run)))
+    if not 0.0 <= args.smoothing < 1.0:
+        p.error(f"--smoothing: expected a weight in [0, 1), found {args.smoothing}")
+    found: list[Run] = []
+    for d in args.dirs:
+        try:
+            runs = find_runs(d)
+        except FileNotFoundError as e:
+            p.error(str(e))
+        if len(args.dirs) > 1:  # the same run name in two directories stays two runs
+            top = Path(d).resolve().name
+            for r in runs:
+                r.label = r.label if r.label == top else f"{top}/{r.label}"
+        found += runs
+    try:
+        chosen = select_runs(found, [*args.run, *([args.mlflow_run] if args.mlflow_run else [])])
+    except ValueError as e:
+        p.error(str(e))
+    if args.list or not chosen:
+        for r in found:
+            copies = f" (also in {', '.join(r.copies)})" if r.copies else ""
+            print(f"{r.label}  [{r.source}, {len(r.scalars)} metrics]{copies}")
+        if not chosen:
+            print(f"no metrics found under {', '.join(map(str, args.dirs))}")
+            return 1
+        return 0
+    labels = [r.label for r in chosen]
+    title = args.title if args.title is not None else "posttrain: " + ", ".join(labels)
+    print(
+        dashboard(
+            {r.label: r.scalars for r in chosen}, args.out, title=title, smoothing=args.smoothing
+        )
+    )
     return 0
 
 
