@@ -204,3 +204,112 @@ def test_trl_and_torchrl_emit_the_core_metrics_under_the_same_names(tmp_path: Pa
     )
     assert (tmp_path / "trl.png").stat().st_size > 10_000
     assert set(read_run(tmp_path / "wandb-trl")) == set(trl_wandb)
+
+
+class _Points:
+    """A MetricSinkV1 that keeps every point: name -> {step: value}."""
+
+    def __init__(self) -> None:
+        self.points: dict[str, dict[int, float]] = {}
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        self.points.setdefault(name, {})[int(step or 0)] = float(value)
+
+
+def test_trl_callback_values_equal_trls_own_and_the_hooks_on_the_same_batches(
+    tmp_path: Path,
+) -> None:
+    """One generation of 8 completions serves two optimizer steps (steps_per_generation=2):
+    staleness reads 0 then 1. At the first step the callback's rollout values equal TRL's own
+    per-generation statistics (one generation in the window, so TRL's means are exact), and
+    the hooks run on the same batch with the initial policy give TRL's entropy."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.trainer.grpo_config import GRPOConfig
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from posttrain.adapters.trl.callback import CatalogueCallback, install
+
+    tok = word_level_tokenizer(tiny_causal_lm().config)
+    tok.padding_side = "left"
+    tiny_causal_lm().save_pretrained(tmp_path / "policy")
+    initial = tiny_causal_lm()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    trl_logs: list[dict[str, float]] = []
+
+    class Keep(TrainerCallback):
+        def on_log(
+            self,
+            args: object,
+            state: object,
+            control: object,
+            logs: dict[str, float] | None = None,
+            **kw: object,
+        ) -> None:
+            if logs is not None:
+                trl_logs.append(dict(logs))
+
+    sink = _Points()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(
+            model=str(tmp_path / "policy"),
+            reward_funcs=[trl_reward_func(hf_reward_model(tiny_reward_model()), tok, name="rm")],
+            args=GRPOConfig(
+                output_dir=str(tmp_path / "out"),
+                max_steps=2,
+                per_device_train_batch_size=4,
+                steps_per_generation=2,
+                num_generations=2,
+                max_completion_length=4,
+                temperature=0.7,
+                logging_steps=1,
+                report_to=[],
+                use_cpu=True,
+                save_strategy="no",
+            ),
+            train_dataset=Dataset.from_dict(
+                {"prompt": ["t5 t6 t7", "t8 t9", "t10", "t11 t12"] * 2}
+            ),
+            processing_class=tok,
+        )
+        cb = install(trainer, CatalogueCallback(sink=sink, keep_batches=True))
+        trainer.add_callback(Keep())
+        trainer.train()
+    p = sink.points
+    assert (p["staleness/mean"], p["staleness/max"]) == ({1: 0.0, 2: 1.0}, {1: 0.0, 2: 1.0})
+    first = trl_logs[0]
+    n = 8
+    same = {
+        "rollout/reward/mean": first["reward"],
+        # TRL's nanstd is unbiased; the catalogue's std is the population's.
+        "rollout/reward/std": first["reward_std"] * math.sqrt((n - 1) / n),
+        "rollout/reward_fn/rm/mean": first["rewards/rm/mean"],
+        "rollout/group/zero_std_frac": first["frac_reward_zero_std"],
+        "rollout/response_len/mean": first["completions/mean_length"],
+        "rollout/response_len/min": first["completions/min_length"],
+        "rollout/response_len/max": first["completions/max_length"],
+        "rollout/truncated_frac": first["completions/clipped_ratio"],
+        "policy/entropy": first["entropy"],
+        "loss/total": first["loss"],
+    }
+    for name, want in same.items():
+        assert math.isclose(p[name][1], want, rel_tol=1e-5, abs_tol=1e-6), (name, p[name], want)
+    assert "rollout/reward/mean" not in {k for k, v in p.items() if 2 in v}  # no generation
+    # The hooks over the same micro-batch at the initial weights give TRL's entropy (which
+    # TRL computes from logits / temperature over the completion mask).
+    ((version, batch),) = cb.batches
+    assert version == 0
+    assert [v for v, _ in cb.consumed] == [0, 1]
+    mb = cb.consumed[0][1]
+    tokens, attn = mb.get(K("tokens")), mb.get(K("attention_mask"))
+    with torch.no_grad():
+        logits = initial(input_ids=tokens, attention_mask=attn.long()).logits
+    ours = policy_metrics(mb, logits, temperature=0.7).values()
+    assert math.isclose(ours["policy/entropy"], first["entropy"], rel_tol=1e-5), (
+        ours["policy/entropy"],
+        first["entropy"],
+    )
+    again = rollout_metrics(batch).values()
+    for name in ("rollout/reward/mean", "rollout/reward/std", "rollout/response_len/mean"):
+        assert math.isclose(again[name], p[name][1], rel_tol=1e-12), name

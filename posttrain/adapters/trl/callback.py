@@ -1,33 +1,60 @@
 """The metric catalogue inside a running ``GRPOTrainer``, through the trainer's own logging.
 
-TRL computes several catalogue metrics itself, with the catalogue's formula (from
-``trl/trainer/grpo_trainer.py``, TRL 1.16): ``kl`` is the k3 KL to the reference as a masked
-token mean over the global batch, ``entropy`` the full-vocabulary entropy likewise, and
-``clip_ratio/low_mean`` / ``clip_ratio/high_mean`` the sign-aware clip fractions. The callback
-adds them under the catalogue's names, and adds the rollout metrics (lengths, staleness) of the
-generations :class:`~posttrain.adapters.trl.rollout.CaptureRollouts` saw since the last log.
-Because it writes into the ``logs`` every reporter receives, it must run before them:
-:func:`install` puts it first.
+TRL 1.16 (``trl/trainer/grpo_trainer.py``) logs the mean, over the log window, of values it
+appends once per generation or per micro-batch: ``reward``, ``reward_std``,
+``rewards/<f>/mean``, ``frac_reward_zero_std`` and ``completions/*`` per generation batch;
+``kl``, ``entropy`` and ``clip_ratio/*`` per micro-batch (each a token mean over that
+micro-batch, whose token count it does not keep). The callback does not forward those means of
+means. :func:`install` hooks the trainer where the un-averaged values pass:
+
+- ``_calculate_rewards`` returns every completion's reward per function (``rewards_per_func``);
+- ``_generate_and_score_completions`` returns the completions (ids, masks) and advantages:
+  the callback runs :func:`~posttrain.observability.hooks.rollout_metrics` on them (rewards
+  weighted as TRL weights them, NaN for an unscorable completion; groups of
+  ``num_generations``; truncation as TRL's ``completions/clipped_ratio``: the last completion
+  token is neither EOS nor pad; per-function rewards);
+- ``_prepare_inputs`` hands each micro-batch to the optimizer: staleness is counted there, the
+  optimizer steps done (``state.global_step``) minus those done when the batch was generated
+  (0 when every step generates, the lag when ``steps_per_generation`` or ``num_iterations``
+  reuse a generation).
+
+TRL's ``kl``, ``entropy`` and ``clip_ratio/low_mean``/``high_mean`` are forwarded as
+``policy/kl_ref/k3``, ``policy/entropy`` and ``policy/clip_frac/*`` only when the log window
+held one micro-batch (then they are the catalogue's token means); ``loss``, ``grad_norm`` and
+``learning_rate`` are the Trainer's own. Generation time and tokens per second come from
+:class:`~posttrain.adapters.trl.rollout.CaptureRollouts` when it is the ``rollout_func``.
+Because the callback writes into the ``logs`` every reporter receives, it must run before
+them: :func:`install` puts it first.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import torch
+from tensordict import TensorDict
+
+from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability.reduce import Accumulator
 
 TRL_SAME = {
-    "kl": "policy/kl_ref/k3",
-    "entropy": "policy/entropy",
-    "clip_ratio/low_mean": "policy/clip_frac/low",
-    "clip_ratio/high_mean": "policy/clip_frac/high",
-    "reward": "rollout/reward/mean",
     "loss": "loss/total",
     "grad_norm": "optim/grad_norm",
     "learning_rate": "optim/lr",
 }
-"""TRL log key -> catalogue name, where TRL's formula is the catalogue's (checked in its source;
-``reward`` is a mean of equal-size per-step means, equal to the sequence mean)."""
+"""Trainer log key -> catalogue name: one value per log, the catalogue's quantity."""
+
+TRL_PER_MICROBATCH = {
+    "kl": "policy/kl_ref/k3",
+    "entropy": "policy/entropy",
+    "clip_ratio/low_mean": "policy/clip_frac/low",
+    "clip_ratio/high_mean": "policy/clip_frac/high",
+}
+"""TRL key -> catalogue name where TRL's formula is the catalogue's (a token mean over one
+micro-batch, across processes): forwarded only when the log window held one micro-batch."""
+
+K = LLM_LAYOUT_V1.key
 
 
 def _callback_base() -> type:
@@ -44,22 +71,101 @@ def _callback_base() -> type:
 class CatalogueCallback(_callback_base()):  # type: ignore[misc]
     """Adds catalogue metrics to every ``GRPOTrainer`` log, for every reporter to see.
 
-    ``capture`` is the trainer's ``rollout_func`` (:class:`CaptureRollouts` created with
-    ``metrics=Accumulator()``): its rollout metrics since the last log are added and reset.
-    ``sink`` (any ``MetricSinkV1``) also receives the catalogue metrics under their exact
-    names at the trainer's global step (reporters add their own prefixes, e.g. ``train/``).
+    :func:`install` attaches it to the trainer (see the module's text for what it reads
+    where). ``capture`` is the trainer's ``rollout_func`` (:class:`CaptureRollouts` created
+    with ``metrics=Accumulator()``): its generation time and tokens per second since the last
+    log are added. ``sink`` (any ``MetricSinkV1``) also receives the catalogue metrics under
+    their exact names at the trainer's global step (reporters add their own prefixes, e.g.
+    ``train/``). With ``keep_batches``, :attr:`batches` keeps each training generation as a
+    layout batch (with the weights version that generated it) and :attr:`consumed` each
+    micro-batch the optimizer took (with the version it trained), for checks.
 
     Example:
         >>> cb = CatalogueCallback()
-        >>> logs = {"kl": 0.1, "entropy": 2.0, "loss": 0.5}
-        >>> cb.on_log(None, None, None, logs=logs)
-        >>> logs["policy/kl_ref/k3"], logs["loss/total"]
-        (0.1, 0.5)
+        >>> logs = {"kl": 0.1, "loss": 0.5, "grad_norm": 2.0}
+        >>> cb.on_log(None, None, None, logs=logs)  # not installed: the Trainer's own values
+        >>> logs["loss/total"], logs["optim/grad_norm"], "policy/kl_ref/k3" in logs
+        (0.5, 2.0, False)
     """
 
-    def __init__(self, capture: Any = None, sink: Any = None) -> None:
+    def __init__(
+        self, capture: Any = None, sink: Any = None, *, keep_batches: bool = False
+    ) -> None:
         self.capture = capture
         self.sink = sink
+        self.trainer: Any = None
+        self.acc = Accumulator()
+        self.keep_batches = keep_batches
+        self.batches: list[tuple[int, TensorDict]] = []
+        self.consumed: list[tuple[int, TensorDict]] = []
+        self._rewards: torch.Tensor | None = None
+        self._generated_at: int | None = None
+
+    def attach(self, trainer: Any) -> None:
+        """Hook ``trainer``'s reward, generation and input methods (on the instance)."""
+        self.trainer = trainer
+        rewards = trainer._calculate_rewards
+        generate = trainer._generate_and_score_completions
+        prepare = trainer._prepare_inputs
+
+        @functools.wraps(rewards)
+        def calculate_rewards(*args: Any, **kwargs: Any) -> Any:
+            out = rewards(*args, **kwargs)
+            self._rewards = out.detach()
+            return out
+
+        @functools.wraps(generate)
+        def generate_and_score(*args: Any, **kwargs: Any) -> Any:
+            out = generate(*args, **kwargs)
+            if trainer.model.training:
+                self._rollout(out)
+            return out
+
+        @functools.wraps(prepare)
+        def prepare_inputs(*args: Any, **kwargs: Any) -> Any:
+            out = prepare(*args, **kwargs)
+            if trainer.model.training and self._generated_at is not None:
+                n = int(out["prompt_ids"].shape[0])
+                lag = int(trainer.state.global_step) - self._generated_at
+                self.acc.add("staleness/mean", lag * n, n)
+                self.acc.add("staleness/max", lag)
+                self.acc.add("staleness/policy_version", int(trainer.state.global_step))
+                if self.keep_batches:
+                    self.consumed.append((int(trainer.state.global_step), _layout(out, 0, 1)))
+            return out
+
+        trainer._calculate_rewards = calculate_rewards
+        trainer._generate_and_score_completions = generate_and_score
+        trainer._prepare_inputs = prepare_inputs
+
+    def _rollout(self, out: dict[str, Any]) -> None:
+        from posttrain.observability.hooks import rollout_metrics
+
+        trainer = self.trainer
+        ids, mask = out["completion_ids"].cpu(), out["completion_mask"].cpu().bool()
+        b = int(ids.shape[0])
+        start = int(trainer.accelerator.process_index) * b
+        td = _layout(out, start, int(trainer.num_generations))
+        fns: dict[str, torch.Tensor] = {}
+        if self._rewards is not None:
+            per_func = self._rewards.cpu().float()[start : start + b]
+            weights = trainer.reward_weights.cpu().float()
+            # As TRL: the weighted sum over the functions that scored it; NaN if none did.
+            reward = (per_func * weights[None]).nansum(1)
+            reward[per_func.isnan().all(1)] = torch.nan
+            td.set(K("reward"), reward)
+            fns = {n: per_func[:, i] for i, n in enumerate(trainer.reward_func_names)}
+        # TRL's completions/clipped_ratio: the last completion token is neither EOS nor pad.
+        ends = set(getattr(trainer, "eos_token_ids", None) or [])
+        pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None)
+        ends |= {pad} if pad is not None else set()
+        lengths = mask.sum(1)
+        last = ids.gather(1, (lengths - 1).clamp_min(0)[:, None])[:, 0]
+        truncated = torch.tensor([int(t) not in ends for t in last.tolist()]) & (lengths > 0)
+        rollout_metrics(td, self.acc, truncated=truncated, reward_fns=fns)
+        self._generated_at = int(trainer.state.global_step)
+        if self.keep_batches:
+            self.batches.append((self._generated_at, td))
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
@@ -67,23 +173,53 @@ class CatalogueCallback(_callback_base()):  # type: ignore[misc]
         """Add the catalogue's names to TRL's ``logs`` before the reporting callbacks see them."""
         if logs is None or any(k.startswith("eval_") for k in logs):
             return
+        added: dict[str, float] = {}
         for trl_name, name in TRL_SAME.items():
             value = logs.get(trl_name)
             if isinstance(value, int | float):
-                logs[name] = float(value)
-        added = {name: logs[name] for name in TRL_SAME.values() if name in logs}
+                added[name] = float(value)
+        held = getattr(self.trainer, "_metrics", {}).get("train", {})
+        for trl_name, name in TRL_PER_MICROBATCH.items():
+            values = held.get(trl_name, [])
+            if len(values) == 1:  # one micro-batch's token mean: no mean of means
+                added[name] = float(values[0])
         acc: Accumulator | None = getattr(self.capture, "metrics", None)
         if acc is not None:
-            added.update(acc.values())
+            # Generation time and rate only: its staleness is taken at generation (always 0),
+            # and the rollout metrics come from TRL's own rewards above.
+            added.update(
+                {k: v for k, v in acc.values().items() if k.startswith(("time/", "perf/"))}
+            )
             self.capture.metrics = Accumulator(acc.catalogue)
+        self.acc.all_reduce()
+        added.update(self.acc.values())
+        self.acc = Accumulator(self.acc.catalogue)
         logs.update(added)
         if self.sink is not None and state is not None:
             for name, value in added.items():
                 self.sink.log_scalar(name, value, step=int(state.global_step))
 
 
+def _layout(out: dict[str, Any], start: int, group: int) -> TensorDict:
+    """TRL's batch dict (left-padded prompts, right-padded completions) in the LLM layout."""
+    prompt_ids, prompt_mask = out["prompt_ids"].cpu(), out["prompt_mask"].cpu().bool()
+    ids, mask = out["completion_ids"].cpu(), out["completion_mask"].cpu().bool()
+    b = int(ids.shape[0])
+    return TensorDict(
+        {
+            K("tokens"): torch.cat([prompt_ids, ids], 1),
+            K("attention_mask"): torch.cat([prompt_mask, mask], 1),
+            K("assistant_mask"): torch.cat([torch.zeros_like(prompt_mask), mask], 1),
+            K("advantage"): out["advantages"].detach().cpu().float().reshape(-1),
+            K("group_id"): (start + torch.arange(b)) // group,
+        },
+        batch_size=[b],
+    )
+
+
 def install(trainer: Any, callback: Any) -> Any:
-    """Put ``callback`` first, so its additions reach every reporter (TensorBoard, MLflow ...).
+    """Put ``callback`` first, so its additions reach every reporter (TensorBoard, MLflow ...),
+    and attach it to ``trainer`` (its ``attach(trainer)``, when it has one).
 
     ``Trainer(callbacks=...)`` appends after the reporters, which would log ``logs`` before
     the callback adds to it.
@@ -99,4 +235,6 @@ def install(trainer: Any, callback: Any) -> Any:
         ['CatalogueCallback', 'DefaultFlowCallback', 'TensorBoardCallback', ...]
     """
     trainer.callback_handler.callbacks.insert(0, callback)
+    if hasattr(callback, "attach") and hasattr(trainer, "_generate_and_score_completions"):
+        callback.attach(trainer)
     return callback
