@@ -471,3 +471,115 @@ def clipped_pg_loss(cfg: Mapping[str, Any] | None = None) -> ContractAsNemoLoss:
 
     opts, level = clipped_pg_options(cfg or {})
     return ContractAsNemoLoss(lambda p: PolicyGradientLoss(p, **opts), loss_type=level)
+
+
+DPO_DEFAULTS: dict[str, Any] = {
+    "reference_policy_kl_penalty": 0.05,
+    "preference_loss_weight": 1.0,
+    "sft_loss_weight": 0.0,
+    "preference_average_log_probs": False,
+    "sft_average_log_probs": False,
+}
+"""NeMo-RL's ``DPOLossConfig`` keys and defaults (commit 7ea279a).
+
+Example:
+    >>> DPO_DEFAULTS["reference_policy_kl_penalty"]
+    0.05
+"""
+
+
+class SupervisedAsNemoLoss:
+    """posttrain's ``NLLLoss`` or ``DPOLoss`` as NeMo-RL's ``NLLLossFn`` / ``DPOLossFn``.
+
+    Built by :func:`nll_loss` and :func:`dpo_loss`. NeMo-RL's data becomes an LLM-layout
+    batch (assistant mask ``token_mask * sample_mask``; DPO's ``reference_policy_logprobs``
+    are next-token aligned in NeMo-RL, ``[:, :-1]``, and move one position right), the policy
+    returns ``next_token_logprobs`` exactly, and the loss is normalized by NeMo-RL's global
+    counts.
+
+    Example:
+        >>> nll_loss().loss_type, dpo_loss().loss_type
+        ('token_level', 'sequence_level')
+    """
+
+    def __init__(self, make_loss: Callable[[Any], Any], *, kind: str) -> None:
+        self.make_loss = make_loss
+        self.kind = kind
+        level = "token_level" if kind == "nll" else "sequence_level"
+        self.loss_type = _enum("LossType", level)
+        self.input_type = _enum("LossInputType", "logprob")
+
+    def __call__(
+        self,
+        next_token_logprobs: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: torch.Tensor | float,
+        global_valid_toks: torch.Tensor | float,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """NeMo-RL's call; returns ``(loss, metrics)``."""
+        d = dict(getattr(data, "data", data))
+        need = ["input_ids", "token_mask", "sample_mask"]
+        need += ["reference_policy_logprobs"] if self.kind == "dpo" else []
+        missing = [k for k in need if k not in d]
+        if missing:
+            raise NemoFormatError(f"data: missing {missing}; found {sorted(d)}")
+        ids = d["input_ids"]
+        b, s = ids.shape
+        mask = d["token_mask"].bool() & (d["sample_mask"] > 0)[:, None]
+        k = LLM_LAYOUT_V1.key
+        fields: dict[Any, torch.Tensor] = {
+            k("tokens"): torch.zeros_like(ids, dtype=torch.int64),
+            k("attention_mask"): torch.ones(b, s, dtype=torch.bool),
+            k("assistant_mask"): mask,
+        }
+        if self.kind == "dpo":
+            ref = _f(d["reference_policy_logprobs"])
+            fields[k("ref_log_probs")] = torch.cat([torch.zeros_like(ref[:, :1]), ref[:, :-1]], 1)
+        td = TensorDict(fields, batch_size=[b])
+        counts = GlobalCounts(_whole(global_valid_toks), _whole(global_valid_seqs))
+        out = self.make_loss(_GivenLogProbs(next_token_logprobs))(td, counts=counts)
+        terms = [v for key, v in out.items() if isinstance(key, str) and key.startswith("loss_")]
+        loss = torch.stack(terms).sum()
+        metrics: dict[str, Any] = {"loss": float(loss.detach())}
+        for key, v in out.items():
+            if not key.startswith("loss_"):
+                metrics[key] = float(v)
+        sm = d["sample_mask"].float()
+        metrics["num_valid_samples"] = float(sm.sum() / (2 if self.kind == "dpo" else 1))
+        return loss, metrics
+
+
+def nll_loss() -> SupervisedAsNemoLoss:
+    """NeMo-RL's ``NLLLossFn()`` built from posttrain's ``NLLLoss``.
+
+    Example:
+        >>> nll_loss().input_type
+        'logprob'
+    """
+    from posttrain.reference_impls.sft_dpo import NLLLoss
+
+    return SupervisedAsNemoLoss(lambda p: NLLLoss(p), kind="nll")
+
+
+def dpo_loss(cfg: Mapping[str, Any] | None = None) -> SupervisedAsNemoLoss:
+    """NeMo-RL's ``DPOLossFn(DPOLossConfig(**cfg))`` built from posttrain's ``DPOLoss``.
+
+    Example:
+        >>> dpo_loss({"sft_loss_weight": 0.1}).kind
+        'dpo'
+    """
+    from posttrain.reference_impls.sft_dpo import DPOLoss
+
+    c = dict(cfg or {})
+    unknown = sorted(set(c) - set(DPO_DEFAULTS))
+    if unknown:
+        raise ValueError(f"DPOLossConfig: unknown keys {unknown}")
+    c = {**DPO_DEFAULTS, **c}
+    opts = {
+        "beta": c["reference_policy_kl_penalty"],
+        "preference_weight": c["preference_loss_weight"],
+        "sft_weight": c["sft_loss_weight"],
+        "preference_average": c["preference_average_log_probs"],
+        "sft_average": c["sft_average_log_probs"],
+    }
+    return SupervisedAsNemoLoss(lambda p: DPOLoss(p, **opts), kind="dpo")
