@@ -1,4 +1,4 @@
-"""TRL adapters: replay buffers as TRL datasets, HF reward models and TRL reward functions as
+"""TRL adapters: replay buffers as TRL datasets (prompts, SFT, preference pairs), HF reward models and TRL reward functions as
 contract rewards, TRL's generations captured into any buffer (TRL imported lazily).
 
 Example:
@@ -19,6 +19,7 @@ from posttrain.adapters.trl.dataset import (
     sft_dataset,
 )
 from posttrain.adapters.trl.loss import TRLGRPOLoss
+from posttrain.adapters.trl.preference import preference_dataset
 from posttrain.adapters.trl.reward import RewardModule, hf_reward_model, trl_reward, trl_reward_func
 from posttrain.adapters.trl.rollout import CaptureRollouts
 from posttrain.adapters.trl.source import TRLRolloutSource
@@ -39,6 +40,7 @@ __all__ = [
     "TRLRolloutSource",
     "WorkerRefused",
     "hf_reward_model",
+    "preference_dataset",
     "prompt_dataset",
     "sft_dataset",
     "trl_reward",
