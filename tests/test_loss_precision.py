@@ -96,3 +96,13 @@ def test_an_unknown_precision_fails_naming_the_declaration() -> None:
     bad = _bad(_in(PG_LOSS_TOKEN_MEAN, "float8"))
     assert bad
     assert all("extras['precision'] is 'float8'" in m or "blocked by" in m for m in bad.values())
+
+
+def test_doc_precision_example_runs() -> None:
+    import re
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "loss.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if "precision" in b]
+    exec(compile(block, str(doc), "exec"), {})
