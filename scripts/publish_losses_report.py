@@ -286,9 +286,9 @@ def _kit_notes(reports: dict[str, Report]) -> list[str]:
     w = "trl-adapted-bnpo"
     if status(w, "LOSS-003") is Status.FAIL and status(w, "LOSS-017") is Status.PASS:
         notes.append(
-            f"- LOSS-003 reads the gradient through a probe on the LM head module's output. "
-            f"TRL 1.16 scores tokens through its fused head (`add_fused_lm_head`: the head's "
-            f"weight is used directly, no logits), so LOSS-003 reports 'no gradient with "
+            f"- LOSS-003 and LOSS-021 read the gradient through a probe on the LM head module's "
+            f"output. TRL 1.16 scores tokens through its fused head (`add_fused_lm_head`: the "
+            f"head's weight is used directly, no logits), so both report 'no gradient with "
             f"respect to the policy's logits' although the gradient reaches the parameters "
             f"(LOSS-002 and LOSS-017 pass). Witness: `{w}`."
         )

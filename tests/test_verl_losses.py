@@ -19,6 +19,8 @@ SLICE = [
     "verl-adapted-vanilla-seq-mean-token-sum-norm",
     "verl-adapted-gspo-seq-mean-token-mean",
     "verl-adapted-gpg-token-mean",
+    "verl-adapted-kl-cov-token-mean",
+    "verl-adapted-dro-token-mean",
     "verl-adapted-sapo-token-mean",
     "verl-adapted-geo-mean-token-mean",
     "verl-adapted-bypass-mode-token-mean",

@@ -22,22 +22,25 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 # Measured with OpenRLHF 0.11.2 (scripts/publish_losses_report.py; docs/reports/losses.md).
 KNOWN: dict[str, frozenset[str]] = {
-    "openrlhf-raw-ppo-token-mean": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "openrlhf-raw-ppo-token-mean": frozenset(
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
     "openrlhf-raw-ppo-seq-mean-token-mean": frozenset(
-        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "openrlhf-raw-ppo-dual-clip-token-mean": frozenset(
-        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "openrlhf-raw-ppo-dual-clip-seq-mean-token-mean": frozenset(
-        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "openrlhf-raw-gspo-token-mean": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
-    "openrlhf-adapted-gspo-token-mean": frozenset({"LOSS-003", "LOSS-016"}),
+    "openrlhf-raw-gspo-token-mean": frozenset(
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
+    "openrlhf-adapted-gspo-token-mean": frozenset({"LOSS-003", "LOSS-016", "LOSS-021"}),
     "openrlhf-raw-gspo-seq-mean-token-mean": frozenset(
-        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "openrlhf-adapted-gspo-seq-mean-token-mean": frozenset({"LOSS-003"}),
 }
 """Row name -> what it fails, measured."""
 
@@ -71,7 +74,7 @@ for _variant, _opts in VARIANTS.items():
                 capabilities={"per_token_advantage"}
                 | ({"global_counts"} if _adapted else set())
                 | ({"clip"} if _clip else set()),
-                options={"aggregation": _agg},
+                options={"aggregation": _agg, "ratio": "token" if _clip else "sequence"},
                 extras=_extras,
                 description="OpenRLHF 0.11.2's PolicyLoss loaded from openrlhf/models/loss.py "
                 "alone; log-probs from the suite's policy. "

@@ -92,10 +92,14 @@ class OpenRLHFPolicyLoss(torch.nn.Module):
         aggregation: str = "token_mean",
         *,
         adapted: bool = True,
+        ratio: str | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         mod = openrlhf_loss_module()
+        own = "sequence" if options.get("policy_loss_type") == "gspo" else "token"
+        if adapted and ratio is not None and ratio != own:
+            raise ValueError(f"ratio: this PolicyLoss's surrogate is {own!r}, found {ratio!r}")
         if adapted and aggregation not in OPENRLHF_AGGREGATIONS:
             raise ValueError(
                 f"aggregation: expected one of {sorted(OPENRLHF_AGGREGATIONS)}, found {aggregation!r}"

@@ -46,6 +46,17 @@ LOSS_TYPES = {
 }
 """TRL 1.16's ``loss_type`` values -> the contract aggregation each one's normalizer is."""
 
+RATIOS = {
+    "grpo": "token",
+    "bnpo": "token",
+    "dr_grpo": "token",
+    "dapo": "token",
+    "luspo": "sequence",
+}
+"""TRL loss_type -> the contract's ``ratio`` option (loss 1.4). cispo and vespo weight
+log p by a detached, clamped ratio (cispo's clamp is ``epsilon_high``), sapo gates the ratio
+through a sigmoid: none of the contract's forms, no ``ratio`` declared."""
+
 GLOBAL_TOKENS = ("dapo", "cispo", "vespo")
 """The loss types that divide by TRL's ``num_items_in_batch`` (the global token count)."""
 
@@ -187,9 +198,15 @@ class TRLGRPOLoss(torch.nn.Module):
         aggregation: str | None = None,
         *,
         adapted: bool = True,
+        ratio: str | None = None,
         **config: Any,
     ) -> None:
         super().__init__()
+        if adapted and ratio is not None and ratio != RATIOS.get(loss_type):
+            raise ValueError(
+                f"ratio: TRL's {loss_type!r} surrogate is "
+                f"{RATIOS.get(loss_type, 'none of the contract forms')!r}, found {ratio!r}"
+            )
         if loss_type not in LOSS_TYPES:
             raise ValueError(
                 f"loss_type: expected one of {sorted(LOSS_TYPES)}, found {loss_type!r}"
@@ -271,7 +288,8 @@ def _row(loss_type: str, *, adapted: bool, known: frozenset[str] = frozenset()) 
         capabilities={"per_token_advantage"}
         | ({"global_counts"} if adapted else set())
         | ({"clip"} if loss_type in _CLIPPED else set()),
-        options={"aggregation": agg},
+        options={"aggregation": agg}
+        | ({"ratio": RATIOS[loss_type]} if loss_type in RATIOS else {}),
         extras={"t_norm": MAX_COMPLETION_LENGTH}
         | ({"clip_epsilon": 0.2} if loss_type in _CLIPPED else {}),
         description="TRL 1.16's GRPOTrainer._compute_loss on a real trainer, called with the "
@@ -287,25 +305,25 @@ def _row(loss_type: str, *, adapted: bool, known: frozenset[str] = frozenset()) 
 
 
 RAW_KNOWN: dict[str, frozenset[str]] = {
-    "grpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
-    "bnpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
-    "dr_grpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
-    "dapo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "grpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
+    "bnpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
+    "dr_grpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
+    "dapo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
     "cispo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "sapo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "vespo": frozenset({"LOSS-002", "LOSS-004", "LOSS-008", "LOSS-009", "LOSS-015"}),
-    "luspo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "luspo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
 }
 """What each raw row fails, measured with TRL 1.16 (loss type -> requirement ids)."""
 ADAPTED_KNOWN: dict[str, frozenset[str]] = {
-    "grpo": frozenset({"LOSS-003"}),
-    "bnpo": frozenset({"LOSS-003"}),
-    "dr_grpo": frozenset({"LOSS-003"}),
-    "dapo": frozenset({"LOSS-003"}),
+    "grpo": frozenset({"LOSS-003", "LOSS-021"}),
+    "bnpo": frozenset({"LOSS-003", "LOSS-021"}),
+    "dr_grpo": frozenset({"LOSS-003", "LOSS-021"}),
+    "dapo": frozenset({"LOSS-003", "LOSS-021"}),
     "cispo": frozenset({"LOSS-003", "LOSS-016"}),
     "sapo": frozenset({"LOSS-003", "LOSS-016"}),
     "vespo": frozenset({"LOSS-003", "LOSS-016"}),
-    "luspo": frozenset({"LOSS-003"}),
+    "luspo": frozenset({"LOSS-003", "LOSS-021"}),
 }
 """What each adapted row fails, measured with TRL 1.16 (loss type -> requirement ids)."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from posttrain.adapters.verl.loss import VERL_AGGREGATIONS, VerlLoss
+from posttrain.adapters.verl.loss import RATIOS, VERL_AGGREGATIONS, VerlLoss
 from posttrain.contracts.implementation import Implementation
 
 MODES = (
@@ -46,144 +46,162 @@ the others clip a sequence ratio, a weight or a divergence: no ``clip`` capabili
 KNOWN: dict[str, frozenset[str]] = {
     "verl-raw-vanilla-token-mean": frozenset({"LOSS-008", "LOSS-009", "LOSS-015"}),
     "verl-raw-vanilla-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "verl-raw-vanilla-seq-mean-token-sum": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "verl-raw-vanilla-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "verl-raw-gspo-token-mean": frozenset({"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}),
+    "verl-raw-gspo-token-mean": frozenset(
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
     "verl-raw-gspo-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "verl-raw-gspo-seq-mean-token-sum": frozenset({"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}),
+    "verl-raw-gspo-seq-mean-token-sum": frozenset(
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
     "verl-raw-gspo-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "verl-raw-sapo-token-mean": frozenset({"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}),
-    "verl-adapted-sapo-token-mean": frozenset({"LOSS-016", "LOSS-003"}),
+    "verl-raw-sapo-token-mean": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "verl-adapted-sapo-token-mean": frozenset({"LOSS-003", "LOSS-016"}),
     "verl-raw-sapo-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-sapo-seq-mean-token-mean": frozenset({"LOSS-016"}),
-    "verl-raw-sapo-seq-mean-token-sum": frozenset({"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}),
-    "verl-adapted-sapo-seq-mean-token-sum": frozenset({"LOSS-016", "LOSS-003"}),
+    "verl-raw-sapo-seq-mean-token-sum": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "verl-adapted-sapo-seq-mean-token-sum": frozenset({"LOSS-003", "LOSS-016"}),
     "verl-raw-sapo-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
-    "verl-adapted-sapo-seq-mean-token-sum-norm": frozenset({"LOSS-016", "LOSS-003"}),
-    "verl-raw-cispo-token-mean": frozenset({"LOSS-002", "LOSS-009", "LOSS-008", "LOSS-015"}),
+    "verl-adapted-sapo-seq-mean-token-sum-norm": frozenset({"LOSS-003", "LOSS-016"}),
+    "verl-raw-cispo-token-mean": frozenset({"LOSS-002", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "verl-adapted-cispo-token-mean": frozenset({"LOSS-016"}),
     "verl-raw-cispo-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-cispo-seq-mean-token-mean": frozenset({"LOSS-016"}),
     "verl-raw-cispo-seq-mean-token-sum": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-cispo-seq-mean-token-sum": frozenset({"LOSS-016"}),
     "verl-raw-cispo-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-cispo-seq-mean-token-sum-norm": frozenset({"LOSS-016"}),
     "verl-raw-gpg-token-mean": frozenset({"LOSS-008", "LOSS-009", "LOSS-015"}),
-    "verl-adapted-gpg-token-mean": frozenset({"LOSS-016"}),
-    "verl-raw-gpg-seq-mean-token-mean": frozenset({"LOSS-008", "LOSS-009", "LOSS-004", "LOSS-015"}),
-    "verl-adapted-gpg-seq-mean-token-mean": frozenset({"LOSS-016"}),
-    "verl-raw-gpg-seq-mean-token-sum": frozenset({"LOSS-008", "LOSS-009", "LOSS-004", "LOSS-015"}),
-    "verl-adapted-gpg-seq-mean-token-sum": frozenset({"LOSS-016"}),
+    "verl-raw-gpg-seq-mean-token-mean": frozenset({"LOSS-004", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "verl-raw-gpg-seq-mean-token-sum": frozenset({"LOSS-004", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "verl-raw-gpg-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-009", "LOSS-015", "LOSS-004", "LOSS-008", "LOSS-003", "LOSS-005"}
+        {"LOSS-003", "LOSS-004", "LOSS-005", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "verl-adapted-gpg-seq-mean-token-sum-norm": frozenset({"LOSS-016"}),
-    "verl-raw-geo-mean-token-mean": frozenset({"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}),
-    "verl-adapted-geo-mean-token-mean": frozenset({"LOSS-016", "LOSS-017", "LOSS-003"}),
+    "verl-raw-geo-mean-token-mean": frozenset(
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
+    "verl-adapted-geo-mean-token-mean": frozenset({"LOSS-003", "LOSS-016", "LOSS-017", "LOSS-021"}),
     "verl-raw-geo-mean-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "verl-adapted-geo-mean-seq-mean-token-mean": frozenset({"LOSS-016", "LOSS-017", "LOSS-003"}),
+    "verl-adapted-geo-mean-seq-mean-token-mean": frozenset({"LOSS-016", "LOSS-017"}),
     "verl-raw-geo-mean-seq-mean-token-sum": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "verl-adapted-geo-mean-seq-mean-token-sum": frozenset({"LOSS-016", "LOSS-017", "LOSS-003"}),
+    "verl-adapted-geo-mean-seq-mean-token-sum": frozenset(
+        {"LOSS-003", "LOSS-016", "LOSS-017", "LOSS-021"}
+    ),
     "verl-raw-geo-mean-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "verl-adapted-geo-mean-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-016", "LOSS-017", "LOSS-003"}
+        {"LOSS-003", "LOSS-016", "LOSS-017", "LOSS-021"}
     ),
-    "verl-raw-clip-cov-token-mean": frozenset({"LOSS-002", "LOSS-009", "LOSS-008", "LOSS-015"}),
+    "verl-raw-clip-cov-token-mean": frozenset(
+        {"LOSS-002", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
     "verl-raw-clip-cov-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "verl-raw-clip-cov-seq-mean-token-sum": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "verl-raw-clip-cov-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "verl-raw-kl-cov-token-mean": frozenset({"LOSS-002", "LOSS-009", "LOSS-008", "LOSS-015"}),
+    "verl-raw-kl-cov-token-mean": frozenset(
+        {"LOSS-002", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
+    "verl-adapted-kl-cov-token-mean": frozenset({"LOSS-021"}),
     "verl-raw-kl-cov-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
+    "verl-adapted-kl-cov-seq-mean-token-mean": frozenset({"LOSS-021"}),
     "verl-raw-kl-cov-seq-mean-token-sum": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
+    "verl-adapted-kl-cov-seq-mean-token-sum": frozenset({"LOSS-021"}),
     "verl-raw-kl-cov-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "verl-raw-dro-token-mean": frozenset({"LOSS-002", "LOSS-009", "LOSS-008", "LOSS-015"}),
-    "verl-adapted-dro-token-mean": frozenset({"LOSS-016"}),
-    "verl-raw-dro-seq-mean-token-mean": frozenset({"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}),
-    "verl-adapted-dro-seq-mean-token-mean": frozenset({"LOSS-016"}),
-    "verl-raw-dro-seq-mean-token-sum": frozenset({"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}),
-    "verl-adapted-dro-seq-mean-token-sum": frozenset({"LOSS-016"}),
+    "verl-adapted-kl-cov-seq-mean-token-sum-norm": frozenset({"LOSS-021"}),
+    "verl-raw-dro-token-mean": frozenset(
+        {"LOSS-002", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
+    "verl-adapted-dro-token-mean": frozenset({"LOSS-021"}),
+    "verl-raw-dro-seq-mean-token-mean": frozenset(
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
+    "verl-adapted-dro-seq-mean-token-mean": frozenset({"LOSS-021"}),
+    "verl-raw-dro-seq-mean-token-sum": frozenset(
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
+    ),
+    "verl-adapted-dro-seq-mean-token-sum": frozenset({"LOSS-021"}),
     "verl-raw-dro-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
-    "verl-adapted-dro-seq-mean-token-sum-norm": frozenset({"LOSS-016"}),
-    "verl-raw-dppo-tv-token-mean": frozenset({"LOSS-002", "LOSS-009", "LOSS-008", "LOSS-015"}),
+    "verl-adapted-dro-seq-mean-token-sum-norm": frozenset({"LOSS-021"}),
+    "verl-raw-dppo-tv-token-mean": frozenset({"LOSS-002", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "verl-adapted-dppo-tv-token-mean": frozenset({"LOSS-016"}),
     "verl-raw-dppo-tv-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-dppo-tv-seq-mean-token-mean": frozenset({"LOSS-016"}),
     "verl-raw-dppo-tv-seq-mean-token-sum": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-dppo-tv-seq-mean-token-sum": frozenset({"LOSS-016"}),
     "verl-raw-dppo-tv-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-dppo-tv-seq-mean-token-sum-norm": frozenset({"LOSS-016"}),
-    "verl-raw-dppo-kl-token-mean": frozenset({"LOSS-002", "LOSS-009", "LOSS-008", "LOSS-015"}),
+    "verl-raw-dppo-kl-token-mean": frozenset({"LOSS-002", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "verl-adapted-dppo-kl-token-mean": frozenset({"LOSS-016"}),
     "verl-raw-dppo-kl-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-dppo-kl-seq-mean-token-mean": frozenset({"LOSS-016"}),
     "verl-raw-dppo-kl-seq-mean-token-sum": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-dppo-kl-seq-mean-token-sum": frozenset({"LOSS-016"}),
     "verl-raw-dppo-kl-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}
     ),
     "verl-adapted-dppo-kl-seq-mean-token-sum-norm": frozenset({"LOSS-016"}),
     "verl-raw-bypass-mode-token-mean": frozenset({"LOSS-008", "LOSS-009", "LOSS-015"}),
     "verl-adapted-bypass-mode-token-mean": frozenset({"LOSS-017"}),
     "verl-raw-bypass-mode-seq-mean-token-mean": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "verl-adapted-bypass-mode-seq-mean-token-mean": frozenset({"LOSS-017"}),
     "verl-raw-bypass-mode-seq-mean-token-sum": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "verl-adapted-bypass-mode-seq-mean-token-sum": frozenset({"LOSS-017"}),
     "verl-raw-bypass-mode-seq-mean-token-sum-norm": frozenset(
-        {"LOSS-008", "LOSS-009", "LOSS-001", "LOSS-015"}
+        {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
     "verl-adapted-bypass-mode-seq-mean-token-sum-norm": frozenset({"LOSS-017"}),
 }
@@ -233,7 +251,7 @@ def _row(mode: str, aggregation: str, *, adapted: bool) -> Implementation:
         name=f"{'VerlLoss(' if adapted else ''}verl compute_policy_loss_{mode}"
         f"(loss_agg_mode={verl_agg!r}{shown}){')' if adapted else ''}",
         capabilities=caps,
-        options={"aggregation": aggregation},
+        options={"aggregation": aggregation} | ({"ratio": RATIOS[mode]} if mode in RATIOS else {}),
         extras=extras,
         description="verl 0.9.1's registered policy loss with verl's ActorConfig, log-probs "
         "from the suite's policy. "

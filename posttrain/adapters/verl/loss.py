@@ -49,6 +49,20 @@ _POLICY_LOSS_OPTIONS = (
     "dro_beta",
 )
 
+RATIOS = {
+    "vanilla": "token",
+    "clip_cov": "token",
+    "kl_cov": "token",
+    "bypass_mode": "token",
+    "gspo": "sequence",
+    "geo_mean": "sequence",
+    "gpg": "none",
+    "dro": "none",
+}
+"""verl loss mode -> the contract's ``ratio`` option its surrogate is (loss 1.4). cispo
+(-A·sg(clip(r))·log p), sapo (a sigmoid gate of r) and dppo_tv/dppo_kl (a truncated,
+detached ratio times log p) are none of the contract's forms: no ``ratio`` is declared."""
+
 K = LLM_LAYOUT_V1.key
 
 
@@ -124,10 +138,16 @@ class VerlLoss(torch.nn.Module):
         *,
         adapted: bool = True,
         t_norm: float | None = None,
+        ratio: str | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         ca = core_algos()
+        if adapted and ratio is not None and ratio != RATIOS.get(loss_mode):
+            raise ValueError(
+                f"ratio: verl's {loss_mode} surrogate is "
+                f"{RATIOS.get(loss_mode, 'none of the contract forms')!r}, found {ratio!r}"
+            )
         if loss_mode not in ca.POLICY_LOSS_REGISTRY:
             raise ValueError(
                 f"loss_mode: expected one of {sorted(ca.POLICY_LOSS_REGISTRY)}, found {loss_mode!r}"
