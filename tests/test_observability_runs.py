@@ -313,3 +313,31 @@ def test_trl_callback_values_equal_trls_own_and_the_hooks_on_the_same_batches(
     again = rollout_metrics(batch).values()
     for name in ("rollout/reward/mean", "rollout/reward/std", "rollout/response_len/mean"):
         assert math.isclose(again[name], p[name][1], rel_tol=1e-12), name
+
+
+def test_torchrl_collector_staleness_is_zero_on_policy_and_the_lag_off_policy() -> None:
+    """The documented wiring on TorchRL's LLMCollector: ``learner_version`` is the collector's
+    ``policy_version`` (bumped by each ``update_policy_weights_`` after an optimizer step), the
+    version the batch's step starts from. On-policy it reads 0 every step; a batch held two
+    pushes in a queue reads 2. (The loop's step counter against a collector whose version never
+    moves read 0, 1, 2, ... on an on-policy loop.)"""
+    torch.manual_seed(0)
+    policy = tiny_causal_lm()
+    src = llm_collector(policy, [[5, 6, 7], [8, 9]], 12, max_new_tokens=2, adapted=True)
+    on: list[float] = []
+    off: list[float] = []
+    queue = []
+    for batch in src:
+        on.append(
+            rollout_metrics(batch, learner_version=src.policy_version).values()["staleness/max"]
+        )
+        queue.append(batch)
+        if len(queue) > 2:
+            vals = rollout_metrics(queue.pop(0), learner_version=src.policy_version).values()
+            off.append(vals["staleness/mean"])
+        with torch.no_grad():  # the optimizer step, then the weights go to the collector
+            next(policy.parameters()).mul_(1.0)
+        src.update_policy_weights_(policy.state_dict())
+    src.shutdown()
+    assert on == [0.0] * 12
+    assert off == [2.0] * 10
