@@ -53,3 +53,20 @@ LOGGER_JSONL = Implementation(
     description="NeMo-RL's LoggerInterface shape over posttrain's JSONL sink.",
 )
 """Entry point ``nemo-rl-logger-jsonl``."""
+
+
+def _sharded_weight_sync(model: Any) -> Any:
+    from posttrain.adapters.nemo_rl.weight_sync import sharded_weight_sync
+
+    return sharded_weight_sync(model, 3)
+
+
+WEIGHT_SYNC_SHARDED = Implementation(
+    "weight_sync",
+    _sharded_weight_sync,
+    name="NeMo-RL sharded senders (3 workers) -> posttrain receiver",
+    description="Each of 3 policy workers sends its shard of the state dict (ShardSender); "
+    "ShardAssembler hands a version to posttrain's in-process receiver once every shard of it "
+    "arrived.",
+)
+"""The sharded weight sync's declaration (not an entry point: run by tests/test_nemo_weight_sync.py)."""

@@ -6,11 +6,21 @@ exist, ``sync_weights(*, timer, kv_scales)`` at each refit (``refit_policy_gener
 ``nemo_rl/algorithms/grpo.py`` calls it when ``policy_generation.weight_synchronizer`` is set
 and logs what it returns under ``refit/``), ``is_stale`` (True until a sync succeeds) and
 ``shutdown()``. Refit info is ``{name: (shape, dtype)}`` (``prepare_refit_info``).
+
+NeMo-RL's weights live in sharded policy workers, each streaming its own shard
+(``policy.stream_weights_via_ipc_zmq`` / ``broadcast_weights_for_collective``, one future per
+worker); :class:`ShardAssembler` gives each worker a :class:`ShardSender` and hands a version to
+the receiver only once every shard of it arrived (``sharded_weight_sync`` is the conformance
+factory). :class:`NemoShardedWeightSynchronizer` drives it with the colocated order of
+``grpo.py:refit_policy_generation``: ``policy.offload_before_refit()``,
+``policy_generation.prepare_for_generation(tags=["weights"])``, the transfer,
+``policy.offload_after_refit()``, ``policy_generation.prepare_for_generation(tags=["kv_cache"])``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -25,8 +35,9 @@ class NemoWeightSynchronizer:
     ``receiver.receive`` is called after each send when a receiver is given (in-process pairs;
     a receiver in another process pulls on its own). Each sync sends the next version. A
     failed sync leaves ``is_stale`` True and re-raises (the contract guarantees the receiver
-    was not half-written). ``kv_scales`` (FP8 KV-cache scales) have no counterpart here and
-    are refused.
+    was not half-written). ``kv_scales`` (FP8 KV-cache scales, which NeMo-RL streams along
+    with the weights) go to ``kv_scales_sink(kv_scales, version)`` after the weights landed;
+    without a sink they are refused (never dropped).
 
     Example:
         >>> import torch
@@ -47,7 +58,9 @@ class NemoWeightSynchronizer:
         receiver: Any = None,
         *,
         receive_timeout: float | None = 30.0,
+        kv_scales_sink: Callable[[Mapping[str, float], int], None] | None = None,
     ) -> None:
+        self.kv_scales_sink = kv_scales_sink
         self.state = state
         self.sender = sender
         self.receiver = receiver
@@ -78,10 +91,7 @@ class NemoWeightSynchronizer:
             raise RuntimeError("sync_weights after shutdown()")
         if self._refit_info is None:
             raise RuntimeError("call init_communicator() before sync_weights()")
-        if kv_scales is not None:
-            raise ValueError(
-                "kv_scales: FP8 KV-cache scales have no posttrain counterpart; pass None"
-            )
+        _check_kv_scales(kv_scales, self.kv_scales_sink)
         weights = self.state()
         now = {k: (v.shape, v.dtype) for k, v in weights.items()}
         if now != self._refit_info:
@@ -98,6 +108,8 @@ class NemoWeightSynchronizer:
             self.sender.send(weights, version=version)
             if self.receiver is not None:
                 self.receiver.receive(timeout=self.receive_timeout)
+            if kv_scales is not None and self.kv_scales_sink is not None:
+                self.kv_scales_sink(dict(kv_scales), version)
         self.version = version
         self._stale = False
         return {"weight_sync_s": time.perf_counter() - start, "weight_version": float(version)}
@@ -121,3 +133,252 @@ def _timed(timer: Any, label: str) -> Iterator[None]:
         return
     with timer.time(label):
         yield
+
+
+def _check_kv_scales(kv_scales: Mapping[str, float] | None, sink: Any) -> None:
+    if kv_scales is None:
+        return
+    if sink is None:
+        raise ValueError(
+            "kv_scales: given, but no kv_scales_sink= to apply them (they are not dropped)"
+        )
+    bad = [k for k, v in kv_scales.items() if not isinstance(v, int | float)][:10]
+    if bad:
+        raise ValueError(f"kv_scales: expected float values, found non-floats for {bad}")
+
+
+class ShardSender:
+    """One policy worker's sender: ``send(shard, version=v)`` with the shard it holds.
+
+    Example:
+        >>> from posttrain.reference_impls import in_process_weight_sync
+        >>> model = torch.nn.Linear(2, 2)
+        >>> sender, receiver = in_process_weight_sync(model)
+        >>> asm = ShardAssembler(sender, 2)
+        >>> asm.shard_sender(0).send({"weight": torch.ones(2, 2)}, version=1)
+        >>> receiver.receive(timeout=0) is None  # waits for shard 1
+        True
+        >>> asm.shard_sender(1).send({"bias": torch.zeros(2)}, version=1)
+        >>> receiver.receive(timeout=0), model.weight.sum().item()
+        (1, 4.0)
+    """
+
+    def __init__(self, assembler: ShardAssembler, rank: int) -> None:
+        self.assembler = assembler
+        self.rank = rank
+
+    def send(self, shard: Mapping[str, torch.Tensor], /, *, version: int) -> None:
+        """Give this worker's shard of ``version`` to the assembler."""
+        self.assembler._post(self.rank, shard, version)
+
+
+class ShardAssembler:
+    """Collects one shard per worker for a version, then sends the whole through ``sender``.
+
+    ``sender`` is any ``WeightSenderV1`` (its receiver validates the whole state before a byte
+    is copied, so a version is applied whole or not at all). A shard is refused (and the
+    version's shards so far dropped) when its worker already sent one for that version, when
+    it names a tensor another shard of the version holds, or when the version is not above
+    the last one completed. Shards are copied on arrival: a worker may reuse its tensors.
+    """
+
+    def __init__(self, sender: Any, num_shards: int) -> None:
+        if num_shards < 1:
+            raise ValueError(f"num_shards: expected >= 1, found {num_shards}")
+        self.sender = sender
+        self.num_shards = num_shards
+        self._pending: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self._done = 0
+        self._lock = threading.Lock()
+
+    def shard_sender(self, rank: int) -> ShardSender:
+        """Worker ``rank``'s sender (``0 <= rank < num_shards``)."""
+        if not 0 <= rank < self.num_shards:
+            raise ValueError(f"rank: expected in [0, {self.num_shards}), found {rank}")
+        return ShardSender(self, rank)
+
+    def _post(self, rank: int, shard: Mapping[str, torch.Tensor], version: int) -> None:
+        if not isinstance(shard, Mapping):
+            raise TypeError(
+                f"shard: expected a mapping of names to tensors, found {type(shard).__name__}"
+            )
+        with self._lock:
+            if not isinstance(version, int) or version <= self._done:
+                raise ValueError(
+                    f"version: expected an int above {self._done} (the last version completed), "
+                    f"found {version!r}"
+                )
+            got = self._pending.setdefault(version, {})
+            problem = None
+            if rank in got:
+                problem = f"worker {rank} already sent its shard of version {version}"
+            else:
+                held = {n for s in got.values() for n in s}
+                both = sorted(held.intersection(shard))
+                if both:
+                    problem = f"tensors {both[:10]} of worker {rank} are held by another shard"
+            if problem is not None:
+                del self._pending[version]
+                raise ValueError(f"shard refused, version {version} dropped: {problem}")
+            got[rank] = {n: t.detach().clone() for n, t in shard.items()}
+            if len(got) < self.num_shards:
+                return
+            del self._pending[version]
+            whole = {n: t for r in sorted(got) for n, t in got[r].items()}
+            # Under the lock: a later version must not overtake this one on its way in. A
+            # refused whole (the receiver's check) leaves the last completed version as it was.
+            self.sender.send(whole, version=version)
+            self._pending = {v: p for v, p in self._pending.items() if v > version}
+            self._done = version
+
+
+class ShardedSender:
+    """``WeightSenderV1`` over per-worker shards: ``send(weights)`` cuts ``weights`` by owner.
+
+    Worker ``i`` owns the names ``owner(name) == i`` (default: position in sorted order modulo
+    the shard count), so a full state dict goes out as ``num_shards`` shard sends; the
+    conformance suite runs this path.
+    """
+
+    def __init__(
+        self, assembler: ShardAssembler, owner: Callable[[str], int] | None = None
+    ) -> None:
+        self.assembler = assembler
+        self.owner = owner
+
+    def send(self, weights: Mapping[str, torch.Tensor], /, *, version: int) -> None:
+        """Send ``weights`` as one shard per worker."""
+        if not isinstance(weights, Mapping):
+            self.assembler.sender.send(weights, version=version)  # the receiver's own error
+            return
+        n = self.assembler.num_shards
+        names = sorted(weights)
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+        for i, name in enumerate(names):
+            r = i % n if self.owner is None else self.owner(name)
+            shards[r][name] = weights[name]
+        for r, shard in enumerate(shards):
+            self.assembler.shard_sender(r).send(shard, version=version)
+
+
+def sharded_weight_sync(model: torch.nn.Module, num_shards: int = 2) -> tuple[ShardedSender, Any]:
+    """The conformance factory: ``num_shards`` worker senders into posttrain's receiver.
+
+    Example:
+        >>> sender, receiver = sharded_weight_sync(torch.nn.Linear(2, 2), 2)
+        >>> sender.send({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, version=1)
+        >>> receiver.receive(timeout=0)
+        1
+    """
+    from posttrain.reference_impls import in_process_weight_sync
+
+    inner, receiver = in_process_weight_sync(model)
+    return ShardedSender(ShardAssembler(inner, num_shards)), receiver
+
+
+class NemoShardedWeightSynchronizer:
+    """NeMo-RL's ``WeightSynchronizer`` where each policy worker sends its own shard.
+
+    ``workers`` expose ``state_shard()`` (the worker's part of the state dict: NeMo-RL's
+    sharded policy workers); each sync sends every worker's shard through its
+    :class:`ShardSender` as the next version, then ``receiver.receive``. With
+    ``colocated=True``, ``policy.offload_before_refit()`` and
+    ``policy_generation.prepare_for_generation(tags=["weights"])`` come before the transfer and
+    ``policy.offload_after_refit()`` and ``prepare_for_generation(tags=["kv_cache"])`` after
+    it, as ``grpo.py:refit_policy_generation`` orders them.
+
+    Example:
+        >>> from posttrain.reference_impls import in_process_weight_sync
+        >>> model = torch.nn.Linear(2, 2)
+        >>> sender, receiver = in_process_weight_sync(model)
+        >>> class W:
+        ...     def __init__(self, d): self.d = d
+        ...     def state_shard(self): return self.d
+        >>> sync = NemoShardedWeightSynchronizer(
+        ...     [W({"weight": torch.ones(2, 2)}), W({"bias": torch.ones(2)})],
+        ...     ShardAssembler(sender, 2), receiver)
+        >>> sync.init_communicator(); sync.sync_weights()["weight_version"], model.bias.tolist()
+        (1.0, [1.0, 1.0])
+    """
+
+    def __init__(
+        self,
+        workers: list[Any],
+        assembler: ShardAssembler,
+        receiver: Any = None,
+        *,
+        colocated: bool = False,
+        policy: Any = None,
+        policy_generation: Any = None,
+        receive_timeout: float | None = 30.0,
+        kv_scales_sink: Callable[[Mapping[str, float], int], None] | None = None,
+    ) -> None:
+        if len(workers) != assembler.num_shards:
+            raise ValueError(
+                f"workers: expected one per shard ({assembler.num_shards}), found {len(workers)}"
+            )
+        if colocated and (policy is None or policy_generation is None):
+            raise ValueError("colocated=True needs policy= and policy_generation=")
+        self.workers = workers
+        self.assembler = assembler
+        self.receiver = receiver
+        self.colocated = colocated
+        self.policy = policy
+        self.policy_generation = policy_generation
+        self.receive_timeout = receive_timeout
+        self.kv_scales_sink = kv_scales_sink
+        self.version = 0
+        self._stale = True
+        self._refit_info: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+        self._closed = False
+
+    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """``{name: (shape, dtype)}`` over every worker's shard."""
+        return {k: (v.shape, v.dtype) for w in self.workers for k, v in w.state_shard().items()}
+
+    def init_communicator(self) -> None:
+        """Record the refit info later syncs are checked against."""
+        self._refit_info = self.prepare_refit_info()
+
+    @property
+    def is_stale(self) -> bool:
+        """True until a sync succeeds, and again after one fails."""
+        return self._stale
+
+    def sync_weights(
+        self, *, timer: Any = None, kv_scales: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
+        """One refit: every worker's shard as the next version (colocated order kept)."""
+        if self._closed:
+            raise RuntimeError("sync_weights after shutdown()")
+        if self._refit_info is None:
+            raise RuntimeError("call init_communicator() before sync_weights()")
+        _check_kv_scales(kv_scales, self.kv_scales_sink)
+        version = self.version + 1
+        start = time.perf_counter()
+        self._stale = True
+        if self.colocated:
+            self.policy.offload_before_refit()
+            self.policy_generation.prepare_for_generation(tags=["weights"])
+        with _timed(timer, "prepare_for_generation/transfer_and_update_weights"):
+            for rank, worker in enumerate(self.workers):
+                self.assembler.shard_sender(rank).send(worker.state_shard(), version=version)
+            if self.receiver is not None:
+                self.receiver.receive(timeout=self.receive_timeout)
+            if kv_scales is not None and self.kv_scales_sink is not None:
+                self.kv_scales_sink(dict(kv_scales), version)
+        if self.colocated:
+            self.policy.offload_after_refit()
+            self.policy_generation.prepare_for_generation(tags=["kv_cache"])
+        self.version = version
+        self._stale = False
+        return {"weight_sync_s": time.perf_counter() - start, "weight_version": float(version)}
+
+    def shutdown(self) -> None:
+        """Close the receiver where it can be; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        close = getattr(self.receiver, "close", None) or getattr(self.receiver, "shutdown", None)
+        if callable(close):
+            close()
