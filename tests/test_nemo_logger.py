@@ -40,6 +40,10 @@ def test_grpo_style_calls_land_under_catalogue_names(tmp_path: Path) -> None:
     assert seconds == pytest.approx(0.03)
     assert got["train/advantages/histogram/mean"] == [(7, 3.0)]
     assert got["train/advantages/histogram/max"] == [(7, 6.0)]
+    from posttrain.reference_impls.jsonl_sink import read_jsonl_histograms
+
+    ((step, hist),) = read_jsonl_histograms(tmp_path)["train/advantages/histogram"]
+    assert (step, hist["values"]) == (7, [1.0, 2.0, 6.0])  # JsonlSink keeps distributions
     assert "train/text" not in got
     assert log.dropped == 2
     assert log.hyperparams == {"lr": 1e-6}

@@ -9,6 +9,7 @@ NeMo-RL's loggers (``nemo_rl/utils/logger.py``, commit 7ea279a) take
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -72,7 +73,8 @@ class NemoLogger:
 
     Scalars (ints, floats, 0-d tensors) go to ``sink.log_scalar(prefix/name, value, step)``
     under the catalogue form of the name (``names`` renames first: NeMo-RL name -> catalogue
-    name; ``catalogue=True`` starts from :data:`NEMO_TO_CATALOGUE`); a histogram is logged as its mean, min and max; a plot is not a scalar and is
+    name; ``catalogue=True`` starts from :data:`NEMO_TO_CATALOGUE`); a histogram is logged as its mean, min and max (and as a distribution where the sink has
+    ``log_histogram``); a plot is not a scalar and is
     dropped (counted in ``dropped``). ``step_metric`` and ``step_finished`` (W&B's step
     bookkeeping) do not change what is stored.
 
@@ -139,12 +141,17 @@ class NemoLogger:
             log_hparams(dict(params))
 
     def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
-        """Mean, min and max of ``histogram`` as ``name/mean`` etc."""
+        """Mean, min and max of ``histogram`` as ``name/mean`` etc.; the distribution itself
+        (its finite values) too where the sink has ``log_histogram`` (metrics contract 1.3)."""
         values = [v for v in (_scalar(x) for x in histogram) if v is not None]
         if not values:
             self.dropped += 1
             return
         base = metric_name(name)
+        log_hist = getattr(self.sink, "log_histogram", None)
+        finite = [v for v in values if math.isfinite(v)]
+        if callable(log_hist) and finite:
+            log_hist(base, finite, step=step)
         for stat, v in (
             ("mean", sum(values) / len(values)),
             ("min", min(values)),
