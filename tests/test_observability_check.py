@@ -10,7 +10,7 @@ from tensordict import TensorDictBase
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability import policy_metrics
-from posttrain.observability.check import CHECKED, compare_policy_hook
+from posttrain.observability.check import CASES, CHECKED, compare_policy_hook
 
 K = LLM_LAYOUT_V1.key
 
@@ -66,7 +66,7 @@ def _hook(mask_of: str, sign_aware: bool = True) -> Hook:
 
 def test_posttrain_hooks_pass_every_crafted_case() -> None:
     findings = compare_policy_hook(lambda td, logits: policy_metrics(td, logits).values())
-    assert len(findings) == 3 * len(CHECKED)
+    assert len(findings) == len(CASES) * len(CHECKED)
     assert [str(f) for f in findings if not f.ok] == []
 
 
@@ -93,3 +93,20 @@ def test_sign_blind_clipping_fails() -> None:
     ) in bad
     good = {(f.case, f.metric) for f in compare_policy_hook(_hook("assistant")) if not f.ok}
     assert good == set()  # the same hook, sign-aware and masked, is right: the check is fair
+
+
+def test_multiplying_by_the_mask_fails_on_nan_outside_it() -> None:
+    def hook(td: TensorDictBase, logits: torch.Tensor) -> Mapping[str, float]:
+        p = _parts(td, logits)
+        asst = td.get(K("assistant_mask")) & td.get(K("attention_mask"))
+        asst[:, 0] = False
+        m = asst.float()
+        return {name: float((p[key] * m).sum() / m.sum()) for name, key in (
+            ("policy/kl_ref/k3", "k3"), ("policy/kl_ref/k1", "k1"), ("policy/entropy", "ent"),
+            ("policy/ratio/mean", "ratio"),
+        )}  # fmt: skip
+
+    bad = {(f.case, f.metric) for f in compare_policy_hook(hook) if not f.ok}
+    assert ("nan_outside", "policy/kl_ref/k3") in bad
+    assert ("nan_outside", "policy/ratio/mean") in bad
+    assert ("padding", "policy/kl_ref/k3") not in bad  # finite values outside: no difference

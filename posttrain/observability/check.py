@@ -35,7 +35,7 @@ CHECKED = (
     "policy/clip_frac/low",
     "policy/clip_frac/high",
 )
-CASES = ("padding", "prompt_tokens", "clip_signs")
+CASES = ("padding", "prompt_tokens", "clip_signs", "nan_outside")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def crafted_cases() -> dict[str, tuple[TensorDictBase, torch.Tensor]]:
     Example:
         >>> cases = crafted_cases()
         >>> list(cases)
-        ['padding', 'prompt_tokens', 'clip_signs']
+        ['padding', 'prompt_tokens', 'clip_signs', 'nan_outside']
         >>> td, logits = cases["padding"]
         >>> td.batch_size, logits.shape
         (torch.Size([2]), torch.Size([2, 10, 6]))
@@ -108,6 +108,18 @@ def crafted_cases() -> dict[str, tuple[TensorDictBase, torch.Tensor]]:
     td = _batch(attn, asst, g, v, adv=(1.0, -1.0, 1.0, -1.0))
     logits = torch.randn(4, 6, v, generator=g) * 4
     out["clip_signs"] = (td, logits)
+    # nan_outside: NaN log-probs wherever the mask is False (TorchRL writes NaN outside the
+    # response): a hook multiplying by the mask instead of selecting turns every mean NaN.
+    attn = torch.ones(3, 7, dtype=torch.bool)
+    attn[2, 5:] = False
+    asst = torch.zeros(3, 7, dtype=torch.bool)
+    asst[:, 3:] = True
+    td = _batch(attn, asst, g, v, adv=(1.0, -1.0, 0.5))
+    unread = ~(asst & attn)
+    unread[:, 0] = True
+    for key in ("sample_log_probs", "ref_log_probs"):
+        td.set(K(key), td.get(K(key)).masked_fill(unread, math.nan))
+    out["nan_outside"] = (td, torch.randn(3, 7, v, generator=g) * 2)
     return out
 
 
@@ -179,6 +191,7 @@ def compare_policy_hook(
         padding       policy/entropy          expected 1.11142, found 0.0  DIFFERS
         prompt_tokens policy/entropy          expected 1.5643, found 0.0  DIFFERS
         clip_signs    policy/entropy          expected 0.481371, found 0.0  DIFFERS
+        nan_outside   policy/entropy          expected ..., found 0.0  DIFFERS
     """
     findings = []
     for case, (td, logits) in crafted_cases().items():
