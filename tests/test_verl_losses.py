@@ -75,3 +75,43 @@ def test_global_counts_reach_verl_as_batch_num_tokens_and_global_batch_size() ->
             )
         )
         assert got == pytest.approx(want, rel=1e-5)
+
+
+def _in_verl_source(name: str, src: str) -> bool:
+    """A verl metric name is in verl's source: quoted whole, or a tail of it quoted (or after an
+    f-string's ``{...}/``) with the rest as a prefix verl adds (``actor/`` + ``"kl_loss"``,
+    ``timing_s/`` + a timer named ``"gen"``)."""
+    import re
+
+    parts = name.split("/")
+    for k in range(len(parts)):
+        tail, head = "/".join(parts[k:]), "/".join(parts[:k])
+        quoted = re.search(rf"[\"']{re.escape(tail)}[\"']", src) or re.search(
+            rf"f[\"'][^\"'\n]*\{{[^}}]+\}}/{re.escape(tail)}[\"']", src
+        )
+        if quoted and (not head or f"{head}/" in src or f'"{head}"' in src):
+            return True
+    return False
+
+
+def test_the_metric_crosswalks_verl_names_are_verls() -> None:
+    # Each verl name the metric catalogue maps to is read from verl 0.9.1's own source.
+    import pathlib
+    import re
+
+    import verl
+
+    from posttrain.contracts.catalogue import CATALOGUE_V1
+
+    root = pathlib.Path(verl.__file__).parent
+    src = "\n".join(
+        p.read_text(errors="ignore") for p in root.rglob("*.py") if "tests" not in p.parts
+    )
+    names = [
+        n
+        for m in CATALOGUE_V1.metrics
+        for n in re.findall(r"\b[a-z_]+(?:/[a-z0-9_]+)+", (m.crosswalk or {}).get("verl", ""))
+    ]
+    assert len(names) >= 30
+    assert [n for n in names if not _in_verl_source(n, src)] == []
+    assert not _in_verl_source("critic/score/mena", src)  # a misspelt name is caught

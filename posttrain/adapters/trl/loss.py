@@ -278,13 +278,23 @@ def _factory(loss_type: str, *, adapted: bool) -> Any:
     return make
 
 
+_CONFIG: dict[str, dict[str, Any]] = {"cispo": {"epsilon_high": 5.0}}
+"""GRPOConfig values a row sets: cispo's upper clip on its ratio weight is ``epsilon_high``,
+whose default (``epsilon``, 0.2) clamps every weight at ratio 1 to 0.2 (a fifth of the
+gradient); TRL's documentation recommends 5.0 for cispo (ScaleRL's ε_max)."""
+
+
 def _row(loss_type: str, *, adapted: bool, known: frozenset[str] = frozenset()) -> Implementation:
     agg = LOSS_TYPES[loss_type]
     return Implementation(
         "loss",
-        partial(_factory(loss_type, adapted=adapted), aggregation=agg),
+        partial(
+            _factory(loss_type, adapted=adapted), aggregation=agg, **_CONFIG.get(loss_type, {})
+        ),
         name=f"{'TRLGRPOLoss(' if adapted else ''}trl GRPOTrainer._compute_loss"
-        f"(loss_type={loss_type!r}){')' if adapted else ''}",
+        f"(loss_type={loss_type!r}"
+        + "".join(f", {k}={v}" for k, v in _CONFIG.get(loss_type, {}).items())
+        + f"){')' if adapted else ''}",
         capabilities={"per_token_advantage"}
         | ({"global_counts"} if adapted else set())
         | ({"clip"} if loss_type in _CLIPPED else set()),
