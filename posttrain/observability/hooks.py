@@ -312,6 +312,33 @@ def loss_metrics(out: Mapping[str, Any], acc: Accumulator | None = None) -> Accu
     return acc
 
 
+def reward_model_metrics(
+    chosen: torch.Tensor, rejected: torch.Tensor, acc: Accumulator | None = None
+) -> Accumulator:
+    """``reward_model/accuracy`` and ``reward_model/margin`` of preference pairs' scores.
+
+    A pair with a NaN score counts in both (its margin NaN, its comparison False), so a NaN is
+    seen rather than dropped.
+
+    Example:
+        >>> import torch
+        >>> vals = reward_model_metrics(torch.tensor([2.0, 0.5, 1.0]), torch.tensor([1.0, 1.5, 1.0])).values()
+        >>> vals["reward_model/accuracy"], vals["reward_model/margin"]  # 1 of 3 pairs; (1 - 1 + 0) / 3
+        (0.3333333333333333, 0.0)
+    """
+    acc = acc if acc is not None else Accumulator()
+    if not (isinstance(chosen, torch.Tensor) and isinstance(rejected, torch.Tensor)):
+        raise ValueError("chosen, rejected: expected two tensors of scores, one per pair")
+    c, r = chosen.detach().double().reshape(-1), rejected.detach().double().reshape(-1)
+    if c.numel() != r.numel():
+        raise ValueError(
+            f"rejected: expected {c.numel()} scores (one per chosen), found {r.numel()}"
+        )
+    acc.add("reward_model/accuracy", (c > r).sum(dtype=torch.float64), c.numel())
+    acc.add("reward_model/margin", (c - r).sum(), c.numel())
+    return acc
+
+
 def optim_metrics(
     grad_norm: float | torch.Tensor, lr: float, acc: Accumulator | None = None
 ) -> Accumulator:
