@@ -47,7 +47,7 @@ def test_trl_names_in_the_crosswalk_exist_in_trls_source() -> None:
     for m in CATALOGUE_V1.metrics:
         trl = m.crosswalk.get("trl", "")
         name = trl.split(" ")[0]
-        if not name or name in ("loss", "grad_norm", "learning_rate"):  # transformers.Trainer's
+        if not name or name in ("—", "loss", "grad_norm", "learning_rate"):  # none; Trainer's
             continue
         pattern = re.escape(name).replace("<name>", r"\{[a-z_]+\}")
         assert re.search(pattern, source), f"{m.name}: TRL metric {name!r} not in TRL's source"
@@ -82,3 +82,25 @@ def test_the_spec_lists_every_metric() -> None:
     spec = (Path(__file__).resolve().parents[1] / "specs" / "metrics_catalogue-v1.md").read_text()
     for m in CATALOGUE_V1.metrics:
         assert f"`{m.name}`" in spec
+
+
+def test_every_metric_declares_how_ranks_combine() -> None:
+    rules = {m.name: m.ranks for m in CATALOGUE_V1.metrics}
+    assert rules["time/rollout_s"] == "max"  # ranks run at once: not 2 x 2 s
+    assert rules["perf/gen_tokens_per_s"] == "rate"
+    assert rules["rollout/reward/std"] == rules["policy/ratio/ess"] == "moments"
+    assert rules["buffer/writes"] == rules["loss/total"] == "sum"
+    assert {m.ranks for m in CATALOGUE_V1.metrics if m.reduction in ("tok", "seq")} == {
+        "pairs",
+        "moments",
+    }
+    new = {m.name for m in CATALOGUE_V1.metrics if m.since == "1.1"}
+    assert new == {
+        "rollout/reward_fn/<reward_fn>/std",
+        "policy/update_kl/k1",
+        "policy/update_kl/k3",
+        "policy/ratio/ess",
+    }
+    assert CATALOGUE_V1.metric("policy/update_kl/k1").crosswalk["verl"].startswith("actor/ppo_kl")
+    assert CATALOGUE_V1.metric("policy/update_kl/k1").crosswalk["torchrl"].startswith("kl_approx")
+    assert CATALOGUE_V1.metric("policy/ratio/ess").crosswalk["torchrl"].startswith("ESS")
