@@ -78,6 +78,10 @@ def test_an_mlflow_store_with_two_runs_is_two_lines_never_one_zigzag(tmp_path: P
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path), "--run", "ppo", "--out", str(out)])
     assert e.value.code == 2
+    assert main([str(tmp_path), "--mlflow-run", "trl", "--out", str(out)]) == 0
+    with pytest.raises(SystemExit) as e:  # exact: "rl" is a part of both names, the name of none
+        main([str(tmp_path), "--mlflow-run", "rl", "--out", str(out)])
+    assert e.value.code == 2
 
 
 def test_two_folders_of_equal_jsonl_runs_stay_two_runs(tmp_path: Path) -> None:

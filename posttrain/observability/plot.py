@@ -448,7 +448,9 @@ def main(
         metavar="NAME",
         help="draw only runs whose label contains NAME (or matches it as a glob); repeatable",
     )
-    p.add_argument("--mlflow-run", default=None, help="the same as --run (kept for old scripts)")
+    p.add_argument(
+        "--mlflow-run", default=None, help="draw only the MLflow run of exactly this name"
+    )
     p.add_argument(
         "--smoothing",
         type=float,
@@ -472,9 +474,16 @@ def main(
                 r.label = r.label if r.label == top else f"{top}/{r.label}"
         found += runs
     try:
-        chosen = select_runs(found, [*args.run, *([args.mlflow_run] if args.mlflow_run else [])])
+        chosen = select_runs(found, args.run)
     except ValueError as e:
         p.error(str(e))
+    if args.mlflow_run is not None:  # an exact MLflow run name, as before --run existed
+        chosen = [r for r in chosen if r.label.split("/")[-1] == args.mlflow_run]
+        if not chosen:
+            p.error(
+                f"--mlflow-run {args.mlflow_run!r}: no run of that name; runs found: "
+                f"{[r.label for r in found][:10]}"
+            )
     if args.list or not chosen:
         for r in found:
             copies = f" (also in {', '.join(r.copies)})" if r.copies else ""
