@@ -100,7 +100,10 @@ def test_every_metric_declares_how_ranks_combine() -> None:
         "policy/update_kl/k1",
         "policy/update_kl/k3",
         "policy/ratio/ess",
+        "perf/gen_tokens_per_s_per_rank",
+        "perf/train_tokens_per_s_per_rank",
     }
+    assert rules["perf/gen_tokens_per_s_per_rank"] == "pairs"  # tokens over rank-seconds
     assert CATALOGUE_V1.metric("policy/update_kl/k1").crosswalk["verl"].startswith("actor/ppo_kl")
     assert CATALOGUE_V1.metric("policy/update_kl/k1").crosswalk["torchrl"].startswith("kl_approx")
     assert CATALOGUE_V1.metric("policy/ratio/ess").crosswalk["torchrl"].startswith("ESS")

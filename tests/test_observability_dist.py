@@ -37,6 +37,7 @@ def _metrics(rows: list[dict[str, Any]], acc: Accumulator, share: float) -> None
     loss_metrics({"loss_objective": torch.tensor(share)}, acc)
     acc.add("time/rollout_s", 2.0)  # both ranks generate for 2 s at once
     acc.add("perf/gen_tokens_per_s", 1000, 2.0)
+    acc.add("perf/gen_tokens_per_s_per_rank", 1000, 2.0)
     acc.add("optim/lr", 1e-3)
 
 
@@ -72,6 +73,7 @@ def test_two_gloo_ranks_report_the_values_of_one_rank_over_the_whole_batch() -> 
     want = one.values()
     want["time/rollout_s"] = 2.0  # the slowest rank's wall time, not 4 s
     want["perf/gen_tokens_per_s"] = 1000.0  # 2,000 tokens in 2 s: the job's rate
+    want["perf/gen_tokens_per_s_per_rank"] = 500.0  # one rank's: 2,000 tokens in 4 rank-seconds
     for rank, values in got.items():
         assert sorted(values) == sorted(want)
         bad = {
@@ -80,4 +82,4 @@ def test_two_gloo_ranks_report_the_values_of_one_rank_over_the_whole_batch() -> 
             if not math.isclose(values[k], want[k], rel_tol=1e-12, abs_tol=1e-12)
         }
         assert not bad, (rank, bad)
-    assert len(want) == 39  # 34 rollout, policy and staleness metrics; loss, time, rate, lr
+    assert len(want) == 40  # 34 rollout, policy and staleness metrics; loss, time, 2 rates, lr

@@ -293,6 +293,10 @@ CATALOGUE_V1 = Catalogue(
         _m("perf/train_tokens_per_s", "tokens/s", "rate", "trained tokens (sum attention) / time/train_s; across ranks all ranks' tokens over the slowest rank's seconds", ("attention_mask", "timer:train"),
            nemo_rl="timing/train/valid_tokens_per_sec_per_gpu (per GPU)",
            verl="perf/throughput (prompt and response tokens per step second per GPU)"),
+        _m("perf/gen_tokens_per_s_per_rank", "tokens/s", "rate", "generated tokens of all ranks / the seconds of time/rollout_s of all ranks summed: one rank's mean rate (equals perf/gen_tokens_per_s on one rank)", ("assistant_mask", "timer:rollout"),
+           since="1.1", ranks="pairs"),
+        _m("perf/train_tokens_per_s_per_rank", "tokens/s", "rate", "trained tokens of all ranks / the seconds of time/train_s of all ranks summed: one rank's mean rate", ("attention_mask", "timer:train"),
+           since="1.1", ranks="pairs", nemo_rl="timing/train/valid_tokens_per_sec_per_gpu (valid tokens per GPU-second)"),
         # --- staleness ------------------------------------------------------------------------
         _m("staleness/policy_version", "1", "last", "the learner's weights version", ("learner",),
            verl="fully_async/count/current_param_version (fully-async mode only)"),

@@ -410,6 +410,9 @@ def generation_server_metrics(server: Any, acc: Accumulator | None = None) -> Ac
     return acc
 
 
+_TWINS = {"perf/gen_tokens_per_s_per_rank", "perf/train_tokens_per_s_per_rank"}
+
+
 class Timers:
     """Phase timers: ``with timers.phase("weight_sync"):`` adds to ``time/weight_sync_s``;
     :meth:`rate` turns counted tokens and a phase's seconds into a ``perf/`` rate pair.
@@ -420,7 +423,7 @@ class Timers:
         ...     pass
         >>> timers.rate("perf/gen_tokens_per_s", tokens=100, phase="rollout")
         >>> sorted(timers.acc.values())
-        ['perf/gen_tokens_per_s', 'time/rollout_s']
+        ['perf/gen_tokens_per_s', 'perf/gen_tokens_per_s_per_rank', 'time/rollout_s']
     """
 
     def __init__(self, acc: Accumulator | None = None) -> None:
@@ -439,5 +442,10 @@ class Timers:
             self.acc.add(f"time/{name}_s", seconds)
 
     def rate(self, name: str, *, tokens: float, phase: str) -> None:
-        """``name`` += (tokens, seconds of the phase's last run)."""
+        """``name`` += (tokens, seconds of the phase's last run), and its ``_per_rank`` twin
+        when the catalogue has one (across ranks the first is the job's rate, the twin one
+        rank's mean rate)."""
         self.acc.add(name, tokens, self.last[phase])
+        twin = f"{name}_per_rank"
+        if twin in _TWINS:
+            self.acc.add(twin, tokens, self.last[phase])
