@@ -54,7 +54,8 @@ losses-report: $(STAMP)
 
 # The release matrix: one venv per TorchRL/TRL release (scripts/release_matrix.py's CELLS, or
 # CELLS="torchrl-0.12 trl-1.0"), built from the registry under /tmp/posttrain-matrix; writes
-# docs/reports/compatibility.md. About 1-2 min of install and 2-15 min of runs per cell on 2 cores.
+# docs/reports/compatibility.md. About 1 min of install and 1-2 min of runs per cell on 2 cores;
+# a longer job than CI's budget. POSTTRAIN_MATRIX_LOCK=<file> holds that lock during each cell's runs.
 matrix: $(STAMP)
 	$(BIN)/python scripts/release_matrix.py $(if $(CELLS),--cells $(CELLS))
 

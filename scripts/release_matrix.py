@@ -63,7 +63,7 @@ class Cell:
 
 # One line per release. A TorchRL release runs with the tensordict of its own minor; a TRL
 # release runs next to the newest TorchRL (tests/test_trl_*.py use its TRL interop) with the
-# transformers pip resolves for it, and its oldest line once with the oldest transformers it
+# transformers pip resolves for it, and the newest once more with the oldest transformers it
 # declares (transformers>=4.56.2 in every TRL 1.x).
 CELLS: tuple[Cell, ...] = (
     Cell("torchrl", "0.10", ("torchrl==0.10.*", "tensordict==0.10.*")),
@@ -72,11 +72,13 @@ CELLS: tuple[Cell, ...] = (
     Cell("torchrl", "0.13", ("torchrl==0.13.*", "tensordict==0.13.*")),
     Cell("torchrl", "0.14", ("torchrl==0.14.*", "tensordict==0.14.*")),
     Cell("trl", "1.0", ("trl==1.0.*",)),
-    Cell("trl", "1.0-tf4.56", ("trl==1.0.*", "transformers==4.56.2"), "oldest transformers"),
     Cell("trl", "1.4", ("trl==1.4.*",)),
     Cell("trl", "1.8", ("trl==1.8.*",)),
     Cell("trl", "1.12", ("trl==1.12.*",)),
+    Cell("trl", "1.14", ("trl==1.14.*",)),
+    Cell("trl", "1.15", ("trl==1.15.*",)),
     Cell("trl", "1.16", ("trl==1.16.*",)),
+    Cell("trl", "1.16-tf4.56", ("trl==1.16.*", "transformers==4.56.2"), "oldest transformers"),
 )
 
 BASE = ("pydantic>=2.6", "typing-extensions>=4.8", "pytest>=8", "hypothesis>=6.100")
@@ -85,7 +87,9 @@ BASE = ("pydantic>=2.6", "typing-extensions>=4.8", "pytest>=8", "hypothesis>=6.1
 FRAMEWORK_EXTRAS: dict[str, tuple[str, ...]] = {
     # TorchRL's LLM rows wrap a transformers model.
     "torchrl": ("transformers",),
-    "trl": ("torchrl==0.14.*", "tensordict==0.14.*", "accelerate", "datasets"),
+    # TRL 1.0 to 1.8 import requests (trl/generation/vllm_client.py) without declaring it:
+    # GRPOTrainer's import fails without it (measured: trl-1.0 and trl-1.8 cells).
+    "trl": ("torchrl==0.14.*", "tensordict==0.14.*", "accelerate", "datasets", "requests"),
 }
 """What a cell of each framework installs besides its pins."""
 
@@ -203,6 +207,8 @@ def run_cell(framework: str, out: Path) -> None:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-rfE", test],
             cwd=ROOT,
+            # Wide, so that each FAILED line keeps its error message (pytest cuts it to fit).
+            env={**os.environ, "COLUMNS": "400"},
             capture_output=True,
             text=True,
             check=False,
@@ -252,8 +258,11 @@ def _tail(text: str, n: int = 3) -> str:
     return " / ".join(lines[-n:])[-600:]
 
 
-def build_and_run(cell: Cell, python: str) -> dict[str, Any]:
-    """Build ``cell``'s venv, run it, and return its result (also kept as JSON)."""
+def build_and_run(cell: Cell, python: str, *, reuse: bool = False) -> dict[str, Any]:
+    """Build ``cell``'s venv (``reuse``: keep one already built), run it, return its result.
+
+    The result is also kept as JSON beside the venvs.
+    """
     venv = matrix_dir() / cell.name
     results = matrix_dir() / "results"
     results.mkdir(parents=True, exist_ok=True)
@@ -267,15 +276,25 @@ def build_and_run(cell: Cell, python: str) -> dict[str, Any]:
         "python": platform.python_version(),
     }
     start = time.perf_counter()
-    shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([python, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    proc = subprocess.run([*pip, *requirements(cell)], capture_output=True, text=True, check=False)
-    if proc.returncode == 0:
+    kept = results / f"{cell.name}.json"
+    if reuse and (venv / "bin" / "python").is_file() and kept.is_file():
+        record["install_s"] = json.loads(kept.read_text()).get("install_s")
+        # Only posttrain again: its entry points are read from pyproject.toml at install.
         proc = subprocess.run(
             [*pip, "--no-deps", "-e", str(ROOT)], capture_output=True, text=True, check=False
         )
-    record["install_s"] = round(time.perf_counter() - start, 1)
+    else:
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        proc = subprocess.run(
+            [*pip, *requirements(cell)], capture_output=True, text=True, check=False
+        )
+        if proc.returncode == 0:
+            proc = subprocess.run(
+                [*pip, "--no-deps", "-e", str(ROOT)], capture_output=True, text=True, check=False
+            )
+        record["install_s"] = round(time.perf_counter() - start, 1)
     if proc.returncode != 0:
         record["install_error"] = _tail(proc.stderr or proc.stdout)
     else:
@@ -432,9 +451,9 @@ def render(records: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
             bad = [n for n, x in rows.items() if x.get("verdict") in BAD]
             outcome = f"{len(rows) - len(bad)} of {len(rows)} rows as expected"
             if tests:
-                outcome += "; tests: " + "; ".join(
-                    f"{Path(t).name} {x['summary']}" for t, x in tests.items()
-                )
+                red = sorted(Path(t).name for t, x in tests.items() if not x.get("ok"))
+                outcome += f"; {len(tests) - len(red)} of {len(tests)} test files pass"
+                outcome += f" (failing: {', '.join(red)})" if red else ""
             if r.get("run_error") and not rows:
                 outcome += f"; run failed: {r['run_error']}"
         if r.get("note"):
@@ -487,7 +506,10 @@ def render(records: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
         if said:
             lines += [
                 "",
-                f"What the unexpected failures said ({framework} release, requirement):",
+                f"What the unexpected failures said ({framework} release, requirement). Repro: "
+                "`python scripts/release_matrix.py --cells <cell>` builds the cell's venv, then "
+                "`/tmp/posttrain-matrix/<cell>/bin/posttrain check <contract> <implementation>` "
+                "runs one row there:",
                 "",
             ]
             lines += [
@@ -505,6 +527,23 @@ def render(records: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
         if failing:
             lines += ["", "Failing tests:", ""]
             lines += [f"- {rel}: `{f}`" for rel, _, f in failing]
+        since = works_from(cells)
+        if since:
+            lines += [
+                "",
+                f"Oldest {framework} release each row and test file works from (as expected in "
+                "it and every newer cell):",
+                "",
+                "| works from | rows and test files |",
+                "|---|---|",
+            ]
+            groups: dict[str, list[str]] = {}
+            for part, rel in since.items():
+                groups.setdefault(rel, []).append(part)
+            lines += [
+                f"| {rel} | {', '.join(sorted(parts))} |"
+                for rel, parts in sorted(groups.items(), key=lambda kv: _key(kv[0]))
+            ]
     bounds = supported(records)
     if bounds:
         lines += [
@@ -523,6 +562,41 @@ def render(records: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
     if missing:
         lines += ["", "## Not run yet", "", ", ".join(missing)]
     return "\n".join(lines) + "\n"
+
+
+def works_from(cells: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Each row and test file: the oldest release from which it is as expected in every cell.
+
+    ``cells`` are one framework's results; a part is absent when even the newest fails it.
+
+    Example:
+        >>> ok, bad = {"verdict": "conforms"}, {"verdict": "error"}
+        >>> works_from([
+        ...     {"release": "1.0", "rows": {"a": bad, "b": ok}, "tests": {"t.py": {"ok": False}}},
+        ...     {"release": "1.12", "rows": {"a": ok, "b": ok}, "tests": {"t.py": {"ok": True}}},
+        ... ])
+        {'a': '1.12', 'b': '1.0', 't.py': '1.12'}
+    """
+    out: dict[str, str] = {}
+    ordered = sorted((c for c in cells if c.get("rows")), key=_release_key, reverse=True)
+    parts = sorted({n for c in ordered for n in c["rows"]}) + sorted(
+        {Path(t).name for c in ordered for t in c.get("tests", {})}
+    )
+    for part in parts:
+        for c in ordered:
+            tests = {Path(t).name: x for t, x in c.get("tests", {}).items()}
+            row, test = c["rows"].get(part), tests.get(part)
+            good = (row is not None and row.get("verdict") not in BAD) or (
+                test is not None and bool(test.get("ok"))
+            )
+            if not good:
+                break
+            out[part] = _key_release(c)
+    return out
+
+
+def _key_release(cell: dict[str, Any]) -> str:
+    return str(cell["release"]).partition("-")[0]
 
 
 def _ran_as_expected(record: dict[str, Any]) -> bool:
@@ -585,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "reports" / "compatibility.md")
     p.add_argument("--python", default=sys.executable, help="the Python that creates the venvs")
     p.add_argument("--render-only", action="store_true", help="write the page from kept results")
+    p.add_argument("--reuse", action="store_true", help="rerun in venvs already built")
     p.add_argument("--run-cell", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -599,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown cells {unknown}; valid: {', '.join(known)}")
     for name in chosen:
-        rec = build_and_run(known[name], args.python)
+        rec = build_and_run(known[name], args.python, reuse=args.reuse)
         print(
             f"{name}: install {rec.get('install_s')} s, runs {rec.get('run_s', '-')} s", flush=True
         )

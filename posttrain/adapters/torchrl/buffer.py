@@ -395,9 +395,10 @@ def _keeps_references(rb: Any) -> bool:
 def _rb_state(rb: Any) -> dict[str, Any]:
     """``rb.state_dict()`` with the writer's write count in it.
 
-    Per-release branch for TorchRL 0.13 (and older): its ``RoundRobinWriter.state_dict()``
+    Per-release branch for TorchRL 0.12 and 0.13: their ``RoundRobinWriter.state_dict()``
     holds only ``_cursor`` (0.14 added ``_write_count``), and a length check needs the count,
     so it is read from the live writer; :func:`_restore_write_count` puts it back on load.
+    Without it their adapted buffers fail BUF-014 and BUF-018 (docs/reports/compatibility.md).
     """
     state: dict[str, Any] = rb.state_dict()
     writer, w = state.get("_writer"), getattr(rb, "_writer", None)
@@ -409,7 +410,7 @@ def _rb_state(rb: Any) -> dict[str, Any]:
 
 
 def _restore_write_count(rb: Any, state: Mapping[str, Any]) -> None:
-    """After TorchRL 0.13's ``load_state_dict`` (which restores only ``_cursor``), the count."""
+    """After TorchRL 0.12/0.13's ``load_state_dict`` (which restores only ``_cursor``), the count."""
     w, saved = getattr(rb, "_writer", None), state.get("_writer")
     if (
         w is not None
