@@ -32,7 +32,8 @@ def not_a_number(x: Any) -> str:
 def one_number(where: str, x: Any, expected: str = "one number") -> float:
     """``x`` as one float, or a ``ValueError`` "``where``: expected ..., found ..."."""
     try:
-        return float(x)
+        # A loss term still holding its graph: its value, without autograd's warning.
+        return float(x.detach() if isinstance(x, torch.Tensor) else x)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{where}: expected {expected}, found {not_a_number(x)}") from None
 
