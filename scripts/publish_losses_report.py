@@ -101,7 +101,8 @@ def weights(framework: str, impl: Implementation) -> tuple[float, float, float, 
     and with the 2-token answer in one micro-batch and the others in a second, accumulated as
     the framework accumulates (the summed parts under global counts; TRL's own
     num_items_in_batch and accumulation steps for its raw rows; otherwise the mean of the
-    micro-batch losses, as users write it). Returns the four weights and how they were
+    micro-batch losses, as users write it; verl's and OpenRLHF's raw rows get the whole batch's
+    batch_num_tokens / global_batch_size, as their trainers pass them). Returns the four weights and how they were
     accumulated."""
     policy = tiny_causal_lm(vocab_size=V, seed=0)
     loss = impl.factory(policy, **impl.options)
@@ -138,6 +139,16 @@ def _weights(
 
         def call(x: Any) -> Any:
             return loss(x, num_items_in_batch=whole.tokens)
+    elif framework in ("verl", "OpenRLHF"):  # their trainers pass the global batch's figures
+        how, scale = f"{framework}: sum of parts, its own batch_num_tokens/global_batch_size", 1.0
+        info = {
+            "dp_size": 1,
+            "batch_num_tokens": whole.tokens,
+            "global_batch_size": whole.sequences,
+        }
+
+        def call(x: Any) -> Any:
+            return loss(x, global_batch_info=info)
     else:
         how, scale = "mean of the 2 micro-batch losses", 0.5
         call = loss
@@ -167,6 +178,7 @@ def main(out_dir: Path) -> tuple[Path, int]:
     deviations: dict[tuple[str, str, str], list[tuple[str, str, str]]] = {}
     unexpected: list[str] = []
     reports: dict[str, Report] = {}
+    tally: dict[str, list[int]] = {}  # framework -> [rows, conforming, split-dependent, measured]
     only = os.environ.get("LOSSES_ONLY", "")  # a substring of row names: a quicker partial run
     for framework, name, impl in rows():
         if only not in name:
@@ -195,9 +207,14 @@ def main(out_dir: Path) -> tuple[Path, int]:
             )
         else:
             mb_cell = f"fails ({mb.status.value})"
+        t = tally.setdefault(framework, [0, 0, 0, 0])
+        t[0] += 1
+        t[1] += not failed
         try:
             s1, l1, s2, l2, how = weights(framework, impl)
             w = f"{_fmt(s1)} / {_fmt(l1)} | {_fmt(s2)} / {_fmt(l2)} | {how}"
+            t[3] += 1
+            t[2] += not all(abs(a - b) <= 1e-4 * max(abs(a), 1e-8) for a, b in ((s1, s2), (l1, l2)))
         except Exception as e:  # a loss the measurement cannot run: say why
             w = f"– | – | not measured: {type(e).__name__}: {str(e)[:80]}"
         na = [r.id for r in rep.results if r.status is Status.NOT_APPLICABLE]
@@ -230,6 +247,10 @@ def main(out_dir: Path) -> tuple[Path, int]:
         "with the 2-token answer in one micro-batch and the other two in another, accumulated "
         "as the last column says. Equal weights in the two settings: micro-batching changes "
         "nothing.",
+        "",
+        "| framework | rows | conform | gradient changed by micro-batching (of rows measured) |",
+        "|---|---|---|---|",
+        *[f"| {fw} | {t[0]} | {t[1]} | {t[2]} of {t[3]} |" for fw, t in tally.items()],
         "",
         "| framework | row | aggregation | meets | fails | micro-batches (LOSS-017) | "
         "one batch: short / long | micro-batched: short / long | accumulated as |",

@@ -109,10 +109,22 @@ class OpenRLHFPolicyLoss(torch.nn.Module):
         token_level = OPENRLHF_AGGREGATIONS.get(aggregation, True)
         self.loss = mod.PolicyLoss(token_level_loss=token_level, **options)
 
-    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
-        """PolicyLoss of ``td`` (never mutated), as a part of the batch ``counts`` describes."""
+    def forward(
+        self,
+        td: TensorDictBase,
+        *,
+        counts: GlobalCounts | None = None,
+        global_batch_info: dict[str, Any] | None = None,
+    ) -> TensorDict:
+        """PolicyLoss of ``td`` (never mutated), as a part of the batch ``counts`` describes.
+
+        ``global_batch_info`` (raw row only): PolicyLoss's own ``batch_num_tokens``,
+        ``global_batch_size`` and ``dp_size``, as OpenRLHF's actor passes them; default: none.
+        """
         if self.adapted:
             check(td, require=("sample_log_probs", "advantage"), context="OpenRLHF PolicyLoss")
+            if global_batch_info is not None:
+                raise TypeError("global_batch_info: the adapted row takes counts=GlobalCounts")
             if counts is not None and not isinstance(counts, GlobalCounts):
                 raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
         elif counts is not None:
@@ -122,7 +134,7 @@ class OpenRLHFPolicyLoss(torch.nn.Module):
         old, adv = td.get(K("sample_log_probs")), td.get(K("advantage"))
         if adv.ndim == tokens.ndim - 1:
             adv = adv[..., None].expand_as(old)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = dict(global_batch_info or {})
         if self.adapted:
             own = GlobalCounts.of(td)
             c = counts if counts is not None else own

@@ -170,10 +170,22 @@ class VerlLoss(torch.nn.Module):
         self.options = options
         self.fn = ca.get_policy_loss_fn(loss_mode)
 
-    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
-        """verl's loss of ``td`` (never mutated), as a part of the batch ``counts`` describes."""
+    def forward(
+        self,
+        td: TensorDictBase,
+        *,
+        counts: GlobalCounts | None = None,
+        global_batch_info: dict[str, Any] | None = None,
+    ) -> TensorDict:
+        """verl's loss of ``td`` (never mutated), as a part of the batch ``counts`` describes.
+
+        ``global_batch_info`` (raw row only): verl's own figures, as its trainer sets them
+        (``batch_num_tokens``, ``global_batch_size``, ``dp_size``); default: none.
+        """
         if self.adapted:
             check(td, require=("sample_log_probs", "advantage"), context=f"verl {self.loss_mode}")
+            if global_batch_info is not None:
+                raise TypeError("global_batch_info: the adapted row takes counts=GlobalCounts")
         elif counts is not None:
             raise TypeError("counts: the raw verl row takes no global counts")
         tokens, att = td.get(K("tokens")), td.get(K("attention_mask"))
@@ -181,7 +193,7 @@ class VerlLoss(torch.nn.Module):
         old, adv = td.get(K("sample_log_probs")), td.get(K("advantage"))
         if adv.ndim == tokens.ndim - 1:
             adv = adv[..., None].expand_as(old)
-        info: dict[str, Any] = {}
+        info: dict[str, Any] = dict(global_batch_info or {})
         if self.adapted:
             if counts is not None and not isinstance(counts, GlobalCounts):
                 raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
