@@ -217,7 +217,8 @@ class Accumulator:
         counts (a count-weighted mean), ``moments`` merges (count, mean, M2), ``sum`` adds,
         ``max`` takes the largest (wall times: ranks run at once), ``rate`` adds the quantity
         and takes the slowest rank's seconds, ``min``/``max`` extremes propagate NaN, ``first``
-        keeps rank 0's value. Every rank must hold the same names (``ValueError`` otherwise).
+        keeps the value of the lowest rank holding it. A metric some ranks lack (a rank whose
+        rewards were all NaN has no reward min) combines over the ranks that hold it.
 
         Example:
             >>> a, b = Accumulator(), Accumulator()
@@ -227,23 +228,12 @@ class Accumulator:
             >>> a.values()  # 2,000 tokens in the 2 s both ranks ran at once
             {'time/rollout_s': 2.0, 'perf/gen_tokens_per_s': 1000.0}
         """
-        names = [sorted(k for part in s.values() for k in part) for s in states]
-        for r, held in enumerate(names):
-            if held != names[0]:
-                diff = sorted(set(held) ^ set(names[0]))
-                shown = ", ".join(diff[:10]) + (
-                    f" ... and {len(diff) - 10} more" if len(diff) > 10 else ""
-                )
-                raise ValueError(
-                    f"all_reduce: expected every rank to hold rank 0's metric names, found rank "
-                    f"{r} differing on {shown}"
-                )
         num: dict[str, float] = {}
         den: dict[str, float] = {}
         ext: dict[str, float] = {}
         last: dict[str, float] = {}
         mom: dict[str, tuple[float, float, float]] = {}
-        for r, s in enumerate(states):
+        for s in states:
             for name, v in s["num"].items():
                 rule = self.ranks(name)
                 if rule == "max":
@@ -263,8 +253,7 @@ class Accumulator:
             for name, v in s["ext"].items():
                 ext[name] = _extremum(self.reduction(name), ext.get(name), v)
             for name, v in s["last"].items():
-                if r == 0:
-                    last[name] = v
+                last.setdefault(name, v)
             for name, (n, mean, m2) in s["mom"].items():
                 pos = (float(n), float(mean), float(m2))
                 was = mom.get(name)
@@ -273,9 +262,9 @@ class Accumulator:
 
     def all_reduce(self, group: Any = None) -> None:
         """Combine every rank's metrics by the catalogue's ``ranks`` rules; no-op without
-        ``torch.distributed``. A collective: every rank of ``group`` must call it, holding the
-        same metric names; afterwards every rank holds the combined values (see
-        :meth:`merge_ranks`).
+        ``torch.distributed``. A collective: every rank of ``group`` must call it (one
+        ``all_gather_object`` of each rank's :meth:`state`); afterwards every rank holds the
+        combined values (see :meth:`merge_ranks`).
         """
         import torch.distributed as dist
 
