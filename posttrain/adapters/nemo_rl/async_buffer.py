@@ -215,8 +215,10 @@ class NemoAsyncReplayBuffer:
 
     ``max_size`` and ``drop_incomplete_targets_on_restore`` are NeMo-RL's constructor
     arguments. ``buffer`` is the backing buffer (it needs ``read``); by default a posttrain
-    ``RingBuffer`` of ``max_size * chunks_per_entry`` items. ``chunk_bytes`` is the width of
-    one item. Thread safe (one lock, as NeMo-RL's), so it runs as a Ray actor unchanged:
+    ``RingBuffer`` of ``max_size * chunks_per_entry`` items, which allocates
+    ``max_size * chunks_per_entry * chunk_bytes`` bytes (1 MiB per entry by default) at the
+    first ``add``; a group may take more chunks than ``chunks_per_entry`` while the ring has
+    room. ``chunk_bytes`` is the width of one item. Thread safe (one lock, as NeMo-RL's), so it runs as a Ray actor unchanged:
     see :func:`nemo_replay_buffer_actor`.
 
     Example:
@@ -240,7 +242,7 @@ class NemoAsyncReplayBuffer:
         *,
         buffer: Any = None,
         chunk_bytes: int = 1 << 16,
-        chunks_per_entry: int = 64,
+        chunks_per_entry: int = 16,
     ) -> None:
         if max_size <= 0:
             raise ValueError(f"max_size must be positive, got {max_size}")
