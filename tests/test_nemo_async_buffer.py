@@ -247,3 +247,26 @@ def test_runs_as_a_ray_actor_called_as_nemo_rl_calls_it(tmp_path: Path) -> None:
         ray.kill(rb)
     finally:
         ray.shutdown()
+
+
+def test_backed_by_torchrl_storage_the_ring_wraps_without_loss() -> None:
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    from posttrain.adapters.torchrl import ValidatedReplayBuffer
+
+    trl = ValidatedReplayBuffer(TensorDictReplayBuffer(storage=LazyTensorStorage(6)))
+    rb = NemoAsyncReplayBuffer(8, buffer=trl, chunk_bytes=1024)
+    assert rb.capacity == 6
+    a = collector_group(0)
+    assert rb.add(a, 0, 5) == "success"
+    fulls = 0
+    for i in range(1, 8):
+        g = collector_group(i)
+        if rb.add(g, 1, 2) == "full":
+            fulls += 1
+            assert rb.sample(1, 2, 5) is not None
+            assert rb.add(g, 1, 2) == "success"
+    assert fulls > 0
+    out = rb.sample(1, 5, 5)
+    assert out is not None
+    same(out["trajectories"][0], a)
