@@ -275,7 +275,12 @@ def _logp_grads(
         for h in handles:
             h.remove()
     if not any(p.grad is not None for _, _, p, _ in calls):
-        raise _fail("loss_objective has no gradient with respect to the policy's logits")
+        raise _fail(
+            "d loss_objective / d logp could not be observed: no call of the policy's output "
+            "embedding module carried a gradient (a fused or chunked head that computes logits "
+            "from its weight directly cannot be read this way; LOSS-002 says whether the "
+            "loss reaches the policy at all)"
+        )
     grad = torch.zeros(b, t, dtype=torch.float64)
     for n_call, (ids, mask, p, logits) in enumerate(calls):
         if p.grad is None:
