@@ -414,7 +414,7 @@ def render(records: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
     lines = [
         "# Release compatibility",
         "",
-        "Every supported release of TorchRL and TRL, each in a virtual environment of its own "
+        "Release lines of TorchRL and TRL, each in a virtual environment of its own "
         f"built from the package registry with {TORCH} (CPU) and Python "
         f"{', '.join(sorted({str(r.get('python')) for r in records})) or '?'}, through the "
         "conformance rows of that framework's bundled implementations (raw and adapted) and, "
@@ -630,10 +630,23 @@ def supported(records: Sequence[dict[str, Any]]) -> dict[str, tuple[str, str]]:
     seen: dict[str, set[str]] = {}
     frameworks = sorted({r["framework"] for r in records})
     for framework in frameworks:
-        cells = sorted((r for r in records if r["framework"] == framework), key=_release_key)
-        for r in reversed(cells):
+        mine = [r for r in records if r["framework"] == framework]
+        # A variant cell ("1.16-tf4.56") checks a companion, not a release line of its own.
+        lines = sorted((r for r in mine if "-" not in str(r["release"])), key=_release_key)
+        good: list[dict[str, Any]] = []
+        for r in reversed(lines):
             if not _ran_as_expected(r):
                 break
+            good.append(r)
+        lines_ok = {str(r["release"]) for r in good}
+        good += [
+            r
+            for r in mine
+            if "-" in str(r["release"])
+            and str(r["release"]).partition("-")[0] in lines_ok
+            and _ran_as_expected(r)
+        ]
+        for r in good:
             for dist, version in r.get("versions", {}).items():
                 if dist in COMPANIONS or dist == framework:
                     seen.setdefault(dist, set()).add(version)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import doctest
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -128,13 +129,48 @@ def test_supported_bounds_are_the_oldest_and_newest_release_that_ran_as_expected
         _cell("0.11", **bad, versions={"torchrl": "0.11.1", "tensordict": "0.11.0"}),
         _cell("0.12", **ok, versions={"torchrl": "0.12.0", "tensordict": "0.12.4"}),
         _cell("0.14", **ok, versions={"torchrl": "0.14.1", "tensordict": "0.14.3"}),
-        _cell("1.0-tf4.56", "trl", **ok, versions={"trl": "1.0.0", "transformers": "4.56.2"}),
+        _cell("1.16-tf4.56", "trl", **ok, versions={"trl": "1.16.0", "transformers": "4.56.2"}),
+        _cell("1.16-tf9", "trl", **bad, versions={"trl": "1.16.0", "transformers": "9.0"}),
         _cell("1.16", "trl", **ok, versions={"trl": "1.16.0", "torchrl": "0.14.1"}),
         _cell("1.12", "trl", **ok, versions={"trl": "1.12.0", "transformers": "5.25.0"}),
     ]
+    # A failing variant cell ("1.16-tf9") narrows nothing but its companion's range.
     assert rm.supported(records) == {
         "torchrl": ("0.12.0", "0.14.1"),
-        "trl": ("1.0.0", "1.16.0"),
+        "trl": ("1.12.0", "1.16.0"),
         "tensordict": ("0.12.4", "0.14.3"),
         "transformers": ("4.56.2", "5.25.0"),
     }
+
+
+def _norm(version: str) -> tuple[int, ...]:
+    parts = [int(x) for x in version.split(".")]
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def test_declared_lower_bounds_are_the_pages_oldest_supported_releases() -> None:
+    page = rm.ROOT / "docs" / "reports" / "compatibility.md"
+    text = page.read_text()
+    supported = text.split("## Supported releases", 1)[1].split("\n## ", 1)[0]
+    found = dict(re.findall(r"^- (\S+) (\S+) to \S+$", supported, flags=re.M))
+    assert set(found) >= {"torchrl", "tensordict"}, found
+    # The quoted requirement strings of pyproject.toml (tomllib is not in Python 3.10).
+    declared = re.findall(r'^\s*"([A-Za-z0-9_.-]+[<>=!~][^"]*)"', _pyproject(), flags=re.M)
+    declared += [
+        d
+        for line in re.findall(r"^\w+ = \[(.*)\]$", _pyproject(), flags=re.M)
+        for d in re.findall(r'"([^"]+)"', line)
+    ]
+    lower = dict(re.findall(r"^([a-z-]+)>=([0-9.]+)", "\n".join(declared), flags=re.M))
+    for dist, oldest in found.items():
+        assert dist in lower, f"expected a lower bound for {dist} in pyproject.toml"
+        assert _norm(lower[dist]) == _norm(oldest), (
+            f"{dist}: pyproject.toml declares >={lower[dist]}, the matrix's oldest supported is {oldest}"
+        )
+
+
+def _pyproject() -> str:
+    root: Path = rm.ROOT
+    return (root / "pyproject.toml").read_text()
