@@ -239,54 +239,38 @@ def _logp_grads(
     each call's row is matched to the batch row it scores (:func:`_match_row`), and for a term
     that sees the logits only through log p(token_t), d/d logit(token_t) is d/d log p(token_t)
     times (1 - p), p from that call's own logits. Calls scoring one token twice add up.
-    ``tol`` multiplies the float32 tolerance of that reading (a half-precision policy's).
+    A loss whose head never calls the output-embedding module (a fused or chunked head that
+    projects the backbone's hidden states with the head's weight itself, as TRL's does) is
+    read one step earlier, on the backbone's last hidden state h: there the gradient of such
+    a term is d/d log p(token) times W^T (onehot - p). ``tol`` multiplies the float32
+    tolerance of that reading (a half-precision policy's).
     """
-    tokens, att = td.get(TOK), td.get(ATT)
-    b, t = tokens.shape
-    inputs: list[tuple[Any, Any]] = []
-    calls: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []
-
-    def enter(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        inputs.append(_call_inputs(args, kwargs))
-
-    def leave(_m: Any, _args: Any, _out: Any) -> None:
-        inputs.pop()
-
-    def probe(_m: Any, _i: Any, out: Any) -> Any:
-        if not isinstance(out, torch.Tensor) or out.ndim != 3 or out.shape[-1] != V:
-            return out
-        p = torch.zeros(out.shape, dtype=out.dtype, device=out.device, requires_grad=True)
-        ids, mask = inputs[-1] if inputs else (None, None)
-        calls.append((ids, mask, p, out.detach()))
-        return out + p
-
-    handles = [
-        policy.register_forward_pre_hook(enter, with_kwargs=True),
-        policy.register_forward_hook(leave, always_call=True),
-        policy.get_output_embeddings().register_forward_hook(probe),
-    ]
-    try:
-        terms = _loss_terms(loss(td))
-        if term not in terms:
-            raise _fail(f"no {term!r} among the loss terms {sorted(terms)}")
-        obj = terms[term]
-        torch.autograd.backward(obj)
-    finally:
-        for h in handles:
-            h.remove()
+    at_logits = True
+    obj, calls = _probed_call(policy, loss, td, term, at_head=True)
+    if not any(p.grad is not None for _, _, p, _ in calls):
+        backbone = getattr(policy, "base_model", None)
+        if isinstance(backbone, torch.nn.Module) and backbone is not policy:
+            at_logits = False
+            obj, calls = _probed_call(policy, loss, td, term, at_head=False)
     if not any(p.grad is not None for _, _, p, _ in calls):
         raise _fail(
             "d loss_objective / d logp could not be observed: no call of the policy's output "
-            "embedding module carried a gradient (a fused or chunked head that computes logits "
-            "from its weight directly cannot be read this way; LOSS-002 says whether the "
-            "loss reaches the policy at all)"
+            "embedding module or of its backbone carried a gradient (LOSS-002 says whether "
+            "the loss reaches the policy at all)"
         )
+    head = policy.get_output_embeddings()
+    weight = head.weight.detach().cpu().double()
+    bias = None if getattr(head, "bias", None) is None else head.bias.detach().cpu().double()
+    tokens, att = td.get(TOK), td.get(ATT)
+    b, t = tokens.shape
     grad = torch.zeros(b, t, dtype=torch.float64)
-    for n_call, (ids, mask, p, logits) in enumerate(calls):
+    for n_call, (ids, mask, p, feats) in enumerate(calls):
         if p.grad is None:
             continue
         g_all = p.grad.detach().cpu().double()
-        probs = torch.softmax(logits.cpu().double(), -1)
+        hidden = feats.cpu().double()
+        logits = hidden if at_logits else hidden @ weight.T + (0.0 if bias is None else bias)
+        probs = torch.softmax(logits, -1)
         for r in range(g_all.shape[0]):
             if isinstance(ids, torch.Tensor) and ids.ndim == 2:
                 # A mask of another shape (a 4D attention mask) cannot say which are padding.
@@ -310,24 +294,81 @@ def _logp_grads(
             tok = tokens[i, pos].cpu()
             p_row, g_row = probs[r, q], g_all[r, q]
             picked = torch.arange(len(pos))
-            g = g_row[picked, tok] / (1 - p_row[picked, tok])
-            grad[i, pos] += g
             # A term that sees the logits only through log p(token) leaves g * (onehot - p)
-            # on them; anything else means the gradient with respect to the log-prob cannot
-            # be read off the logits, whichever way the loss computed its log-probs.
-            implied = -g[:, None] * p_row
-            implied[picked, tok] += g
+            # on them (and W^T of that on h); anything else means the gradient with respect
+            # to the log-prob cannot be read, whichever way the loss computed its log-probs.
+            direction = -p_row
+            direction[picked, tok] += 1.0
+            if not at_logits:
+                direction = direction @ weight
+            norm = (direction * direction).sum(-1).clamp_min(1e-300)
+            g = (g_row * direction).sum(-1) / norm
+            grad[i, pos] += g
+            implied = g[:, None] * direction
             off_by = float((g_row - implied).abs().max()) if len(pos) else 0.0
-            scale = float(g.abs().max()) if len(pos) else 0.0
+            scale = float((implied.abs().amax(-1)).max()) if len(pos) else 0.0
             if off_by > tol * (1e-4 * scale + 1e-8):
+                where = "logits" if at_logits else "backbone's last hidden state"
                 raise _fail(
                     f"d loss_objective / d logp could not be observed: the gradient on the "
-                    f"logits of batch row {i} (policy call {n_call + 1} of {len(calls)}) is not "
-                    f"that of a function of the tokens' log-probs alone (off by {off_by:.3g}, "
-                    f"largest d/dlogp {scale:.3g}): loss_objective reaches the logits another "
-                    f"way (a temperature, an entropy or KL over the vocabulary inside it)"
+                    f"{where} of batch row {i} (policy call {n_call + 1} of {len(calls)}) is "
+                    f"not that of a function of the tokens' log-probs alone (off by "
+                    f"{off_by:.3g}, largest {scale:.3g}): loss_objective reaches the logits "
+                    f"another way (a temperature, an entropy or KL over the vocabulary inside it)"
                 )
     return obj.detach(), grad.float()
+
+
+def _probed_call(
+    policy: Any, loss: Any, td: TensorDictBase, term: str, *, at_head: bool
+) -> tuple[torch.Tensor, list[tuple[Any, Any, torch.Tensor, torch.Tensor]]]:
+    """``term`` of ``loss(td)`` after its backward, and each probed call: (input_ids,
+    attention_mask, the zero probe with its gradient, the probed output). The probe sits on
+    the logits (``at_head``) or on the backbone's last hidden state."""
+    inputs: list[tuple[Any, Any]] = []
+    calls: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []
+
+    def enter(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        inputs.append(_call_inputs(args, kwargs))
+
+    def leave(_m: Any, _args: Any, _out: Any) -> None:
+        inputs.pop()
+
+    def probe(_m: Any, _i: Any, out: Any) -> Any:
+        if not at_head:
+            h = getattr(out, "last_hidden_state", None)
+            if not isinstance(h, torch.Tensor) or h.ndim != 3:
+                return out
+            p = torch.zeros(h.shape, dtype=h.dtype, device=h.device, requires_grad=True)
+            ids, mask = inputs[-1] if inputs else (None, None)
+            calls.append((ids, mask, p, h.detach()))
+            out["last_hidden_state"] = h + p
+            return out
+        if not isinstance(out, torch.Tensor) or out.ndim != 3 or out.shape[-1] != V:
+            return out
+        p = torch.zeros(out.shape, dtype=out.dtype, device=out.device, requires_grad=True)
+        ids, mask = inputs[-1] if inputs else (None, None)
+        calls.append((ids, mask, p, out.detach()))
+        return out + p
+
+    probed = policy.get_output_embeddings() if at_head else policy.base_model
+    watched = policy if at_head else policy.base_model
+    # The probe before ``leave``: on the backbone both hook the same module, in this order.
+    handles = [
+        watched.register_forward_pre_hook(enter, with_kwargs=True),
+        probed.register_forward_hook(probe),
+        watched.register_forward_hook(leave, always_call=True),
+    ]
+    try:
+        terms = _loss_terms(loss(td))
+        if term not in terms:
+            raise _fail(f"no {term!r} among the loss terms {sorted(terms)}")
+        obj = terms[term]
+        torch.autograd.backward(obj)
+    finally:
+        for h in handles:
+            h.remove()
+    return obj, calls
 
 
 def _token_advantages(td: TensorDictBase, seed: int) -> torch.Tensor:
