@@ -376,6 +376,25 @@ def cell_verdict(row: dict[str, Any], repro: dict[str, list[tuple[str, str]]]) -
     return str(verdict)
 
 
+REPRO_PAGES: dict[str, str] = {"trl": "losses.md"}
+"""Where a framework's declared deviations are published, when not in TorchRL's repro scripts."""
+
+
+def _repros(
+    framework: str, ids: Sequence[str], torchrl: dict[str, list[tuple[str, str]]]
+) -> dict[str, list[tuple[str, str]]]:
+    """The repro links of ``framework``'s rows: TorchRL's scripts, or its report page.
+
+    Example:
+        >>> _repros("trl", ["LOSS-001"], {"LOSS-001": [("x", "t.py")]})
+        {'LOSS-001': [('trl', 'losses.md')]}
+    """
+    if framework == "torchrl":
+        return torchrl
+    page = REPRO_PAGES.get(framework)
+    return {i: [(framework, page)] for i in ids} if page else {}
+
+
 def _linked(rid: str, repro: dict[str, list[tuple[str, str]]]) -> str:
     paths = repro.get(rid, [])
     if not paths:
@@ -485,7 +504,7 @@ def render(records: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
                 {i for c in cells for i in c["rows"].get(impl, {}).get("known_failures", [])}
             )
             lines.append(
-                f"| {impl} | {', '.join(_linked(i, repro) for i in declared)} | "
+                f"| {impl} | {', '.join(_linked(i, _repros(framework, declared, repro)) for i in declared)} | "
                 + " | ".join(
                     cell_verdict(c["rows"][impl], repro) if impl in c["rows"] else "(no row)"
                     for c in cells
