@@ -61,6 +61,13 @@ KIT_DEFECTS: dict[str, str] = {
         "varies along T the gradient is -A_t*rho*w_t instead of -rho*(sum_t' w_t' A_t')/L "
         "per token; LOSS-021 only uses a [B] advantage (shape (4,)), where the two agree"
     ),
+    "loss/kl_of_mean_log_ratio": (
+        "kit gap: k3 taken of each row's mean log-ratio and broadcast to its tokens, "
+        "k(mean_t log r_t), instead of the per-token estimate; LOSS-019 and LOSS-020 shift "
+        "the reference by one constant delta on every assistant token, where the two agree, "
+        "and LOSS-010 only checks zero/positive; with ref = own + delta_t varying along the "
+        "row (witness below) the value differs"
+    ),
     "loss/loop_k2_without_gradient": (
         "kit status: loss_kl_to_ref computed from a detached log pi has no grad_fn; LOSS-020 "
         "reports ERROR 'raised RuntimeError: element 0 of tensors does not require grad' at "
@@ -72,6 +79,16 @@ KIT_DEFECTS: dict[str, str] = {
         "ERROR 'raised TypeError: float() argument must be ... not NoneType' at "
         "posttrain/conformance/suites/metrics.py (kit), instead of FAIL 'reward NaN read back "
         "as None'; the implementation raised nothing"
+    ),
+    "metrics/histogram_per_step": (
+        "kit gap: a sink keeping one histogram per (name, step) (a second log_histogram at a "
+        "step already logged replaces the first) passes MET-008, which asks for one "
+        "distribution per call; the suite never logs two histograms of one name at one step "
+        "(MET-001 checks exactly this for scalars)"
+    ),
+    "metrics/table_per_step": (
+        "kit gap: a sink keeping one table per (name, step) passes MET-009, which asks for one "
+        "table per call; the suite never logs two tables of one name at one step"
     ),
     "metrics/reward_as_text": (
         "kit leniency: a samples reader that returns each reward as its stored text ('1.0', "
@@ -232,3 +249,36 @@ def test_witness_reward_as_text() -> None:
         ((_, good),) = sc.read_sqlite_samples(d)["samples"]
         assert good[0][2] == 1.0
         assert math.isnan(good[1][2])
+
+
+def test_witness_kl_of_mean_log_ratio() -> None:
+    policy = tiny_causal_lm(vocab_size=64)
+    good = _build(lo.MaskedMeanLoss, policy, ratio="token")
+    bad = _build(lo.KlOfMeanLogRatio, policy, ratio="token")
+    const = _batch(policy, torch.ones(4), torch.zeros(4, 10), 0.5)
+    kl = "loss_kl_to_ref"
+    assert _value(bad(const), kl) == pytest.approx(_value(good(const), kl), rel=1e-5)
+    k = LLM_LAYOUT_V1.key
+    varying = const.clone()
+    shift = torch.tensor([0.6, -0.6]).repeat(20).reshape(4, 10)  # alternates along each row
+    varying.set(k("ref_log_probs"), const.get(k("ref_log_probs")) - 0.5 + shift)
+    assert abs(_value(bad(varying), kl) / _value(good(varying), kl) - 1) > 0.05
+
+
+@pytest.mark.parametrize("kind", ["histogram", "samples"])
+def test_witness_one_per_step(kind: str) -> None:
+    bug = sc.HistogramPerStep if kind == "histogram" else sc.TablePerStep
+    read = sc.read_sqlite_histograms if kind == "histogram" else sc.read_sqlite_samples
+    kept = {}
+    for cls in (sc.SqliteRawSink, bug):
+        with tempfile.TemporaryDirectory() as d:
+            sink = cls(Path(d))
+            for v in (1.0, 2.0):  # two calls, one step
+                if kind == "histogram":
+                    sink.log_histogram("rollout/reward", [v, v + 1], step=3)
+                else:
+                    sink.log_samples("samples", [("p", "c", v)], step=3)
+            sink.close()
+            (entries,) = read(d).values()
+            kept[cls] = len(entries)
+    assert kept == {sc.SqliteRawSink: 2, bug: 1}  # the variant loses one of the two calls

@@ -479,6 +479,18 @@ class GspoTokenForm(MaskedMeanLoss):
         return torch.where(b.m, s + lr - lr.detach(), s)
 
 
+class KlOfMeanLogRatio(MaskedMeanLoss):
+    """The KL estimate taken of each row's mean log-ratio and put at every token, k(mean_t
+    log r_t), instead of the mean of the per-token estimates (a sequence-level KL broadcast
+    back to tokens); for k2 and k3 the two differ unless log r is constant along the row.
+    LOSS-019."""
+
+    def kl_value(self, x: torch.Tensor) -> torch.Tensor:
+        m = x != 0
+        mean = x.sum(1) / m.sum(1).clamp(min=1)
+        return super().kl_value(torch.where(m, mean[:, None].expand_as(x), torch.zeros_like(x)))
+
+
 # --- declarations ---
 
 _CLIP_A: dict[str, Any] = {"clip_epsilon": 0.2}
@@ -611,5 +623,9 @@ BUGGY_LOSSES: dict[str, tuple[Implementation, str]] = {
     "gspo_token_form": (
         _vec("gspo_token_form", GspoTokenForm, **{**_O, "kl_estimator": "k3", "ratio": "sequence"}),
         "LOSS-021",
+    ),
+    "kl_of_mean_log_ratio": (
+        _vec("kl_of_mean_log_ratio", KlOfMeanLogRatio, **{**_O, "kl_estimator": "k3"}),
+        "LOSS-019",
     ),
 }  # fmt: skip

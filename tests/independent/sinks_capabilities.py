@@ -402,6 +402,32 @@ class NaNRewardAsNull(BinnedFileSink):
         return json.dumps({"name": name, "step": step, "rows": cells})
 
 
+class HistogramPerStep(SqliteRawSink):
+    """Keeps one histogram per (name, step): a second call at a step already logged replaces
+    the first (``INSERT OR REPLACE`` on a (name, step) key). MET-008 (one per call)."""
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        vals = self.histogram_values(name, values)
+        with self.lock:
+            self.db.execute(
+                "DELETE FROM hists WHERE name = ? AND step = ?", (name, _step(name, step))
+            )
+        super().log_histogram(name, vals, step)
+
+
+class TablePerStep(SqliteRawSink):
+    """Keeps one table per (name, step): a second ``log_samples`` at a step already logged
+    replaces the first. MET-009 (one table per call)."""
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        checked = self.sample_rows(name, rows)
+        with self.lock:
+            self.db.execute(
+                "DELETE FROM samples WHERE name = ? AND step = ?", (name, _step(name, step))
+            )
+        super().log_samples(name, checked, step)
+
+
 def _reward_text(directory: Path | str) -> dict[str, list[tuple[int, list[Any]]]]:
     """The samples reader of ``RewardAsText``: the stored text is handed back as is."""
     out: dict[str, list[tuple[int, list[Any]]]] = {}
@@ -461,4 +487,6 @@ BUGGY_SINKS: dict[str, tuple[Implementation, str]] = {
     "one_table_per_name": (_sqlite("one_table_per_name", OneTablePerName), "MET-009"),
     "nan_reward_as_null": (_binned("nan_reward_as_null", NaNRewardAsNull), "MET-009"),
     "reward_as_text": (_sqlite("reward_as_text", samples_reader=_reward_text), "MET-009"),
+    "histogram_per_step": (_sqlite("histogram_per_step", HistogramPerStep), "MET-008"),
+    "table_per_step": (_sqlite("table_per_step", TablePerStep), "MET-009"),
 }
