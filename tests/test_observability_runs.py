@@ -115,7 +115,7 @@ def _torchrl_run(tmp: Path) -> tuple[Scalars, Scalars, Scalars]:
             batch = next(it)
         batch = reward(batch)
         acc = timers.acc
-        rollout_metrics(batch, acc, learner_version=step)
+        rollout_metrics(batch, acc, learner_version=src.policy_version)  # the documented wiring
         timers.rate(
             "perf/gen_tokens_per_s",
             tokens=float(sum(int(x.get(K("assistant_mask")).sum()) for x in batch.tensordicts)),
@@ -136,6 +136,7 @@ def _torchrl_run(tmp: Path) -> tuple[Scalars, Scalars, Scalars]:
         opt.zero_grad()
         sum(v for k, v in out.items() if k.startswith("loss_")).backward()
         opt.step()
+        src.update_policy_weights_(policy.state_dict())
         acc.log_to(sink, step + 1)
         timers.acc = Accumulator()
     src.shutdown()
