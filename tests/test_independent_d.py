@@ -80,27 +80,6 @@ KIT_DEFECTS: dict[str, str] = {
         "torch/autograd/graph.py (library), called by the kit, instead of FAIL saying the "
         "term has no gradient (the implementation raised nothing)"
     ),
-    "metrics/nan_reward_as_null": (
-        "kit status: a samples reader that gives None for a NaN reward makes MET-009 report "
-        "ERROR 'raised TypeError: float() argument must be ... not NoneType' at "
-        "posttrain/conformance/suites/metrics.py (kit), instead of FAIL 'reward NaN read back "
-        "as None'; the implementation raised nothing"
-    ),
-    "metrics/histogram_per_step": (
-        "kit gap: a sink keeping one histogram per (name, step) (a second log_histogram at a "
-        "step already logged replaces the first) passes MET-008, which asks for one "
-        "distribution per call; the suite never logs two histograms of one name at one step "
-        "(MET-001 checks exactly this for scalars)"
-    ),
-    "metrics/table_per_step": (
-        "kit gap: a sink keeping one table per (name, step) passes MET-009, which asks for one "
-        "table per call; the suite never logs two tables of one name at one step"
-    ),
-    "metrics/reward_as_text": (
-        "kit leniency: a samples reader that returns each reward as its stored text ('1.0', "
-        "'nan', str) passes MET-009, which asks for each reward as logged: the kit compares "
-        "float(reward), so a str reward is accepted"
-    ),
 }
 
 

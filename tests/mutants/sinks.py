@@ -303,6 +303,47 @@ class DropsNanRewardRows(JsonlSink):
         super().log_samples(name, [r for r in rows if not math.isnan(float(r[2]))], step)
 
 
+class HistogramPerStep(JsonlSink):
+    """One distribution per (name, step): a second call at a step already logged replaces the
+    first (a table keyed by name and step)."""
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        path = self.path.parent / HISTOGRAMS
+        rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        keep = [r for r in rows if (r["name"], r["step"]) != (name, step)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        super().log_histogram(name, values, step)
+
+
+class TablePerStep(JsonlSink):
+    """One table per (name, step): a second ``log_samples`` at a logged step replaces the first."""
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        path = self.path.parent / SAMPLES
+        old = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        keep = [r for r in old if (r["name"], r["step"]) != (name, step)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        super().log_samples(name, rows, step)
+
+
+def _samples_rewards_as(
+    convert: Any,
+) -> Any:
+    def read(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, list[Any]]]]:
+        return {
+            name: [(step, [(p, c, convert(r)) for p, c, r in rows]) for step, rows in tables]
+            for name, tables in read_jsonl_samples(directory).items()
+        }
+
+    return read
+
+
+read_samples_nan_as_none = _samples_rewards_as(lambda r: None if math.isnan(r) else r)
+"""A reader that turns a NaN reward into None (strict JSON's null)."""
+read_samples_reward_text = _samples_rewards_as(repr)
+"""A reader that hands each reward back as its text ('1.0', 'nan')."""
+
+
 def _impl(
     req: str,
     cls: type[JsonlSink],
@@ -313,7 +354,7 @@ def _impl(
     **kw: Any,
 ) -> Implementation:
     kw.setdefault("capabilities", {"flush"})
-    name = f"mutant-{req}-{cls.__name__}"
+    name = kw.pop("name", f"mutant-{req}-{cls.__name__}")
     extras = {
         "reader": reader,
         "histogram_reader": histogram_reader,
@@ -363,5 +404,27 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
         ),
     ),
     ("MET-009", _impl("MET-009", DropsNanRewardRows, capabilities={"samples"})),
+    ("MET-008", _impl("MET-008", HistogramPerStep, capabilities={"histogram"})),
+    ("MET-009", _impl("MET-009", TablePerStep, capabilities={"samples"})),
+    (
+        "MET-009",
+        _impl(
+            "MET-009",
+            JsonlSink,
+            samples_reader=read_samples_nan_as_none,
+            capabilities={"samples"},
+            name="mutant-MET-009-NanRewardReadAsNone",
+        ),
+    ),
+    (
+        "MET-009",
+        _impl(
+            "MET-009",
+            JsonlSink,
+            samples_reader=read_samples_reward_text,
+            capabilities={"samples"},
+            name="mutant-MET-009-RewardReadAsText",
+        ),
+    ),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""

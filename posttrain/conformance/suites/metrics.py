@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -283,13 +284,29 @@ def _extra_reader(ctx: Context, key: str, capability: str) -> Any:
 
 # (name, values, step): steps out of order, a constant sample (NumPy's autodetected range puts
 # a single value v in [v - 0.5, v + 0.5]), a single value, negatives and a wide sample whose
-# extremes a fixed or clipped bucket range would move.
+# extremes a fixed or clipped bucket range would move. Two calls of "rollout/reward" at step 3
+# are two distributions: a store keyed by (name, step) keeps one of them.
 _HISTOGRAMS: list[tuple[str, list[float], int]] = [
     ("rollout/response_len", [float(n) for n in (3, 17, 17, 64, 5, 9, 9, 9)], 4),
     ("rollout/response_len", [12.0] * 6, 2),
     ("rollout/reward", [0.25], 3),
     ("rollout/advantage", [-1.5 + 0.03 * i for i in range(100)] + [1e6, -2e5], 3),
+    ("rollout/reward", [-1.0, 0.5, 2.0], 3),
 ]
+
+
+def _unmatched(wanted: list[Any], found: list[Any], same: Any) -> list[Any]:
+    """The ``wanted`` items left once each is paired with its own ``found`` item (``same``):
+    two calls must read back as two entries, not one entry matching both."""
+    left = list(found)
+    missing = []
+    for w in wanted:
+        i = next((i for i, f in enumerate(left) if same(w, f)), None)
+        if i is None:
+            missing.append(w)
+        else:
+            left.pop(i)
+    return missing
 
 
 @requirement("MET-008")
@@ -322,20 +339,23 @@ def distributions(ctx: Context) -> None:
             "log_histogram('rollout/reward', [0.5, nan, 1.0], step=5) was accepted; expected "
             "ValueError (a NaN is neither a bin nor a value to drop silently)"
         )
-    for name, values, step in _HISTOGRAMS:
-        want = (len(values), min(values), max(values))
+    for name, step in dict.fromkeys((n, s) for n, _v, s in _HISTOGRAMS):
+        logged = [v for n, v, s in _HISTOGRAMS if (n, s) == (name, step)]
+        wanted = [(len(v), min(v), max(v)) for v in logged]
         found = [(s, h) for s, h in got.get(name, []) if s == step]
         summary = [(int(h["count"]), float(h["min"]), float(h["max"])) for _s, h in found]
-        if not any(
-            c == want[0] and _close(lo, want[1]) and _close(hi, want[2]) for c, lo, hi in summary
-        ):
+        missing = _unmatched(
+            wanted,
+            summary,
+            lambda w, f: f[0] == w[0] and _close(f[1], w[1]) and _close(f[2], w[2]),
+        )
+        if missing or len(found) != len(logged):
+            calls = "one call" if len(logged) == 1 else f"{len(logged)} calls"
             raise _fail(
-                f"log_histogram({name!r}, {len(values)} values in [{want[1]}, {want[2]}], "
-                f"step={step}): expected (count, min, max) = {want} at step {step}, read back "
+                f"log_histogram({name!r}, ..., step={step}), {calls}: expected (count, min, "
+                f"max) = {wanted} at step {step}, one per call; read back "
                 f"{summary or 'nothing at that step'}"
             )
-        if len(found) != sum(1 for n, _v, s in _HISTOGRAMS if (n, s) == (name, step)):
-            raise _fail(f"{name!r} at step {step}: one distribution logged, {len(found)} read back")
     if any(s == 5 for s, _h in got.get("rollout/reward", [])):
         raise _fail("a refused distribution (NaN among its values) was stored at step 5")
 
@@ -356,6 +376,7 @@ _TABLES: list[tuple[str, list[tuple[str, str, float]], int]] = [
         3,
     ),
     ("samples", [("second step", "kept too", 0.0)], 1),
+    ("samples", [("second call", "same step", -2.0), ("", "also kept", 0.5)], 1),
     ("samples/eval", [("other table", "same step", 3.5)], 3),
 ]
 
@@ -394,23 +415,52 @@ def completion_samples(ctx: Context) -> None:
                 ) from None
         _finish(sink)
         got = dict(reader(d))
-    for name, rows, step in _TABLES:
+    for name, step in dict.fromkeys((n, s) for n, _r, s in _TABLES):
+        logged = [r for n, r, s in _TABLES if (n, s) == (name, step)]
         tables = [list(t) for s, t in got.get(name, []) if s == step]
-        if len(tables) != 1:
+        for table in tables:
+            for row in table:
+                _check_reward(name, step, row)
+        if len(tables) != len(logged):
+            calls = "one call" if len(logged) == 1 else f"{len(logged)} calls"
             raise _fail(
-                f"log_samples({name!r}, step={step}): expected one table at step {step}, read "
-                f"back {len(tables)} (steps read back for {name!r}: "
-                f"{sorted(s for s, _t in got.get(name, []))})"
+                f"log_samples({name!r}, step={step}), {calls}: expected {len(logged)} "
+                f"table(s) at step {step}, one per call, read back {len(tables)} (steps read "
+                f"back for {name!r}: {sorted(s for s, _t in got.get(name, []))})"
             )
-        (table,) = tables
+        if len(logged) > 1:
+            missing = _unmatched(
+                logged,
+                tables,
+                lambda w, f: len(w) == len(f) and all(map(_same_row, w, f)),
+            )
+            if missing:
+                raise _fail(
+                    f"log_samples({name!r}, step={step}), {len(logged)} calls: the table "
+                    f"whose first row is {_row_shown(missing[0][0])} is not read back at step "
+                    f"{step}; first rows read back: {[_row_shown(t[0]) for t in tables if t]}"
+                )
+            continue
+        ((rows,), (table,)) = (logged, tables)
         if len(table) != len(rows):
             raise _fail(
                 f"log_samples({name!r}, step={step}) with {len(rows)} rows reads back {len(table)}"
             )
         for i, (want, found) in enumerate(zip(rows, table, strict=True)):
-            found = (found[0], found[1], float(found[2]))
             if not _same_row(want, found):
                 raise _fail(
                     f"log_samples({name!r}, step={step}): row {i} logged as {_row_shown(want)}, "
                     f"read back {_row_shown(found)}{_text_diff(want, found)}"
                 )
+
+
+def _check_reward(name: str, step: int, row: Any) -> None:
+    # A reward is a number as logged: None (NaN written as JSON null) or the stored text
+    # ('1.0', 'nan') is not what the caller logged, even where float() would accept it.
+    reward = row[2]
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        raise _fail(
+            f"log_samples({name!r}, step={step}): expected each reward read back as a real "
+            f"number (NaN kept), found {reward!r} ({type(reward).__name__}) in row "
+            f"{_row_shown(row)}"
+        )
