@@ -62,12 +62,19 @@ def test_two_gloo_ranks_report_the_values_of_one_rank_over_the_whole_batch() -> 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    try:
+        for p in procs:
+            p.start()
+        got = dict(queue.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        # A rank that failed leaves its peer blocked in a collective: end both.
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
     one = Accumulator()
     _metrics(_rows("padded"), one, share=0.75)
     want = one.values()
@@ -83,3 +90,22 @@ def test_two_gloo_ranks_report_the_values_of_one_rank_over_the_whole_batch() -> 
         }
         assert not bad, (rank, bad)
     assert len(want) == 40  # 34 rollout, policy and staleness metrics; loss, time, 2 rates, lr
+
+
+def test_rank_states_travel_as_json_not_pickle() -> None:
+    from posttrain.observability.reduce import _decode_state, _encode_state
+
+    acc = Accumulator()
+    acc.add("optim/lr", math.nan)
+    acc.add("time/rollout_s", math.inf)
+    acc.add("perf/gen_tokens_per_s", 1000, 3.0)
+    state = acc.state()
+    back = _decode_state(_encode_state(state))
+    for part, vals in state.items():  # NaN, inf and 1000/3 come back bit for bit
+        assert repr(sorted(back[part].items())) == repr(sorted(vals.items())), part
+    try:
+        _decode_state(b'{"num": "x"}')
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("decoded a malformed state without complaint")

@@ -9,6 +9,7 @@ Across ranks each metric combines by its catalogue ``ranks`` rule (:meth:`Accumu
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -262,16 +263,36 @@ class Accumulator:
 
     def all_reduce(self, group: Any = None) -> None:
         """Combine every rank's metrics by the catalogue's ``ranks`` rules; no-op without
-        ``torch.distributed``. A collective: every rank of ``group`` must call it (one
-        ``all_gather_object`` of each rank's :meth:`state`); afterwards every rank holds the
-        combined values (see :meth:`merge_ranks`).
+        ``torch.distributed``. A collective: every rank of ``group`` must call it; afterwards
+        every rank holds the combined values (see :meth:`merge_ranks`).
+
+        Each rank's :meth:`state` travels as JSON bytes in a ``uint8`` tensor (two
+        ``all_gather`` calls: the lengths, then the padded bytes), never pickled, so no rank
+        can make another run code; floats travel as ``float.hex`` so NaN, infinities and
+        every bit of a value survive.
         """
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             return
-        states: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(states, self.state(), group=group)
+        world = dist.get_world_size(group)
+        # gloo gathers CPU tensors, nccl only device tensors.
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = _encode_state(self.state())
+        size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size, group=group)
+        longest = max(int(t.item()) for t in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+        buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+        bufs = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(bufs, buf, group=group)
+        states = [
+            _decode_state(bytes(b[: int(n.item())].cpu().tolist()))
+            for b, n in zip(bufs, sizes, strict=True)
+        ]
         self.merge_ranks(states)
 
     def values(self) -> dict[str, float]:
@@ -300,6 +321,50 @@ class Accumulator:
         for name, v in vals.items():
             sink.log_scalar(name, v, step=step)
         return vals
+
+
+_PARTS = ("num", "den", "ext", "last", "mom")
+
+
+def _encode_state(state: Mapping[str, Mapping[str, Any]]) -> bytes:
+    """``state`` as UTF-8 JSON, every float as ``float.hex`` (exact, NaN and inf included).
+
+    Example:
+        >>> raw = _encode_state({"num": {"a": math.nan}, "mom": {"b": (1.0, 2.0, 0.0)}})
+        >>> _decode_state(raw)["num"]["a"], _decode_state(raw)["mom"]["b"]
+        (nan, (1.0, 2.0, 0.0))
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for part in _PARTS:
+        vals = state.get(part, {})
+        if part == "mom":
+            out[part] = {k: [float(x).hex() for x in v] for k, v in vals.items()}
+        else:
+            out[part] = {k: float(v).hex() for k, v in vals.items()}
+    return json.dumps(out, sort_keys=True, allow_nan=False).encode("utf-8")
+
+
+def _decode_state(raw: bytes) -> dict[str, dict[str, Any]]:
+    """Inverse of :func:`_encode_state`; refuses anything but names mapped to hex floats."""
+    data = json.loads(raw.decode("utf-8"))
+    if not isinstance(data, dict) or set(data) != set(_PARTS):
+        raise ValueError(
+            f"decoded a rank's metric state; expected the parts {_PARTS}, found {data!r:.200}"
+        )
+    out: dict[str, dict[str, Any]] = {}
+    for part in _PARTS:
+        vals = data[part]
+        if not isinstance(vals, dict):
+            raise ValueError(
+                f"decoded a rank's {part!r}; expected a dict, found {type(vals).__name__}"
+            )
+        if part == "mom":
+            if not all(isinstance(v, list) and len(v) == 3 for v in vals.values()):
+                raise ValueError("decoded a rank's moments; expected 3 numbers per metric")
+            out[part] = {str(k): tuple(float.fromhex(str(x)) for x in v) for k, v in vals.items()}
+        else:
+            out[part] = {str(k): float.fromhex(str(v)) for k, v in vals.items()}
+    return out
 
 
 def _extremum(kind: str, held: float | None, v: float) -> float:
