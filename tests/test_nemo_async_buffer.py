@@ -270,3 +270,65 @@ def test_backed_by_torchrl_storage_the_ring_wraps_without_loss() -> None:
     out = rb.sample(1, 5, 5)
     assert out is not None
     same(out["trajectories"][0], a)
+
+
+def _add_with_timeout(rb: NemoAsyncReplayBuffer, group: dict[str, Any], target: int) -> str:
+    """``rb.add`` in a daemon thread, so a regression that loops forever fails, not hangs."""
+    import threading
+
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(rb.add(group, 1, target)), daemon=True)
+    t.start()
+    t.join(timeout=20)
+    assert not t.is_alive(), "add did not return within 20 s (the write position loops)"
+    return out[0]
+
+
+def test_fragmented_free_items_answer_full_and_change_nothing() -> None:
+    ring = RingBuffer(4)
+    rb = NemoAsyncReplayBuffer(8, buffer=ring, chunk_bytes=1024)
+    small: list[dict[str, Any]] = [
+        {"batch": {"x": torch.tensor([i])}, "timestamp": float(i)} for i in range(4)
+    ]
+    assert all(encode_payload(g).numel() <= 1024 for g in small)
+    for g, target in zip(small, (1, 2, 1, 2), strict=True):
+        assert rb.add(g, 1, target) == "success"
+    out = rb.sample(2, current_weight_version=1, max_age_steps=5)
+    assert out is not None  # items 0 and 2 freed; 1 and 3 live: no two free items in a row
+    big = collector_group(0)
+    assert -(-encode_payload(big).numel() // 1024) == 2
+    writes = ring.write_count
+    assert _add_with_timeout(rb, big, 2) == "full"
+    assert ring.write_count == writes  # nothing written
+    assert rb.size() == 2  # nothing dropped
+    rest = rb.sample(2, current_weight_version=2, max_age_steps=5)
+    assert rest is not None
+    for got, want in zip(rest["trajectories"], (small[1], small[3]), strict=True):
+        assert torch.equal(got["batch"]["x"], want["batch"]["x"])
+    assert _add_with_timeout(rb, big, 3) == "success"  # once the ring empties, it fits
+
+
+def test_bad_task_index_and_malformed_headers_change_nothing() -> None:
+    rb = NemoAsyncReplayBuffer(2)
+    with pytest.raises((TypeError, ValueError)):
+        rb.add({"batch": {}, "_ng_task_index": "not an int"}, 0, 0)
+    assert rb.size() == 0
+    assert rb._written == 0  # raised before any chunk was written
+
+    def raw(head: dict[str, Any], body: bytes = b"") -> torch.Tensor:
+        h = json.dumps(head).encode()
+        data = len(h).to_bytes(8, "little") + h + body
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    fmt = "posttrain-nemo-trajectory/1"
+    with pytest.raises(PayloadError, match="'tensors'"):
+        decode_payload(raw({"format": fmt, "tree": None}))
+    with pytest.raises(PayloadError, match="expected 8 bytes"):
+        decode_payload(
+            raw(
+                {"format": fmt, "tree": {"$t": 0}, "tensors": [["torch.int64", [2], 0, 8]]},
+                b"\0" * 16,
+            )
+        )
+    with pytest.raises(PayloadError, match="malformed tree"):
+        decode_payload(raw({"format": fmt, "tree": {"$t": 3}, "tensors": []}))

@@ -21,9 +21,10 @@ either served from a Ray actor. ``sample`` hands back the group as it was pushed
 as ``nemo_rl``'s ``BatchedDataDict`` where it imports, else posttrain's mirror).
 
 Full policy (explicit, never a silent drop): ``add`` answers ``"full"`` with nothing changed
-when ``max_size`` entries are held (NeMo-RL's rule) or when the backing buffer's capacity
-has no room for the group's chunks beside the live ones; the collector then retries, as it
-does on NeMo-RL's ``"full"``. A FIFO backing buffer's write position is advanced past live
+when ``max_size`` entries are held (NeMo-RL's rule), when the backing buffer's capacity
+has no room for the group's chunks beside the live ones, or when the free items are
+fragmented so that no run of that many free items lies within one turn of the ring; the
+collector then retries, as it does on NeMo-RL's ``"full"``. A FIFO backing buffer's write position is advanced past live
 chunks by rewriting them in place, so groups consumed out of order never lose rows.
 
 Checkpoints: ``save_to_path`` writes ``torch.save`` of plain tensors, lists and ints to a
@@ -170,10 +171,25 @@ def decode_payload(payload: torch.Tensor) -> Any:
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise PayloadError(f"payload: not a {PAYLOAD_FORMAT} payload ({e})") from None
     base = 8 + n
+    metas = head.get("tensors") if isinstance(head, dict) else None
+    if not isinstance(metas, list):
+        raise PayloadError(f"payload: expected a header with a 'tensors' list, found {metas!r:.80}")
     tensors = []
-    for dtype, shape, off, nbytes in head["tensors"]:
-        if base + off + nbytes > len(raw) or dtype not in _DTYPES:
+    for meta in metas:
+        try:
+            dtype, shape, off, nbytes = meta
+            shape = [int(d) for d in shape]
+            off, nbytes = int(off), int(nbytes)
+        except (TypeError, ValueError) as e:
+            raise PayloadError(f"payload: malformed tensor entry {meta!r:.80} ({e})") from None
+        if off < 0 or nbytes < 0 or base + off + nbytes > len(raw) or dtype not in _DTYPES:
             raise PayloadError(f"payload: tensor at {off} ({dtype}, {nbytes} bytes) out of bounds")
+        width = _DTYPES[dtype].itemsize
+        if any(d < 0 for d in shape) or math.prod(shape) * width != nbytes:
+            raise PayloadError(
+                f"payload: tensor at {off}: expected {nbytes} bytes for a {dtype} of shape "
+                f"{shape}, found {math.prod(shape) * width} bytes"
+            )
         buf = bytearray(raw[base + off : base + off + nbytes])
         flat = (
             torch.frombuffer(buf, dtype=torch.uint8)
@@ -198,7 +214,10 @@ def decode_payload(payload: torch.Tensor) -> Any:
             return tuple(build(x) for x in v["$u"])
         return {k: build(x) for k, x in v["$d"]}
 
-    return build(head["tree"])
+    try:
+        return build(head["tree"])
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise PayloadError(f"payload: malformed tree ({type(e).__name__}: {e})") from None
 
 
 @dataclass
@@ -314,16 +333,29 @@ class NemoAsyncReplayBuffer:
         if live + k > cap:
             return None
         owner = {i: e for e in self._entries for i in e.indices}
-        # Advance the FIFO write position past live chunks by rewriting each live entry onto
-        # its own items (entries are contiguous runs, so the position is always at a run start).
-        while any((self._written + j) % cap in owner for j in range(k)):
-            pos = self._written % cap
+        # Plan the walk of the FIFO write position before writing anything: it steps over a
+        # live entry whole (it is always at an entry's first item, entries being contiguous
+        # runs) or over one dead item, until k free items lie ahead. One full turn without
+        # such a run means the free items are fragmented: answer "full" with nothing written
+        # (walking on would go round the ring forever).
+        start = self._written % cap
+        steps: list[_Entry | int] = []
+        walked = 0
+        while any((start + walked + j) % cap in owner for j in range(k)):
+            if walked >= cap:
+                return None
+            pos = (start + walked) % cap
             if pos in owner:
-                e = owner[pos]
-                self._extend(self._chunks(self._payload(e)), e.indices)
-            else:  # a dead item before a live run: step over it with its own bytes
-                stale = self.buffer.read(torch.tensor([pos]))
-                self._extend(stale, [pos])
+                steps.append(owner[pos])
+                walked += len(owner[pos].indices)
+            else:
+                steps.append(pos)
+                walked += 1
+        for step in steps:  # rewrite each item passed over with its own bytes
+            if isinstance(step, _Entry):
+                self._extend(self._chunks(self._payload(step)), step.indices)
+            else:
+                self._extend(self.buffer.read(torch.tensor([step])), [step])
         return self._extend(td, [(self._written + j) % cap for j in range(k)])
 
     # -- NeMo-RL's interface -------------------------------------------------------------------
@@ -341,28 +373,23 @@ class NemoAsyncReplayBuffer:
                 f"trajectory: {payload.numel()} bytes need {k} items of {self.chunk_bytes} "
                 f"bytes, more than the backing buffer's capacity {self.capacity}; it can never fit"
             )
+        raw_task = trajectory.get(NEMO_GYM_TASK_INDEX_KEY)
+        # Converted before the lock and any write, so a bad index leaves the buffer untouched.
+        task = None if raw_task is None else int(raw_task)
+        version, target = int(weight_version), int(target_weight_version)
         with self._lock:
             if len(self._entries) >= self.max_size:
                 return "full"
             indices = self._store(payload)
             if indices is None:
                 return "full"
-            task = trajectory.get(NEMO_GYM_TASK_INDEX_KEY)
-            self._entries.append(
-                _Entry(
-                    indices,
-                    int(payload.numel()),
-                    int(weight_version),
-                    int(target_weight_version),
-                    None if task is None else int(task),
-                )
-            )
+            self._entries.append(_Entry(indices, int(payload.numel()), version, target, task))
             return "success"
 
     def push_with_wait_signal(
         self, trajectory: dict[str, Any], weight_version: int, target_weight_version: int
     ) -> str:
-        """NeMo-RL's name for ``add`` before the async_utils refactor (commit 4641794, #2448).
+        """NeMo-RL's earlier name for ``add``, renamed ``add`` in a later NeMo-RL commit (4641794).
 
         That version also advanced ``last_target_weight_already_generated`` to the pushed
         target on success; so does this.
