@@ -85,3 +85,17 @@ def test_options_are_validated_by_name() -> None:
     td.set(("next", "ref_log_probs", "full"), torch.zeros(3, 8))
     with pytest.raises(ValueError, match="expected an even number of rows"):
         DPOLoss(policy)(td)
+
+
+def test_dpo_averages_over_pairs_when_a_rejected_row_is_empty() -> None:
+    policy = tiny_causal_lm(vocab_size=64, seed=0)
+    td = llm_batch(4, 8, vocab_size=64, seed=3)
+    td.set(("next", "ref_log_probs", "full"), torch.zeros(4, 8))
+    td["masks", "all_assistant_mask"][3] = False  # pair 1: chosen answer, empty rejected one
+    assert GlobalCounts.of(td).sequences == 3  # rows with a token: one and a half pairs
+    assert DPOLoss.counts(td) == GlobalCounts(GlobalCounts.of(td).tokens, 4)
+    out = DPOLoss(policy, beta=0.1)(td)
+    # Pair 1's rejected reward is 0 and its chosen one differs: accuracy is a share of 2 pairs.
+    assert float(out["accuracy"]) in (0.0, 0.5, 1.0)
+    explicit = DPOLoss(policy, beta=0.1)(td, counts=DPOLoss.counts(td))
+    assert float(explicit["preference_loss"]) == pytest.approx(float(out["preference_loss"]))

@@ -46,10 +46,20 @@ def _mask_and_log_probs(
     return mask, torch.where(mask, _token_log_probs(logits, tokens), 0.0)
 
 
-def _counts(mask: torch.Tensor, counts: GlobalCounts | None) -> GlobalCounts:
+def _dpo_own(mask: torch.Tensor) -> GlobalCounts:
+    # Two rows per pair whose chosen row holds an assistant token (the pairs the loss
+    # averages over), whatever the rejected row holds: NeMo-RL's global_valid_seqs counts
+    # the rows of valid pairs, and an empty rejected row must not make a half pair.
+    return GlobalCounts(int(mask.sum()), 2 * int(mask[0::2].any(-1).sum()))
+
+
+def _counts(
+    mask: torch.Tensor, counts: GlobalCounts | None, own: GlobalCounts | None = None
+) -> GlobalCounts:
     if counts is not None and not isinstance(counts, GlobalCounts):
         raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
-    own = GlobalCounts(int(mask.sum()), int(mask.any(-1).sum()))
+    if own is None:
+        own = GlobalCounts(int(mask.sum()), int(mask.any(-1).sum()))
     if counts is None:
         return own
     if own.tokens > counts.tokens or own.sequences > counts.sequences:
@@ -115,7 +125,12 @@ class DPOLoss(torch.nn.Module):
     r_rejected)) averaged over pairs, times ``preference_weight``, plus ``sft_weight`` times
     the chosen answers' NLL (a per-answer sum, or mean with ``sft_average``, averaged over
     pairs). Rows 2i and 2i + 1 are pair i's chosen and rejected answers; a pair whose chosen
-    row has no assistant token weighs nothing. ``counts.sequences`` counts rows (two per pair).
+    row has no assistant token weighs nothing. The loss averages over the pairs whose chosen
+    row holds an assistant token (a pair with an empty rejected row counts: it still has a
+    preference term). ``counts.sequences`` is twice that number, NeMo-RL's
+    ``global_valid_seqs`` (the rows of the valid pairs); :meth:`counts` gives it for one
+    micro-batch, to sum over micro-batches or ranks (``GlobalCounts.of`` counts rows with a
+    token instead, and differs when a rejected row is empty).
 
     Returns ``loss_preference`` (and ``loss_sft`` when ``sft_weight > 0``) and the metrics
     ``preference_loss``, ``sft_loss``, ``accuracy``, ``rewards_chosen_mean``,
@@ -159,6 +174,23 @@ class DPOLoss(torch.nn.Module):
         self.sft_average = bool(sft_average)
         self.layout = layout
 
+    @staticmethod
+    def counts(td: TensorDictBase, layout: Layout = LLM_LAYOUT_V1) -> GlobalCounts:
+        """This batch's DPO counts: its assistant tokens, and two rows per pair whose chosen
+        row holds an assistant token.
+
+        Example:
+            >>> from posttrain.testing import llm_batch
+            >>> td = llm_batch(4, 8, vocab_size=64)
+            >>> td["masks", "all_assistant_mask"][3] = False  # pair 1's rejected row is empty
+            >>> DPOLoss.counts(td).sequences  # still 2 pairs
+            4
+        """
+        k = layout.key
+        mask = td.get(k("assistant_mask")) & td.get(k("attention_mask"))
+        mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
+        return _dpo_own(mask)
+
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
         """The DPO loss of the pairs in ``td`` (rows 2i chosen, 2i + 1 rejected)."""
         check(td, self.layout, require=("ref_log_probs",), any_float=True, context="DPOLoss")
@@ -168,7 +200,7 @@ class DPOLoss(torch.nn.Module):
                 f"{list(td.batch_size)}"
             )
         mask, logp = _mask_and_log_probs(self.policy, td, self.layout)
-        c = _counts(mask, counts)
+        c = _counts(mask, counts, _dpo_own(mask))
         m = mask.to(logp.dtype)
         ref = torch.where(mask, td.get(self.layout.key("ref_log_probs")).to(logp.dtype), 0.0)
         n_tok = m.sum(-1)
