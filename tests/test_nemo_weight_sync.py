@@ -239,7 +239,7 @@ def test_sharded_synchronizer_keeps_nemo_rls_colocated_order_and_takes_kv_scales
     assert not sync.is_stale
 
 
-def test_a_shard_sent_twice_or_overlapping_drops_the_version() -> None:
+def test_a_refused_shard_leaves_the_held_shards_as_they_were() -> None:
     from posttrain.adapters.nemo_rl.weight_sync import ShardAssembler
 
     model = torch.nn.Linear(2, 2)
@@ -251,8 +251,13 @@ def test_a_shard_sent_twice_or_overlapping_drops_the_version() -> None:
     asm.shard_sender(0).send({"weight": torch.ones(2, 2)}, version=2)
     with pytest.raises(ValueError, match="held by another shard"):
         asm.shard_sender(1).send({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, version=2)
+    with pytest.raises(TypeError, match="non-tensors for \\['bias'\\]"):
+        asm.shard_sender(1).send({"bias": [1.0, 1.0]}, version=2)  # type: ignore[dict-item]
     assert receiver.receive(timeout=0) is None
     assert receiver.version == 0
+    asm.shard_sender(1).send({"bias": torch.ones(2)}, version=2)  # worker 0's shard was kept
+    assert receiver.receive(timeout=0) == 2
+    assert model.weight.sum().item() == 4.0
     asm.shard_sender(1).send({"bias": torch.ones(3)}, version=3)
     with pytest.raises(ValueError, match="rejected"):  # the whole fails the receiver's check
         asm.shard_sender(0).send({"weight": torch.ones(2, 2)}, version=3)
@@ -262,3 +267,62 @@ def test_a_shard_sent_twice_or_overlapping_drops_the_version() -> None:
     asm.shard_sender(1).send({"bias": torch.ones(2)}, version=3)  # version 3 again: not spent
     asm.shard_sender(0).send({"weight": torch.ones(2, 2)}, version=3)
     assert receiver.receive(timeout=0) == 3
+
+
+def test_a_sink_failing_once_does_not_block_the_next_sync() -> None:
+    from posttrain.adapters.nemo_rl.weight_sync import NemoShardedWeightSynchronizer, ShardAssembler
+
+    fails = [True]
+
+    def sink(scales: Any, version: int) -> None:
+        if fails.pop(0) if fails else False:
+            raise OSError("kv-scales sink unavailable")
+
+    trainer, generator = tiny_causal_lm(seed=1), tiny_causal_lm(seed=2)
+    sender, receiver = in_process_weight_sync(generator)
+    sync = NemoWeightSynchronizer(trainer.state_dict, sender, receiver, kv_scales_sink=sink)
+    sync.init_communicator()
+    with pytest.raises(OSError, match="unavailable"):
+        sync.sync_weights(kv_scales={"k_scale": 1.0})
+    assert sync.is_stale
+    assert sync.version == 1  # the sender took version 1
+    assert sync.sync_weights(kv_scales={"k_scale": 1.0})["weight_version"] == 2.0
+    assert not sync.is_stale
+    assert receiver.version == 2
+
+    fails[:] = [True]
+    trainer, generator = tiny_causal_lm(seed=1), tiny_causal_lm(seed=2)
+    sender, receiver = in_process_weight_sync(generator)
+    names = sorted(trainer.state_dict())
+    workers = [_Worker(trainer, names[i::2]) for i in range(2)]
+    sharded = NemoShardedWeightSynchronizer(
+        workers, ShardAssembler(sender, 2), receiver, kv_scales_sink=sink
+    )
+    sharded.init_communicator()
+    with pytest.raises(OSError, match="unavailable"):
+        sharded.sync_weights(kv_scales={"k_scale": 1.0})
+    assert sharded.is_stale
+    assert sharded.sync_weights(kv_scales={"k_scale": 1.0})["weight_version"] == 2.0
+    assert receiver.version == 2
+    assert _equal(trainer, generator)
+
+
+def test_sharded_synchronizer_checks_the_refit_info_before_the_first_send() -> None:
+    from posttrain.adapters.nemo_rl.weight_sync import NemoShardedWeightSynchronizer, ShardAssembler
+
+    trainer, generator = tiny_causal_lm(seed=1), tiny_causal_lm(seed=2)
+    sender, receiver = in_process_weight_sync(generator)
+    names = sorted(trainer.state_dict())
+    workers = [_Worker(trainer, names[i::2]) for i in range(2)]
+    asm = ShardAssembler(sender, 2)
+    sync = NemoShardedWeightSynchronizer(workers, asm, receiver)
+    sync.init_communicator()
+    bad = workers[1].state_shard()
+    last = sorted(bad)[-1]
+    bad[last] = bad[last].double()
+    workers[1].state_shard = lambda: bad  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=rf"refit info\), found changes for \['{last}'\]"):
+        sync.sync_weights()
+    assert asm._pending == {}  # worker 0's shard was never sent
+    assert sync.is_stale
+    assert receiver.version == 0

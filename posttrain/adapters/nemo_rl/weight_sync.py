@@ -93,24 +93,19 @@ class NemoWeightSynchronizer:
             raise RuntimeError("call init_communicator() before sync_weights()")
         _check_kv_scales(kv_scales, self.kv_scales_sink)
         weights = self.state()
-        now = {k: (v.shape, v.dtype) for k, v in weights.items()}
-        if now != self._refit_info:
-            changed = sorted(set(now) ^ set(self._refit_info)) or sorted(
-                k for k in now if now[k] != self._refit_info[k]
-            )
-            raise ValueError(
-                f"weights changed since init_communicator() (refit info): {changed[:5]}"
-            )
+        _check_refit_info(weights, self._refit_info)
         version = self.version + 1
         start = time.perf_counter()
         self._stale = True
         with _timed(timer, "prepare_for_generation/transfer_and_update_weights"):
             self.sender.send(weights, version=version)
+            # The sender holds this version now: the next sync must send a later one even if
+            # receiving or the kv-scales sink below fails (is_stale stays True then).
+            self.version = version
             if self.receiver is not None:
                 self.receiver.receive(timeout=self.receive_timeout)
             if kv_scales is not None and self.kv_scales_sink is not None:
                 self.kv_scales_sink(dict(kv_scales), version)
-        self.version = version
         self._stale = False
         return {"weight_sync_s": time.perf_counter() - start, "weight_version": float(version)}
 
@@ -133,6 +128,19 @@ def _timed(timer: Any, label: str) -> Iterator[None]:
         return
     with timer.time(label):
         yield
+
+
+def _check_refit_info(
+    weights: Mapping[str, torch.Tensor], info: Mapping[str, tuple[torch.Size, torch.dtype]]
+) -> None:
+    now = {k: (v.shape, v.dtype) for k, v in weights.items()}
+    if now != info:
+        changed = sorted(set(now) ^ set(info)) or sorted(k for k in now if now[k] != info[k])
+        raise ValueError(
+            f"sync_weights: expected the shapes and dtypes recorded by init_communicator() "
+            f"(refit info), found changes for {changed[:5]}"
+            + (f" ... and {len(changed) - 5} more" if len(changed) > 5 else "")
+        )
 
 
 def _check_kv_scales(kv_scales: Mapping[str, float] | None, sink: Any) -> None:
@@ -176,10 +184,25 @@ class ShardAssembler:
     """Collects one shard per worker for a version, then sends the whole through ``sender``.
 
     ``sender`` is any ``WeightSenderV1`` (its receiver validates the whole state before a byte
-    is copied, so a version is applied whole or not at all). A shard is refused (and the
-    version's shards so far dropped) when its worker already sent one for that version, when
-    it names a tensor another shard of the version holds, or when the version is not above
-    the last one completed. Shards are copied on arrival: a worker may reuse its tensors.
+    is copied, so a version is applied whole or not at all). A shard is refused, with the
+    shards already held left as they were, when it is not a mapping of names to tensors, when
+    its worker already sent one for that version, when it names a tensor another shard of the
+    version holds, or when the version is not above the last one completed. Shards are copied
+    on arrival: a worker may reuse its tensors.
+
+    Example:
+        >>> from posttrain.reference_impls import in_process_weight_sync
+        >>> model = torch.nn.Linear(2, 2)
+        >>> sender, receiver = in_process_weight_sync(model)
+        >>> asm = ShardAssembler(sender, 2)
+        >>> asm.shard_sender(0).send({"weight": torch.ones(2, 2)}, version=1)
+        >>> asm.shard_sender(1).send({"weight": torch.ones(2, 2)}, version=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: shard refused: tensors ['weight'] of worker 1 are held by another shard of version 1
+        >>> asm.shard_sender(1).send({"bias": torch.zeros(2)}, version=1)  # worker 0's kept
+        >>> receiver.receive(timeout=0), model.weight.sum().item()
+        (1, 4.0)
     """
 
     def __init__(self, sender: Any, num_shards: int) -> None:
@@ -202,24 +225,29 @@ class ShardAssembler:
             raise TypeError(
                 f"shard: expected a mapping of names to tensors, found {type(shard).__name__}"
             )
+        bad = [n for n, t in shard.items() if not isinstance(t, torch.Tensor)][:10]
+        if bad:
+            raise TypeError(f"shard refused: expected tensors, found non-tensors for {bad}")
         with self._lock:
             if not isinstance(version, int) or version <= self._done:
                 raise ValueError(
                     f"version: expected an int above {self._done} (the last version completed), "
                     f"found {version!r}"
                 )
+            held_shards = self._pending.get(version, {})
+            if rank in held_shards:
+                raise ValueError(
+                    f"shard refused: worker {rank} already sent its shard of version {version}"
+                )
+            held = {n for s in held_shards.values() for n in s}
+            both = sorted(held.intersection(shard))
+            if both:
+                raise ValueError(
+                    f"shard refused: tensors {both[:10]} of worker {rank} are held by another "
+                    f"shard of version {version}"
+                )
+            # Every check passed: only now is anything recorded.
             got = self._pending.setdefault(version, {})
-            problem = None
-            if rank in got:
-                problem = f"worker {rank} already sent its shard of version {version}"
-            else:
-                held = {n for s in got.values() for n in s}
-                both = sorted(held.intersection(shard))
-                if both:
-                    problem = f"tensors {both[:10]} of worker {rank} are held by another shard"
-            if problem is not None:
-                del self._pending[version]
-                raise ValueError(f"shard refused, version {version} dropped: {problem}")
             got[rank] = {n: t.detach().clone() for n, t in shard.items()}
             if len(got) < self.num_shards:
                 return
@@ -231,6 +259,11 @@ class ShardAssembler:
             self._pending = {v: p for v, p in self._pending.items() if v > version}
             self._done = version
 
+    def _drop(self, version: int) -> None:
+        # A sync that failed between shard sends: its partial version must not block a retry.
+        with self._lock:
+            self._pending.pop(version, None)
+
 
 class ShardedSender:
     """``WeightSenderV1`` over per-worker shards: ``send(weights)`` cuts ``weights`` by owner.
@@ -238,6 +271,15 @@ class ShardedSender:
     Worker ``i`` owns the names ``owner(name) == i`` (default: position in sorted order modulo
     the shard count), so a full state dict goes out as ``num_shards`` shard sends; the
     conformance suite runs this path.
+
+    Example:
+        >>> from posttrain.reference_impls import in_process_weight_sync
+        >>> model = torch.nn.Linear(2, 2)
+        >>> inner, receiver = in_process_weight_sync(model)
+        >>> sender = ShardedSender(ShardAssembler(inner, 2), owner=lambda n: int(n == "bias"))
+        >>> sender.send({"weight": torch.ones(2, 2), "bias": torch.full((2,), 3.0)}, version=1)
+        >>> receiver.receive(timeout=0), model.bias.tolist()
+        (1, [3.0, 3.0])
     """
 
     def __init__(
@@ -354,6 +396,8 @@ class NemoShardedWeightSynchronizer:
         if self._refit_info is None:
             raise RuntimeError("call init_communicator() before sync_weights()")
         _check_kv_scales(kv_scales, self.kv_scales_sink)
+        shards = [worker.state_shard() for worker in self.workers]
+        _check_refit_info({k: v for s in shards for k, v in s.items()}, self._refit_info)
         version = self.version + 1
         start = time.perf_counter()
         self._stale = True
@@ -361,8 +405,15 @@ class NemoShardedWeightSynchronizer:
             self.policy.offload_before_refit()
             self.policy_generation.prepare_for_generation(tags=["weights"])
         with _timed(timer, "prepare_for_generation/transfer_and_update_weights"):
-            for rank, worker in enumerate(self.workers):
-                self.assembler.shard_sender(rank).send(worker.state_shard(), version=version)
+            try:
+                for rank, shard in enumerate(shards):
+                    self.assembler.shard_sender(rank).send(shard, version=version)
+            except BaseException:
+                self.assembler._drop(version)
+                raise
+            # The last shard completed the version: the sender holds it, so the next sync
+            # sends a later one even if receiving or the sink below fails.
+            self.version = version
             if self.receiver is not None:
                 self.receiver.receive(timeout=self.receive_timeout)
             if kv_scales is not None and self.kv_scales_sink is not None:
@@ -370,7 +421,6 @@ class NemoShardedWeightSynchronizer:
         if self.colocated:
             self.policy.offload_after_refit()
             self.policy_generation.prepare_for_generation(tags=["kv_cache"])
-        self.version = version
         self._stale = False
         return {"weight_sync_s": time.perf_counter() - start, "weight_version": float(version)}
 
