@@ -183,3 +183,26 @@ def test_reserve_then_commit_as_tq_replay_buffer() -> None:
     assert got["input_lengths"].tolist() == [1]
     with pytest.raises(IndexError):
         slots.remove([5], remove_in_dp=False)
+
+
+def test_commit_refuses_ids_live_for_another_group_and_clears_only_its_own_rows() -> None:
+    from posttrain.adapters.nemo_rl.data_plane import NemoGroupSlots
+
+    dp = NemoDataPlaneClient(RingBuffer, capacity=8)
+    slots = NemoGroupSlots(dp, "train")
+    g0 = slots.reserve(weight_version=0, group_id="g0")
+    g1 = slots.reserve(weight_version=0, group_id="g1")
+    slots.commit(g0, ["s0", "s1"], TensorDict({"input_lengths": torch.tensor([3, 4])}, [2]), 0, 1)
+    with pytest.raises(ValueError, match=r"found 's1' already live; nothing written"):
+        slots.commit(
+            g1, ["s1", "s2"], TensorDict({"input_lengths": torch.tensor([5, 6])}, [2]), 0, 1
+        )
+    # A write refused by the store's schema (int64 stored, float32 given) clears only its own ids.
+    with pytest.raises(ContractViolation):
+        slots.commit(g1, ["s2", "s3"], TensorDict({"input_lengths": torch.ones(2)}, [2]), 0, 1)
+    assert dp.live_sample_ids("train") == {"s0", "s1"}
+    got = dp.get_samples(["s0", "s1"], "train", ["input_lengths"])
+    assert got["input_lengths"].tolist() == [3, 4]  # g0's rows untouched
+    assert slots.ready_list == [True, False]
+    slots.commit(g1, ["s2", "s3"], TensorDict({"input_lengths": torch.tensor([5, 6])}, [2]), 0, 1)
+    assert dp.live_sample_ids("train") == {"s0", "s1", "s2", "s3"}

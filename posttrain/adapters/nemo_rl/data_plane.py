@@ -266,6 +266,19 @@ class NemoDataPlaneClient:
                     del slots[i]
                 evicted.discard(s)
 
+    def live_sample_ids(self, partition_id: str) -> set[str]:
+        """Ids holding a row of at least one field of ``partition_id``.
+
+        Example:
+            >>> from posttrain.reference_impls import RingBuffer
+            >>> dp = NemoDataPlaneClient(RingBuffer, capacity=4)
+            >>> _ = dp.put_samples(["a", "b"], "p", TensorDict({"x": torch.ones(2)}, [2]))
+            >>> sorted(dp.live_sample_ids("p")), dp.live_sample_ids("q")
+            (['a', 'b'], set())
+        """
+        self._open()
+        return {s for (p, _), index in self._index.items() if p == partition_id for s in index}
+
     def close(self) -> None:
         """Release the stores; later calls raise."""
         self._closed = True
@@ -410,13 +423,24 @@ class NemoGroupSlots:
     ) -> KVBatchMeta:
         """Write the group's rows and mark its slot ready; unknown ``group_id``: ``ValueError``.
 
-        A failed write (a refused schema, :class:`DataPlaneFullError`) clears whatever rows of
-        ``sample_ids`` it left and re-raises; the slot stays reserved and unready.
+        ``sample_ids`` that already hold rows in the partition (another group's live rows) are
+        refused with ``ValueError`` before anything is written. A failed write (a refused
+        schema, :class:`DataPlaneFullError`) clears the rows this call wrote, and only those,
+        and re-raises; the slot stays reserved and unready.
         """
         if group_id not in self._group_ids:
             raise ValueError(
                 f"commit called with unknown group_id={group_id!r}; reserve() must precede "
                 "commit() (or the slot was already removed)"
+            )
+        taken = sorted(self._dp.live_sample_ids(self._partition_id).intersection(sample_ids))
+        if taken:
+            shown = ", ".join(repr(t) for t in taken[:10]) + (
+                f" and {len(taken) - 10} more" if len(taken) > 10 else ""
+            )
+            raise ValueError(
+                f"commit of group_id={group_id!r}: expected sample ids without live rows in "
+                f"partition {self._partition_id!r}, found {shown} already live; nothing written"
             )
         if tags is None:
             tags = [{"group_id": group_id, "weight_version": start_weight_version}] * len(
@@ -425,7 +449,10 @@ class NemoGroupSlots:
         try:
             meta = self._dp.put_samples(list(sample_ids), self._partition_id, fields, tags)
         except BaseException:
-            self._dp.clear_samples(list(sample_ids), self._partition_id)
+            # None of sample_ids was live before the write, so any now live are this call's.
+            wrote = self._dp.live_sample_ids(self._partition_id).intersection(sample_ids)
+            if wrote:
+                self._dp.clear_samples(sorted(wrote), self._partition_id)
             raise
         meta.task_name = "train"
         i = self._group_ids.index(group_id)
