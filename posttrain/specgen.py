@@ -215,7 +215,13 @@ def render_layout_schema(layout: Layout) -> dict[str, Any]:
 
 
 def render_catalogue_markdown(cat: Catalogue) -> str:
-    """The human spec of the metric catalogue, with the crosswalk to the frameworks."""
+    """The human spec of the metric catalogue, with the crosswalk to the frameworks.
+
+    Example:
+        >>> from posttrain.contracts.catalogue import CATALOGUE_V1
+        >>> "| `rollout/reward/mean` |" in render_catalogue_markdown(CATALOGUE_V1)
+        True
+    """
     lines = [
         _HEADER,
         f"# Metric catalogue: {cat.name} v{cat.version}",

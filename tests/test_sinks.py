@@ -288,3 +288,29 @@ def test_samples_read_back_from_wandb_next_to_scalars(tmp_path: Path) -> None:
     ((step, rows),) = read_wandb_samples(tmp_path)["samples"]
     assert (step, rows[0][:2]) == (1, ("p\n", " c "))
     assert math.isnan(rows[0][2])
+
+
+def test_read_wandb_samples_refuses_a_table_path_outside_the_run_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from posttrain.observability import sinks
+
+    run = tmp_path / "run-x"
+    (run / "files").mkdir(parents=True)
+    (tmp_path / "secret.json").write_text("{}")
+    entry = (run, "rollout/samples", 1, {"path": "../../secret.json"})
+    monkeypatch.setattr(sinks, "_wandb_media", lambda d, kind: [entry])
+    with pytest.raises(ValueError, match="outside it"):
+        sinks.read_wandb_samples(tmp_path)
+
+
+def test_advantage_histogram_leaves_out_sequences_without_assistant_tokens() -> None:
+    from posttrain.observability.distributions import rollout_distributions
+    from posttrain.testing import llm_batch
+
+    td = llm_batch(4, 8)
+    td["masks", "all_assistant_mask"][1] = False
+    td.set("advantage", torch.full((4, 8), 2.0))
+    d = rollout_distributions(td)
+    assert d["rollout/advantage"] == [2.0, 2.0, 2.0]  # not a 0.0 for the empty sequence
+    assert d["rollout/response_len"][1] == 0.0

@@ -64,7 +64,10 @@ def rollout_distributions(
         a = adv.double()
         if a.ndim == 2:
             # torch.where, not a product: a NaN outside the mask would poison its sequence.
-            a = torch.where(asst, a, 0.0).sum(-1) / asst.sum(-1).clamp_min(1)
+            # A sequence without assistant tokens has no advantage (not 0.0): left out, as
+            # the hooks leave it out of rollout/advantage/*.
+            n_tok = asst.sum(-1)
+            a = torch.where(asst, a, 0.0).sum(-1)[n_tok > 0] / n_tok[n_tok > 0]
         a = a.reshape(-1)
         if bool(torch.isfinite(a).any()):
             out["rollout/advantage"] = a[torch.isfinite(a)].tolist()

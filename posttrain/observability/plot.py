@@ -283,7 +283,13 @@ def ema(values: Sequence[float], smoothing: float) -> list[float]:
 
 @dataclass
 class Series:
-    """One metric of one run as drawn: its points, the smoothed line and the band, if any."""
+    """One metric of one run as drawn: its points, the smoothed line and the band, if any.
+
+    Example:
+        >>> s = Series("a", "optim/lr", [0, 1], [1e-6, 2e-6], [1e-6, 2e-6])
+        >>> s.band is None, s.smooth[-1]
+        (True, 2e-06)
+    """
 
     run: str
     metric: str
@@ -295,7 +301,13 @@ class Series:
 
 @dataclass
 class Panel:
-    """One panel: its title (with the catalogue's unit) and its series."""
+    """One panel: its title (with the catalogue's unit) and its series.
+
+    Example:
+        >>> p = panels({"a": {"optim/lr": [(0, 1e-6)]}}, smoothing=0.0)[12]
+        >>> p.title, p.metrics, [s.run for s in p.series]
+        ('learning rate [1]', ('optim/lr',), ['a'])
+    """
 
     title: str
     metrics: tuple[str, ...]
@@ -356,12 +368,13 @@ def dashboard(
         True
     """
     fig = figure(runs, title=title, smoothing=smoothing)
-    with optional_deps():
-        import matplotlib.pyplot as plt
-
     path = Path(out)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=80)
+    finally:
+        # Not a pyplot figure (nothing global to close); drop its artists now, even when
+        # saving failed.
+        fig.clear()
     return path
 
 
@@ -381,12 +394,11 @@ def figure(
         >>> ax = fig.axes[12]; ax.get_title(), [float(y) for y in ax.lines[-1].get_ydata()]
         ('learning rate [1]', [1e-06, 2e-06])
     """
+    # A Figure on its own Agg canvas, not pyplot: the caller's matplotlib backend and
+    # pyplot's figure registry stay as they were.
     with optional_deps():
-        import matplotlib
-
-    matplotlib.use("Agg")
-    with optional_deps():
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
     by_run = _as_runs(runs)
@@ -394,7 +406,9 @@ def figure(
     several = len(by_run) > 1
     cols = 4
     rows = -(-len(PANELS) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3 * rows), squeeze=False)
+    fig = Figure(figsize=(4.2 * cols, 3 * rows))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, panel in zip(axes.flat, panels(by_run, smoothing=smoothing), strict=False):
         for s in panel.series:
             c = colours[s.run]

@@ -31,7 +31,16 @@ def not_a_number(x: Any) -> str:
 
 
 def one_number(where: str, x: Any, expected: str = "one number") -> float:
-    """``x`` as one float, or a ``ValueError`` "``where``: expected ..., found ..."."""
+    """``x`` as one float, or a ``ValueError`` "``where``: expected ..., found ...".
+
+    Example:
+        >>> one_number("loss", torch.tensor(0.5, requires_grad=True))
+        0.5
+        >>> one_number("loss", torch.ones(2))
+        Traceback (most recent call last):
+        ...
+        ValueError: loss: expected one number, found ...
+    """
     try:
         # A loss term still holding its graph: its value, without autograd's warning.
         return float(x.detach() if isinstance(x, torch.Tensor) else x)

@@ -496,7 +496,15 @@ def read_wandb_samples(
     """
     out: dict[str, list[tuple[int, list[tuple[str, str, float]]]]] = {}
     for run, name, step, f in _wandb_media(directory, "table-file"):
-        table = json.loads((run / "files" / str(f["path"])).read_text(encoding="utf-8"))
+        # The path comes from the run's own history: never follow it out of files/.
+        root = (run / "files").resolve()
+        path = (root / str(f["path"])).resolve()
+        if not path.is_relative_to(root):
+            raise ValueError(
+                f"read {name!r} at step {step} of the W&B run {run}: expected a table file "
+                f"under {root}, found the path {str(f['path'])!r} outside it"
+            )
+        table = json.loads(path.read_text(encoding="utf-8"))
         cols = [table["columns"].index(c) for c in SAMPLE_COLUMNS]
         rows = [(str(r[cols[0]]), str(r[cols[1]]), float(r[cols[2]])) for r in table["data"]]
         out.setdefault(name, []).append((step, rows))
