@@ -1,18 +1,19 @@
-"""NeMo-RL's advantage estimators, reproduced (``nemo_rl/algorithms/advantage_estimator.py``).
+"""NeMo-RL's advantage estimators, from their specification (``nemo_rl/algorithms/advantage_estimator.py``).
 
-Followed at NeMo-RL commit 7ea279a and pinned by vectors its own functions produced
-(``tests/data/nemo_rl_advantages.json``):
+Written from the math of NeMo-RL commit 7ea279a (the code is posttrain's own) and pinned by
+vectors NeMo-RL's own functions produced (``tests/data/nemo_rl_advantages.json``; the
+committed vectors are matched bit for bit, RE++ to 1e-6 absolute):
 
-- :func:`baseline_and_std_per_prompt` is ``nemo_rl/algorithms/utils.py:
-  calculate_baseline_and_std_per_prompt`` with its numerics: the group's mean and mean square
-  are masked matmuls, and the std is ``sqrt((E[r^2] - E[r]^2) * n / (n - 1))``. That form
-  cancels catastrophically on a near-constant group: rewards ``[1/3, 1/3, 1/3, 0.9]`` give
-  the last sample a std of 1.06e-4 (the exact leave-one-out std is 0) and an advantage of
-  5310.04, as NeMo-RL trains on;
-- :func:`grpo_advantage` is ``GRPOAdvantageEstimator.compute_advantage`` ([B, S] from
-  ``prompt_ids``, ``rewards`` and ``mask``); :func:`clip_advantages` is
+- :func:`baseline_and_std_per_prompt` gives the per-prompt statistics of
+  ``nemo_rl/algorithms/utils.py:calculate_baseline_and_std_per_prompt``, including its
+  mean-square std ``sqrt((E[r^2] - E[r]^2) * n / (n - 1))``. That form cancels
+  catastrophically on a near-constant group: rewards ``[1/3, 1/3, 1/3, 0.9]`` give the last
+  sample a std of 1.06e-4 (the exact leave-one-out std is 0) and an advantage of 5310.04, as
+  NeMo-RL trains on;
+- :func:`grpo_advantage` gives ``GRPOAdvantageEstimator.compute_advantage`` ([B, S] from
+  ``prompt_ids``, ``rewards`` and ``mask``); :func:`clip_advantages` gives
   ``nemo_rl/algorithms/grpo.py:_clip_grpo_advantages``;
-- :func:`reinforce_plus_plus_advantage` is ``ReinforcePlusPlusAdvantageEstimator.
+- :func:`reinforce_plus_plus_advantage` gives ``ReinforcePlusPlusAdvantageEstimator.
   compute_advantage`` (optional group-mean baseline, optional KL in the reward, global
   whitening over the mask).
 
@@ -27,17 +28,42 @@ from collections.abc import Sequence
 import torch
 
 
+def _group_layout(prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each sample's group (identical prompt rows) and its column in a [groups, width] table.
+
+    Members keep their batch order along the row; ``width`` is the largest group's size.
+    """
+    rows = prompts.unsqueeze(-1) if prompts.ndim == 1 else prompts.reshape(len(prompts), -1)
+    _, group = torch.unique(rows, dim=0, return_inverse=True)
+    sizes = torch.bincount(group)
+    order = torch.sort(group, stable=True).indices
+    first = torch.cumsum(sizes, 0) - sizes  # where each group starts in ``order``
+    column = torch.empty_like(group)
+    column[order] = torch.arange(len(group), device=group.device) - first[group[order]]
+    return group, column, int(sizes.max()) if len(group) else 0
+
+
 def baseline_and_std_per_prompt(
     prompts: torch.Tensor,
     rewards: torch.Tensor,
     valid_mask: torch.Tensor,
     leave_one_out_baseline: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample baseline and std, grouped by identical prompt rows, as NeMo-RL computes them.
+    """Per-sample baseline and std over the samples sharing its prompt row, as NeMo-RL's.
 
-    ``nemo_rl/algorithms/utils.py:calculate_baseline_and_std_per_prompt`` (7ea279a): a group
-    with at most one valid sample gets its rewards as baseline and std 0; a NaN std (a
-    negative variance's square root) becomes 0.
+    The specification (``calculate_baseline_and_std_per_prompt``, 7ea279a): samples are
+    grouped by identical prompt rows (a [B] id vector is one column). Within a group only
+    valid samples (``valid_mask``) contribute; ``n`` is the group's valid count, less one
+    under leave-one-out, where a sample's statistics are taken over the group's *other*
+    samples. The baseline is ``mean = S1 / n`` and the std is
+    ``sqrt((S2 / n - mean**2) * n / (n - 1))`` (``S1``, ``S2``: sums of the contributing
+    rewards and squared rewards), with NaN replaced by 0; that mean-square form cancels
+    catastrophically on a near-constant group (see the module docstring). A group with at
+    most one valid sample gets its own rewards as baseline and std 0.
+
+    Here each group is laid out as one row of a table (``torch.unique`` + index ops); under
+    leave-one-out a sample's sums are the exclusive prefix plus exclusive suffix sums of its
+    row, so no sample's reward is added and then subtracted again.
 
     Example:
         >>> p = torch.tensor([[7, 8]] * 4)
@@ -46,29 +72,31 @@ def baseline_and_std_per_prompt(
         >>> f"{s[3].item():.4g}"
         '0.0001057'
     """
-    if prompts.ndim == 1:  # NeMo-RL's prompts are rows (b, s); a [b] id vector is one column
-        prompts = prompts.unsqueeze(-1)
-    unique_prompts = torch.unique(prompts, dim=0)
-    baseline = torch.zeros_like(rewards)
-    std = torch.zeros_like(rewards)
-    for i in range(len(unique_prompts)):
-        idx = torch.arange(len(prompts), device=rewards.device)[
-            (prompts == unique_prompts[i]).all(1)
-        ]
-        n = len(idx)
-        if leave_one_out_baseline:
-            matrix = (1 - torch.eye(n)).to(rewards.device)
-        else:
-            matrix = torch.ones((n, n)).to(rewards.device)
-        if valid_mask[idx].sum() <= 1:
-            baseline[idx] = rewards[idx]
-            continue
-        num_valid = valid_mask[idx].float().sum() - int(leave_one_out_baseline)
-        mean = torch.matmul(matrix, rewards[idx] * valid_mask[idx]) / num_valid
-        mean_sq = torch.matmul(matrix, torch.pow(rewards[idx], 2) * valid_mask[idx]) / num_valid
-        baseline[idx] = mean
-        std[idx] = ((mean_sq - mean.square()) * (num_valid / (num_valid - 1))).sqrt().nan_to_num(0)
-    return baseline, std
+    if len(rewards) == 0:
+        return torch.zeros_like(rewards), torch.zeros_like(rewards)
+    group, column, width = _group_layout(prompts.to(rewards.device))
+    n_groups = int(group.max()) + 1
+    weight = valid_mask.to(rewards.dtype)
+
+    def sums(values: torch.Tensor) -> torch.Tensor:
+        table = torch.zeros(n_groups, width, dtype=rewards.dtype, device=rewards.device)
+        table[group, column] = values * weight
+        if not leave_one_out_baseline:
+            return table.sum(1)[group]
+        zero = torch.zeros_like(table[:, :1])
+        before = torch.cat([zero, table[:, :-1]], 1).cumsum(1)
+        after = torch.cat([zero, table.flip(1)[:, :-1]], 1).cumsum(1).flip(1)
+        return (before + after)[group, column]
+
+    valid = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
+    valid = valid.index_add(0, group, weight)[group]
+    n = valid - int(leave_one_out_baseline)
+    mean = sums(rewards) / n
+    mean_sq = sums(torch.pow(rewards, 2)) / n
+    std = ((mean_sq - mean.square()) * (n / (n - 1))).sqrt().nan_to_num(0)
+    alone = valid <= 1
+    baseline = torch.where(alone, rewards, mean)
+    return baseline, torch.where(alone, torch.zeros_like(std), std)
 
 
 def grpo_advantage(
@@ -81,8 +109,8 @@ def grpo_advantage(
 ) -> torch.Tensor:
     """``GRPOAdvantageEstimator.compute_advantage``: [B, S] advantages (``mask``'s shape).
 
-    ``reward - baseline``, divided by ``std + 1e-6`` where ``std > 0`` when ``normalize``, then
-    expanded along S (an expanded view, as NeMo-RL returns it).
+    ``reward - baseline`` (every sample valid), divided by ``std + 1e-6`` where ``std > 0``
+    when ``normalize``, then expanded along S (an expanded view, as NeMo-RL returns it).
 
     Example:
         >>> p = torch.tensor([[7, 8]] * 4)
@@ -93,11 +121,10 @@ def grpo_advantage(
     baseline, std = baseline_and_std_per_prompt(
         prompt_ids, rewards, torch.ones_like(rewards), leave_one_out_baseline=leave_one_out
     )
-    adv = (rewards - baseline).unsqueeze(-1)
+    centred = rewards - baseline
     if normalize:
-        nz = std > 0
-        adv[nz] = adv[nz] / (std.unsqueeze(-1)[nz] + 1e-6)
-    return adv.expand(mask.shape)
+        centred = torch.where(std > 0, centred / (std + 1e-6), centred)
+    return centred.unsqueeze(-1).expand(mask.shape)
 
 
 def clip_advantages(
@@ -116,6 +143,13 @@ def clip_advantages(
     return advantages
 
 
+_KL_OF_LOG_RATIO = {
+    "k1": lambda x: -x,
+    "k2": lambda x: x * x / 2,
+    "k3": lambda x: x.exp() - 1 - x,
+}
+
+
 def _kl(
     logprobs: torch.Tensor,
     reference: torch.Tensor,
@@ -123,21 +157,20 @@ def _kl(
     input_clamp: float | None = 20.0,
     output_clamp: float | None = 10.0,
 ) -> torch.Tensor:
-    """``nemo_rl/algorithms/utils.py:calculate_kl`` with its default clamps (no IS weights)."""
-    logr = reference - logprobs
-    if input_clamp is not None:
-        logr = logr.clamp(min=-input_clamp, max=input_clamp)
-    if kl_type == "k1":
-        kl = -logr
-    elif kl_type == "k2":
-        kl = torch.square(logr) / 2
-    elif kl_type == "k3":
-        kl = torch.exp(logr) - 1 - logr
-    else:
+    """Per-token KL estimate of NeMo-RL's ``calculate_kl`` (default clamps, no IS weights).
+
+    With ``x = reference - logprobs`` clamped to ``[-input_clamp, input_clamp]``: k1 is
+    ``-x``, k2 is ``x**2 / 2``, k3 is ``exp(x) - 1 - x``; the estimate is then clamped to
+    ``[-output_clamp, output_clamp]``.
+    """
+    estimate = _KL_OF_LOG_RATIO.get(kl_type)
+    if estimate is None:
         raise ValueError(f"kl_type: expected 'k1', 'k2' or 'k3', found {kl_type!r}")
-    if output_clamp is not None:
-        kl = kl.clamp(min=-output_clamp, max=output_clamp)
-    return kl
+    x = reference - logprobs
+    if input_clamp is not None:
+        x = x.clamp(-input_clamp, input_clamp)
+    kl: torch.Tensor = estimate(x)
+    return kl if output_clamp is None else kl.clamp(-output_clamp, output_clamp)
 
 
 def reinforce_plus_plus_advantage(
@@ -154,8 +187,11 @@ def reinforce_plus_plus_advantage(
 ) -> torch.Tensor:
     """``ReinforcePlusPlusAdvantageEstimator.compute_advantage``: [B, S], whitened over ``mask``.
 
-    The KL term applies only when ``use_kl_in_reward`` and both log-prob tensors are given
-    (NeMo-RL skips it silently otherwise).
+    The specification: the reward, less its prompt group's mean (all samples, no
+    leave-one-out) when ``minus_baseline``, broadcast over S; less ``kl_coef`` times the
+    per-token KL when ``use_kl_in_reward`` and both log-prob tensors are given (NeMo-RL skips
+    it silently otherwise); then whitened with the mean and (biased) variance over the
+    tokens ``mask`` selects, the variance floored at 1e-8.
 
     Example:
         >>> p = torch.tensor([[1], [1], [2], [2]])
@@ -163,19 +199,21 @@ def reinforce_plus_plus_advantage(
         >>> [round(x, 4) for x in a[:, 0].tolist()]
         [0.6325, -0.6325, 1.2649, -1.2649]
     """
+    score = rewards
     if minus_baseline:
-        mean, _ = baseline_and_std_per_prompt(
-            prompt_ids, rewards, torch.ones_like(rewards), leave_one_out_baseline=False
+        score = (
+            rewards
+            - baseline_and_std_per_prompt(
+                prompt_ids, rewards, torch.ones_like(rewards), leave_one_out_baseline=False
+            )[0]
         )
-        adv = rewards - mean
-    else:
-        adv = rewards
-    adv = adv.unsqueeze(-1).expand(mask.shape)
+    token_score = score.unsqueeze(-1).expand(mask.shape)
     if use_kl_in_reward and logprobs_policy is not None and logprobs_reference is not None:
-        adv = adv - kl_coef * _kl(logprobs_policy, logprobs_reference, kl_type)
-    adv_mean = (adv * mask).sum() / mask.sum()
-    adv_var = ((adv - adv_mean).pow(2) * mask).sum() / mask.sum()
-    return (adv - adv_mean) * adv_var.clamp(min=1e-8).rsqrt()
+        token_score = token_score - kl_coef * _kl(logprobs_policy, logprobs_reference, kl_type)
+    tokens = mask.sum()
+    centre = (token_score * mask).sum() / tokens
+    spread = ((token_score - centre).square() * mask).sum() / tokens
+    return (token_score - centre) / spread.clamp(min=1e-8).sqrt()
 
 
 def grpo_advantages(
