@@ -207,3 +207,27 @@ def test_reward_trainer_trains_on_the_stored_pairs(grpo_buffer: Any, tmp_path: P
 def _rows(trainer: Any) -> Any:
     """The trainer's prepared (tokenized) training rows."""
     return iter(trainer.train_dataset)
+
+
+def test_a_nan_reward_is_left_out_not_a_poisoned_group_mean() -> None:
+    from tensordict import TensorDict
+
+    from posttrain.adapters._hf import word_level_tokenizer
+    from posttrain.reference_impls import RingBuffer
+
+    group = TensorDict(
+        {
+            ("tokens", "full"): torch.tensor([[5, 6, 7, 8], [5, 6, 9, 10], [5, 6, 11, 12]]),
+            ("masks", "all_attention_mask"): torch.ones(3, 4, dtype=torch.bool),
+            ("masks", "all_assistant_mask"): torch.tensor([[0, 0, 1, 1]] * 3).bool(),
+            ("next", "reward"): torch.tensor([1.0, 0.0, math.nan]),
+            "group_id": torch.tensor([0, 0, 0]),
+        },
+        [3],
+    )
+    rb = RingBuffer(3, sampling="without_replacement")  # each call draws all 3
+    rb.extend(group)
+    ds = preference_dataset(rb, "kto", 3, tokenizer=word_level_tokenizer(tiny_causal_lm().config))
+    assert sorted(ds["label"]) == [False, True]  # mean 0.5 over the 2 scored answers
+    pairs = preference_dataset(rb, "reward", 3)
+    assert list(pairs["margin"]) == [1.0]

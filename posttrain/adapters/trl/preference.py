@@ -23,6 +23,7 @@ one).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -48,7 +49,8 @@ class _Answer:
 
 
 def _groups(buffer: ReplayBufferV1, batch_size: int, layout: Layout) -> list[list[_Answer]]:
-    """The sampled items by group id (groups in first-seen order), each item split at its span."""
+    """The sampled items by group id (groups in first-seen order), each item split at its span;
+    an item with no assistant token or a non-finite reward is left out."""
     batch: TensorDictBase = buffer.sample(positive_int("batch_size", batch_size))
     for field in ("reward", "group_id"):
         if batch.get(layout.key(field), None) is None:
@@ -72,6 +74,8 @@ def _groups(buffer: ReplayBufferV1, batch_size: int, layout: Layout) -> list[lis
                 f"item {i}: the assistant mask is not one span (multi-turn); a (prompt, "
                 "completion) pair cannot hold it"
             )
+        if not math.isfinite(float(r)):
+            continue  # unscored (NaN) or broken: it orders nothing and would poison a mean
         ans = _Answer(t[:first].tolist(), t[first : last + 1].tolist(), float(r))
         group = groups.setdefault(int(g), [])
         if group and group[0].prompt != ans.prompt:
@@ -181,7 +185,8 @@ def kto_dataset(
 
     Rows ``{"prompt", "completion", "label"}``: ``label`` is ``True`` where the answer's reward
     is above its group's mean and ``False`` below it; answers at the mean (a group whose
-    answers all scored the same) say nothing and are left out.
+    answers all scored the same) say nothing and are left out, as are answers whose reward is
+    not finite (TRL's "unscored" NaN): the mean is over the group's scored answers.
 
     Example:
         >>> import torch
