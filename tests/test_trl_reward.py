@@ -258,6 +258,13 @@ def test_a_trl_1_16_reward_function_runs_unchanged_sync_async_and_inside_an_even
     assert rm(td).get(K("reward")).tolist() == [1.0, 0.0]
     assert rm.extra_logs == {"solution": ["t8", "t3"]}
     assert rm.logged_metrics == {"step": [3.0]}
+    rm(td)  # the same step: its logs add up
+    assert rm.logged_metrics == {"step": [3.0, 3.0]}
+    state.global_step = 4
+    for _ in range(3):
+        rm(td)  # a new step starts afresh: the logs stay one step long
+    assert rm.logged_metrics == {"step": [4.0] * 3}
+    assert rm.extra_logs == {"solution": ["t8", "t3"] * 3}
 
     async def inside_a_loop() -> list[float]:
         out: list[float] = rm(td.clone()).get(K("reward")).tolist()

@@ -98,10 +98,13 @@ class RewardModule(torch.nn.Module):
         self.score = score
         self.layout = layout
         self.name = name or getattr(score, "__name__", type(score).__name__)
-        # What a TRL reward function run through ``trl_reward`` logged (``log_extra``: a
-        # column per name; ``log_metric``: the values of each call).
+        # What a TRL reward function run through ``trl_reward`` logged during the latest
+        # trainer step (``log_extra``: a column per name; ``log_metric``: the values of each
+        # call): cleared when a call comes with another ``trainer_state.global_step``, and at
+        # every call without a trainer state, so a long run holds one step's logs, not all.
         self.extra_logs: dict[str, list[Any]] = {}
         self.logged_metrics: dict[str, list[float]] = {}
+        self._logs_step: int | None = None
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         """Score ``td`` and write the rewards at the layout's reward key."""
@@ -264,7 +267,8 @@ def trl_reward(
     conversational format: ``[{"role": "user", "content": prompt}]`` and
     ``[{"role": "assistant", "content": completion}]``. ``trainer_state`` defaults to a fresh
     ``transformers.TrainerState`` (step 0); what the function logs lands in the module's
-    ``extra_logs`` / ``logged_metrics``. ``None`` rewards become NaN (TRL's "unscored").
+    ``extra_logs`` / ``logged_metrics``, which hold the latest trainer step's logs only (the
+    latest call's without ``trainer_state``). ``None`` rewards become NaN (TRL's "unscored").
     Extra ``kwargs`` (dataset columns, one value per item) are passed on.
 
     Example:
@@ -303,6 +307,11 @@ def trl_reward(
             prompts = [[{"role": "user", "content": p}] for p in prompts]
             completions = [[{"role": "assistant", "content": c}] for c in completions]
         state = trainer_state if trainer_state is not None else _fresh_state()
+        step = None if trainer_state is None else int(trainer_state.global_step)
+        if step is None or step != module._logs_step:
+            module.extra_logs.clear()
+            module.logged_metrics.clear()
+        module._logs_step = step
         out = func(
             prompts=prompts,
             completions=completions,
@@ -377,6 +386,9 @@ def trl_reward_func(
     other keyword arguments (``trainer_state``, ``log_extra``, columns) are accepted and
     ignored. The name TRL logs is ``name``, else the reward's ``name`` (``hf_reward_model``:
     the model's name), made unique in this process: two reward models never share a column.
+    Without ``name`` the suffix counts every earlier wrap of that name in the process (the
+    second unnamed wrap of a model is ``<name>_2``, even for another trainer); pass ``name=``
+    for column names that do not depend on what was wrapped before.
 
     Example:
         >>> from posttrain.testing import tiny_causal_lm
