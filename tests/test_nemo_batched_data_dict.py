@@ -123,3 +123,21 @@ def test_sequence_packing_is_refused_not_ignored() -> None:
             2,
             sequence_packing_args={"max_tokens_per_microbatch": 4},
         )
+
+
+def test_reorder_data_moves_row_i_to_its_position_and_refuses_non_permutations() -> None:
+    b = BatchedDataDict({"t": torch.tensor([10, 11, 12, 13]), "s": ["a", "b", "c", "d"]})
+    b.reorder_data([2, 0, 3, 1])  # row 0 -> 2, row 1 -> 0, row 2 -> 3, row 3 -> 1
+    assert b["t"].tolist() == [11, 13, 10, 12]
+    assert b["s"] == ["b", "d", "a", "c"]
+    with pytest.raises(ValueError, match="permutation of range"):
+        b.reorder_data([0, 0, 1, 2])
+
+
+def test_micro_batch_plan_keeps_rows_times_longest_within_the_budget() -> None:
+    from posttrain.adapters.nemo_rl.batched_data_dict import _plan_micro_batches
+
+    assert _plan_micro_batches([4, 4, 8, 8, 16], 16, 4) == ([[0, 2], [2, 4], [4, 5]], [4, 8, 16])
+    assert _plan_micro_batches([], 16, 4) == ([[0, 0]], [0])
+    with pytest.raises(ValueError, match="length of 20, however max microbatch size is 16"):
+        _plan_micro_batches([4, 20], 16, 4)

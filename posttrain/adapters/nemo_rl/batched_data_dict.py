@@ -156,15 +156,15 @@ class BatchedDataDict(UserDict[str, Any]):
             ['b', 'c', 'a']
         """
         n = self._batch_size()
-        order = [
-            i for _, i in sorted(zip(reorded_indices, range(n), strict=False), key=lambda p: p[0])
-        ]
-        for k, v in self.data.items():
-            self.data[k] = (
-                v.index_select(0, torch.IntTensor(order))
-                if torch.is_tensor(v)
-                else [v[i] for i in order]
+        target = torch.as_tensor(list(reorded_indices), dtype=torch.int64)
+        if target.numel() != n or not torch.equal(target.sort().values, torch.arange(n)):
+            raise ValueError(
+                f"reorded_indices: expected a permutation of range({n}), found "
+                f"{list(reorded_indices)[:10]}" + (" ..." if len(reorded_indices) > 10 else "")
             )
+        source = torch.empty(n, dtype=torch.int64)
+        source[target] = torch.arange(n)  # the row that lands at each position
+        self.data = _take_rows(self.data, source)
 
     def shard_by_batch_size(
         self,
@@ -210,18 +210,13 @@ class BatchedDataDict(UserDict[str, Any]):
         data: dict[str, Any] = self.data
         sorted_indices: list[int] = []
         if dynamic_batching_args is not None:
-            lengths = self.data[dynamic_batching_args["input_lengths_key"]]
+            # Each chunk's rows by length (ties keep their order), dealt round-robin to shards.
+            lengths = torch.as_tensor(self.data[dynamic_batching_args["input_lengths_key"]])
             for c in range(num_chunks):
-                start = c * bs
-                seqlens = lengths[start : start + bs]
-                idx = [i + start for i in sorted(range(bs), key=lambda i: seqlens[i])]
-                sorted_indices.extend(i for r in range(shards) for i in idx[r::shards])
-            data = {
-                k: v.index_select(0, torch.IntTensor(sorted_indices))
-                if torch.is_tensor(v)
-                else [v[i] for i in sorted_indices]
-                for k, v in self.data.items()
-            }
+                by_length = torch.argsort(lengths[c * bs : (c + 1) * bs], stable=True) + c * bs
+                for r in range(shards):
+                    sorted_indices.extend(int(i) for i in by_length[r::shards])
+            data = _take_rows(self.data, torch.tensor(sorted_indices, dtype=torch.int64))
 
         out = [SlicedDataDict() for _ in range(shards)]
         for s in range(shards):
@@ -242,37 +237,23 @@ class BatchedDataDict(UserDict[str, Any]):
 
         if dynamic_batching_args is None:
             return out
-        max_tokens = dynamic_batching_args["max_tokens_per_microbatch"]
-        rnd = dynamic_batching_args["sequence_length_round"]
-        unpadded = data[dynamic_batching_args["input_key"]].shape[1]
+        max_tokens = int(dynamic_batching_args["max_tokens_per_microbatch"])
+        step = int(dynamic_batching_args["sequence_length_round"])
+        cap = int(data[dynamic_batching_args["input_key"]].shape[1])
+        key = dynamic_batching_args["input_lengths_key"]
         mb_indices: list[list[list[int]]] = []
         mb_lengths: list[list[int]] = []
         for c in range(num_chunks):
-            idx_c = [[0, 0]]
-            len_c = [0]
-            max_mb = 0
+            # Position j of every shard shares one micro-batch plan: its padded length is the
+            # longest row any shard holds there, rounded up to ``step`` and capped at ``cap``.
+            parts = [torch.as_tensor(sh[key])[c * shard_size : (c + 1) * shard_size] for sh in out]
+            padded = []
             for j in range(shard_size):
-                longest = 0
-                for shard in out:
-                    lens = shard[dynamic_batching_args["input_lengths_key"]]
-                    longest = max(longest, int(lens[c * shard_size : (c + 1) * shard_size][j]))
-                longest = min(((longest + rnd - 1) // rnd) * rnd, unpadded)
-                if longest > max_tokens:
-                    raise ValueError(
-                        f"got an input of padded ({rnd}) sequence length of {longest}, "
-                        f"however max microbatch size is {max_tokens} tokens"
-                    )
-                size_now = idx_c[-1][1] - idx_c[-1][0] + 1
-                max_mb = max(max_mb, longest)
-                if size_now * max_mb <= max_tokens:
-                    idx_c[-1][-1] += 1
-                    len_c[-1] = max_mb
-                else:
-                    idx_c.append([j, j + 1])
-                    max_mb = longest
-                    len_c.append(max_mb)
-            mb_indices.append(idx_c)
-            mb_lengths.append(len_c)
+                longest = max((int(p[j]) for p in parts if j < len(p)), default=0)
+                padded.append(min(-(-longest // step) * step, cap))
+            plan, widths = _plan_micro_batches(padded, max_tokens, step)
+            mb_indices.append(plan)
+            mb_lengths.append(widths)
         for shard in out:
             shard.micro_batch_indices = mb_indices
             shard.micro_batch_lengths = mb_lengths
@@ -312,7 +293,8 @@ class BatchedDataDict(UserDict[str, Any]):
         return out
 
     def repeat_interleave(self, num_repeats: int, *, share_immutable_media: bool = False) -> Any:
-        """Each row ``num_repeats`` times in place (list items deep-copied, as NeMo-RL does).
+        """A new batch with each row ``num_repeats`` times (``self`` is left as it was; list items
+        are deep-copied, as NeMo-RL does).
 
         Example:
             >>> BatchedDataDict({"k": torch.tensor([1, 2]), "o": [1, 2]}).repeat_interleave(2)["o"]
@@ -429,3 +411,43 @@ class SlicedDataDict(BatchedDataDict):
         >>> isinstance(BatchedDataDict({"x": [1]}).slice(0, 1), BatchedDataDict)
         True
     """
+
+
+def _take_rows(data: Mapping[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    """Every field's ``rows``, in that order (tensors by ``index_select``, lists by item)."""
+    return {
+        k: v.index_select(0, rows.to(v.device))
+        if torch.is_tensor(v)
+        else [v[i] for i in rows.tolist()]
+        for k, v in data.items()
+    }
+
+
+def _plan_micro_batches(
+    padded: list[int], max_tokens: int, step: int
+) -> tuple[list[list[int]], list[int]]:
+    """Greedy contiguous micro-batches over positions with these padded lengths.
+
+    The rule: a micro-batch costs (its row count) x (its longest padded length) tokens; each
+    position joins the open micro-batch while that cost stays within ``max_tokens``, else it
+    opens the next one. A position longer than ``max_tokens`` alone is refused. No position:
+    one empty micro-batch ``[0, 0]`` of length 0 (as NeMo-RL reports it).
+    """
+    ranges: list[list[int]] = []
+    widths: list[int] = []
+    start, peak = 0, 0
+    for j, length in enumerate(padded):
+        if length > max_tokens:
+            raise ValueError(
+                f"got an input of padded ({step}) sequence length of {length}, "
+                f"however max microbatch size is {max_tokens} tokens"
+            )
+        if (j - start + 1) * max(peak, length) > max_tokens:
+            ranges.append([start, j])
+            widths.append(peak)
+            start, peak = j, length
+        else:
+            peak = max(peak, length)
+    ranges.append([start, len(padded)])
+    widths.append(peak)
+    return ranges, widths
