@@ -591,8 +591,9 @@ def prompt_dataset(
     the item (strings and lists included, e.g. a ground-truth ``solution``): TRL passes every
     dataset column to reward functions as a keyword argument. Where decoding and
     re-tokenizing cannot give the ids back (BPE merges across the prompt's end), the dataset
-    warns once; pass it to ``CaptureRollouts(prompt_ids=...)`` to generate from the stored ids
-    exactly.
+    warns once, keeps the first :data:`MISMATCHED_KEPT` such prompts in
+    ``posttrain_mismatched`` and counts them all in ``posttrain_decode_stats["mismatched"]``;
+    pass it to ``CaptureRollouts(prompt_ids=...)`` to generate from the stored ids exactly.
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
@@ -626,7 +627,8 @@ def prompt_dataset(
         layout=layout,
     )
     added = _added_specials(tokenizer)
-    mismatched: list[list[int]] = []
+    mismatched: list[list[int]] = []  # the first MISMATCHED_KEPT of them
+    decode_stats: collections.Counter[str] = collections.Counter()  # all of them
 
     def rows(source: _Shared) -> Iterator[dict[str, Any]]:
         with contextlib.closing(source.dataset.rows("tensor")) as inner:
@@ -646,7 +648,11 @@ def prompt_dataset(
                             UserWarning,
                             stacklevel=2,
                         )
-                    mismatched.append(ids)
+                    # The first few, as examples, and a count: an endless stream of
+                    # mismatched prompts must not grow a list forever.
+                    if len(mismatched) < MISMATCHED_KEPT:
+                        mismatched.append(ids)
+                    decode_stats["mismatched"] += 1
                 texts[text] = ids
                 out = {"prompt": text, "prompt_ids": ids}
                 for n in extra:
@@ -671,8 +677,15 @@ def prompt_dataset(
     )
     out.posttrain_prompt_ids = texts
     out.posttrain_mismatched = mismatched
+    out.posttrain_decode_stats = decode_stats
     _warn_on_shuffle(out, source)
     return out
+
+
+MISMATCHED_KEPT = 10
+"""How many prompts that do not survive decode -> re-tokenize ``prompt_dataset`` keeps in its
+``posttrain_mismatched`` list (the first ones); ``posttrain_decode_stats["mismatched"]``
+counts them all."""
 
 
 def _added_specials(tokenizer: Any) -> tuple[list[int], list[int]]:

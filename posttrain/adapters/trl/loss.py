@@ -92,8 +92,11 @@ def grpo_trainer(loss_type: str, **config: Any) -> Any:
     tok.padding_side = "left"
     if loss_type == "luspo":  # TRL refuses luspo at token level
         config.setdefault("importance_sampling_level", "sequence")
+    # Removed with the trainer, or at exit (TemporaryDirectory's own weakref.finalize): the
+    # cache keeps its trainers, and their folders, until then.
+    out_dir = tempfile.TemporaryDirectory(prefix="posttrain-trl-loss-")
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="posttrain-trl-loss-"),
+        output_dir=out_dir.name,
         loss_type=loss_type,
         num_generations=2,
         per_device_train_batch_size=2,
@@ -115,6 +118,7 @@ def grpo_trainer(loss_type: str, **config: Any) -> Any:
     )
     trainer.model.train()  # _compute_loss's "train" mode: the accumulation normalizer applies
     trainer.current_gradient_accumulation_steps = 1
+    trainer.posttrain_output_dir = out_dir  # alive as long as the trainer
     _TRAINERS[key] = trainer
     return trainer
 
