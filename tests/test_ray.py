@@ -21,7 +21,7 @@ from posttrain.adapters.ray.implementations import SERVED_RING_BUFFER
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 from posttrain.adapters.torchrl.deviations import RAY_DEVIATIONS, Deviation
 from posttrain.conformance import Status
-from posttrain.conformance.runner import run
+from posttrain.conformance.runner import Session, run
 from posttrain.contracts import ContractViolation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
@@ -50,12 +50,17 @@ def test_served_reference_buffer_conforms_with_many_producers() -> None:
 def test_raw_torchrl_ray_buffer_accepts_a_bad_remote_extend() -> None:
     # TorchRL 0.14.1's Ray service stores what its local buffer stores: the same four
     # atomicity deviations, and a producer's batch with a key missing lands in the buffer.
-    failing = own_failures(trl_impls.RAW_RAY_LAZY_TENSOR)
-    assert (
-        set(failing)
-        == trl_impls.RAW_RAY_LAZY_TENSOR.known_failures
-        == ATOMICITY | {"BUF-023", "BUF-024"}
-    ), failing
+    # Only the declared deviations run here (each Ray-served buffer is a new actor process);
+    # `make torchrl-report` runs the whole suite on this row and fails on any other change.
+    impl = trl_impls.RAW_RAY_LAZY_TENSOR
+    assert impl.known_failures == ATOMICITY | {"BUF-023", "BUF-024"}
+    session = Session(impl)
+    failing = {}
+    for rid in sorted(impl.known_failures):
+        res = session.run_one(session.contract.requirement(rid))
+        if res.status in (Status.FAIL, Status.ERROR):
+            failing[rid] = res.message
+    assert set(failing) == impl.known_failures, failing
     assert "missing was accepted; len is 41, expected 38" in failing["BUF-023"]
 
 

@@ -48,6 +48,7 @@ import torch
 from tensordict import TensorDict
 
 from posttrain.adapters.nemo_rl.storage import _capacity_of
+from posttrain.errors import PosttrainError
 
 NEMO_GYM_TASK_INDEX_KEY = "_ng_task_index"
 """``nemo_rl/experience/interfaces.py:NEMO_GYM_TASK_INDEX_KEY`` (7ea279a)."""
@@ -69,7 +70,7 @@ _DTYPES = {
 }  # fmt: skip
 
 
-class PayloadError(ValueError):
+class PayloadError(PosttrainError, ValueError):
     """A trajectory this codec cannot encode, or bytes that are not one of its payloads.
 
     Example:
