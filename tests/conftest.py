@@ -28,6 +28,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     # status is the session's own.
     # POSTTRAIN_FULL_TEARDOWN=1 keeps the normal exit, to look for that crash.
     if _STATUS in config.stash and not os.environ.get("POSTTRAIN_FULL_TEARDOWN"):
+        # os._exit skips atexit: remove the cached TRL loss trainers' temporary folders here.
+        trl_loss = sys.modules.get("posttrain.adapters.trl.loss")
+        for trainer in getattr(trl_loss, "_TRAINERS", {}).values():
+            trainer.posttrain_output_dir.cleanup()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(config.stash[_STATUS])
