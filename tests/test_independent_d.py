@@ -9,8 +9,8 @@ case is an ``xfail(strict=True)`` listed in ``KIT_DEFECTS``, and a plain test be
 without the kit, that the variant's bug is real.
 
 Tally: 7 loss rows (2 designs) and 2 sinks conform; of 24 one-bug variants (14 loss, 10
-sink), 15 FAIL their expected requirement and 9 are kit defects (6 gaps where the kit passes
-the bug, 2 reported as ERROR from the kit's own code instead of FAIL, 1 leniency). A sweep
+sink), 23 FAIL their expected requirement and 1 is listed as a kit defect (gspo_never_clips,
+which the variant expects under LOSS-014; the kit now FAILs it under LOSS-022). A sweep
 outside this file of the two loss designs over every aggregation x ratio (32 rows, cycling
 estimators and gradients) and of 4 rows in bfloat16 and float16 found no false FAIL.
 """
@@ -49,36 +49,10 @@ BUGGY: dict[str, tuple[Implementation, str]] = {
 # what the spec asks and what the kit said.
 KIT_DEFECTS: dict[str, str] = {
     "loss/gspo_never_clips": (
-        "kit gap (spec scoping): ratio='sequence' with capability clip, the surrogate never "
-        "clips the sequence ratio (clip_fraction still right). With sample log-probs = own - "
-        "0.5 on every assistant token (rho = e^0.5 = 1.65 > 1 + 0.28) and A > 0 the value is "
-        "-A*1.65*w instead of -A*1.28*w; the kit reports no FAIL: LOSS-014 is NOT_APPLICABLE "
-        "for ratio != token and LOSS-021 only tests ratios inside the clip bounds"
-    ),
-    "loss/kl_importance_weighted": (
-        "kit gap: kl_gradient='score' done as k * exp(log pi - sample_log_probs) (NeMo-RL's "
-        "use_on_policy_kl_approximation) instead of k * exp(log pi - sg(log pi)); off policy "
-        "its value and per-token gradients are scaled by r_t, but LOSS-019 and LOSS-020 run "
-        "only at ratio 1 (sample log-probs = the policy's own, max |log r| = 0), so both PASS"
-    ),
-    "loss/gspo_token_form": (
-        "kit gap: ratio='sequence' with per_token_advantage computed as GSPO-token "
-        "(sg(rho_seq) * exp(logp_t - sg(logp_t)), verl's form); with a [B, T] advantage that "
-        "varies along T the gradient is -A_t*rho*w_t instead of -rho*(sum_t' w_t' A_t')/L "
-        "per token; LOSS-021 only uses a [B] advantage (shape (4,)), where the two agree"
-    ),
-    "loss/kl_of_mean_log_ratio": (
-        "kit gap: k3 taken of each row's mean log-ratio and broadcast to its tokens, "
-        "k(mean_t log r_t), instead of the per-token estimate; LOSS-019 and LOSS-020 shift "
-        "the reference by one constant delta on every assistant token, where the two agree, "
-        "and LOSS-010 only checks zero/positive; with ref = own + delta_t varying along the "
-        "row (witness below) the value differs"
-    ),
-    "loss/loop_k2_without_gradient": (
-        "kit status: loss_kl_to_ref computed from a detached log pi has no grad_fn; LOSS-020 "
-        "reports ERROR 'raised RuntimeError: element 0 of tensors does not require grad' at "
-        "torch/autograd/graph.py (library), called by the kit, instead of FAIL saying the "
-        "term has no gradient (the implementation raised nothing)"
+        "expected id: ratio='sequence' with capability clip, the surrogate never clips the "
+        "sequence ratio; the variant expects LOSS-014, which is NOT_APPLICABLE for ratio != "
+        "token; the kit FAILs it under LOSS-022 (sequence ratio clipped, loss 1.4), see "
+        "test_gspo_never_clips_fails_loss_022"
     ),
 }
 
@@ -267,3 +241,9 @@ def test_witness_one_per_step(kind: str) -> None:
             (entries,) = read(d).values()
             kept[cls] = len(entries)
     assert kept == {sc.SqliteRawSink: 2, bug: 1}  # the variant loses one of the two calls
+
+
+def test_gspo_never_clips_fails_loss_022() -> None:
+    impl, _expected = BUGGY["loss/gspo_never_clips"]
+    row = {r.id: r for r in _report("loss/gspo_never_clips").results}["LOSS-022"]
+    assert row.status is Status.FAIL, f"{impl.name}: LOSS-022 is {row.status.value}: {row.message}"

@@ -490,6 +490,52 @@ class NoneAsOnPolicy(PolicyGradientLoss):
             self.ratio = "on_policy"
 
 
+class GspoTokenForm(PolicyGradientLoss):
+    """``ratio="sequence"`` as GSPO-token (verl's form): sg(ρ_seq)·exp(logp_t - sg(logp_t)),
+    the same value and, with a [B] advantage, the same gradient; with a [B, T] one each token
+    gets its own A_t·ρ instead of the row's mixed advantages."""
+
+    def _ratios(self, logp: torch.Tensor, prox: torch.Tensor, fm: torch.Tensor) -> torch.Tensor:
+        r = super()._ratios(logp, prox, fm)
+        if self.ratio != "sequence":
+            return r
+        return torch.where(fm > 0, r.detach() * (logp - logp.detach()).exp(), 1.0)
+
+
+class GspoNeverClips(PolicyGradientLoss):
+    """``ratio="sequence"`` whose surrogate never clips the sequence ratio (-A·ρ throughout)."""
+
+    def _clamped(self, ratio: torch.Tensor) -> torch.Tensor:
+        return ratio if self.ratio == "sequence" else super()._clamped(ratio)
+
+
+class KlWithoutGradient(PolicyGradientLoss):
+    """The KL estimate computed from a detached log pi: ``loss_kl_to_ref`` has no grad_fn."""
+
+    def _kl(self, logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return super()._kl(logp.detach(), ref, old)
+
+
+class KlOfMeanLogRatio(PolicyGradientLoss):
+    """The estimator taken of each row's mean log-ratio, broadcast to its tokens: the same as
+    the per-token estimate only where log r is constant along the row."""
+
+    def _kl(self, logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        fm = (logp != 0).to(logp.dtype)  # the caller zeroes logp off the assistant tokens
+        mean = ((ref - logp) * fm).sum(-1, keepdim=True) / fm.sum(-1, keepdim=True).clamp_min(1)
+        return super()._kl(logp, logp + mean, old)
+
+
+class KlImportanceWeighted(PolicyGradientLoss):
+    """``kl_gradient="score"`` done as k·exp(log pi - sample_log_probs) (NeMo-RL's
+    use_on_policy_kl_approximation): the same as the score form at ratio 1 only."""
+
+    def __init__(self, policy: Any, *, kl_gradient: str = "pathwise", **kwargs: Any) -> None:
+        super().__init__(policy, kl_gradient=kl_gradient, **kwargs)
+        if kl_gradient == "score":
+            self.kl_gradient = "behaviour"
+
+
 _CLIP = (0.2, 0.28)
 
 
@@ -555,6 +601,7 @@ MUTANTS: dict[str, Implementation] = {
     "LOSS-019": _opt_impl("LOSS-019", IgnoresKlEstimator, kl_estimator="k2"),
     "LOSS-020": _opt_impl("LOSS-020", IgnoresKlGradient, kl_gradient="score"),
     "LOSS-021": _opt_impl("LOSS-021", IgnoresRatio, ratio="sequence"),
+    "LOSS-022": _opt_impl("LOSS-022", GspoNeverClips, ratio="sequence"),
 }
 """Requirement id -> a loss that breaks exactly that requirement."""
 
@@ -578,6 +625,11 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-020", _opt_impl("LOSS-020", AlwaysScoreKl, kl_gradient="pathwise")),
     ("LOSS-021", _opt_impl("LOSS-021", ArithmeticSequenceRatio, ratio="sequence")),
     ("LOSS-021", _opt_impl("LOSS-021", NoneAsOnPolicy, ratio="none")),
+    ("LOSS-020", _opt_impl("LOSS-020", KlWithoutGradient, kl_gradient="pathwise")),
+    ("LOSS-019", _opt_impl("LOSS-019", KlOfMeanLogRatio, kl_estimator="k3")),
+    ("LOSS-020", _opt_impl("LOSS-020", KlOfMeanLogRatio, kl_gradient="pathwise")),
+    ("LOSS-020", _opt_impl("LOSS-020", KlImportanceWeighted, kl_gradient="score")),
+    ("LOSS-021", _opt_impl("LOSS-021", GspoTokenForm, ratio="sequence")),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
 

@@ -66,6 +66,18 @@ KNOWN: dict[str, frozenset[str]] = {
     "verl-raw-gspo-seq-mean-token-sum-norm": frozenset(
         {"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}
     ),
+    # verl's gspo is GSPO-token, sg(rho_seq) * exp(logp_t - sg(logp_t)): with a [B, T]
+    # advantage varying along T each token's gradient is -A_t * rho * w_t, not the sequence
+    # ratio's -rho * sum_t' w_t' A_t' / L (LOSS-021); with a [B] advantage the two agree.
+    **{
+        f"verl-adapted-gspo-{agg}": frozenset({"LOSS-021"})
+        for agg in (
+            "token-mean",
+            "seq-mean-token-mean",
+            "seq-mean-token-sum",
+            "seq-mean-token-sum-norm",
+        )
+    },
     "verl-raw-sapo-token-mean": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "verl-adapted-sapo-token-mean": frozenset({"LOSS-003", "LOSS-016"}),
     "verl-raw-sapo-seq-mean-token-mean": frozenset(

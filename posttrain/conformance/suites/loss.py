@@ -364,6 +364,11 @@ def _probed_call(
         if term not in terms:
             raise _fail(f"no {term!r} among the loss terms {sorted(terms)}")
         obj = terms[term]
+        if not obj.requires_grad:
+            raise _fail(
+                f"{term} of loss(batch) has no gradient (requires_grad False, no grad_fn); "
+                "expected a term computed from the policy's log-probs, differentiable"
+            )
         torch.autograd.backward(obj)
     finally:
         for h in handles:
@@ -1175,35 +1180,56 @@ def _declared(ctx: Context, option: str) -> str:
     return str(ctx.options[option])
 
 
-def _shifted_ref(td: TensorDictBase, delta: float) -> TensorDictBase:
-    out = td.clone()
-    out.set(RLP, td.get(SLP) + delta)  # the policy's own on assistant tokens, NaN elsewhere
-    return out
+def _deltas(td: TensorDictBase, base: float) -> torch.Tensor:
+    """δ_t = base x (1.8, 0.2, 1.8, ...) along each row: a per-token estimate and one of the
+    row's mean log-ratio then differ for every estimator but k1 (linear)."""
+    t = td.get(TOK).shape[1]
+    return base * torch.where(torch.arange(t) % 2 == 0, 1.8, 0.2).expand(td.get(TOK).shape)
+
+
+def _kl_batch(policy: Any, ctx: Context, base: float) -> tuple[TensorDictBase, torch.Tensor]:
+    """Off policy (sample log-probs = own - ε_t, inside the clip bounds), reference log-probs
+    the policy's own + δ_t on assistant tokens: a KL term must read log pi_ref - log pi
+    (never the sample log-probs) per token, without importance weights."""
+    td, eps = _ratio_batch(policy, ctx)
+    delta = _deltas(td, base)
+    own = td.get(SLP) + eps.to(td.get(SLP).dtype)  # NaN off assistant tokens
+    td.set(RLP, own + delta.to(own.dtype))
+    return td, delta.double()
+
+
+def _k_sum(est: str, w: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor) -> float:
+    k = _KL[est][0]
+    d = delta[mask].tolist()
+    return float(sum(float(x) * k(y) for x, y in zip(w[mask].tolist(), d, strict=True)))
 
 
 @requirement("LOSS-019")
 def declared_kl_estimator(ctx: Context) -> None:
     est = _declared(ctx, "kl_estimator")
     policy, loss = _setup(ctx)
-    td = _batch(policy, ctx)
     k = _KL[est][0]
-    vals = {}
-    for delta in (0.5, -0.5):
+    vals, want_k = {}, {}
+    for base in (0.5, -0.5):
+        td, delta = _kl_batch(policy, ctx, base)
         with torch.no_grad():
-            terms = _loss_terms(loss(_shifted_ref(td, delta)))
+            terms = _loss_terms(loss(td))
         if "loss_kl_to_ref" not in terms:
             raise _fail(f"kl_estimator {est!r} declared but no 'loss_kl_to_ref' in {sorted(terms)}")
-        vals[delta] = float(terms["loss_kl_to_ref"])
-    want = k(0.5) / k(-0.5)
+        vals[base] = float(terms["loss_kl_to_ref"])
+        mask = td.get(ASST)
+        want_k[base] = _k_sum(est, _expected_weights(ctx, mask).double(), delta, mask)
+    want = want_k[0.5] / want_k[-0.5]
     got = vals[0.5] / vals[-0.5] if vals[-0.5] != 0 else math.inf
     if math.copysign(1.0, vals[0.5]) != math.copysign(1.0, k(0.5)) or not math.isclose(
         got, want, rel_tol=1e-4 * _tol(ctx)
     ):
         raise _fail(
-            f"kl_estimator {est!r}: with reference log-probs the policy's own + 0.5 and - 0.5 on "
-            f"every assistant token, loss_kl_to_ref is {vals[0.5]:.6g} and {vals[-0.5]:.6g} "
-            f"(ratio {got:.6g}); expected the sign of k(0.5) = {k(0.5):.6g} and the ratio "
-            f"k(0.5)/k(-0.5) = {want:.6g}"
+            f"kl_estimator {est!r}: off policy, with reference log-probs the policy's own + "
+            f"δ_t and - δ_t (δ_t alternating 0.9, 0.1 along each row's assistant tokens), "
+            f"loss_kl_to_ref is {vals[0.5]:.6g} and {vals[-0.5]:.6g} (ratio {got:.6g}); "
+            f"expected the sign of k(0.5) = {k(0.5):.6g} and the ratio "
+            f"Σ w·k(δ_t) / Σ w·k(-δ_t) = {want:.6g} (per token, of log pi_ref - log pi)"
         )
 
 
@@ -1212,22 +1238,25 @@ def declared_kl_gradient(ctx: Context) -> None:
     form = _declared(ctx, "kl_gradient")
     est = str(ctx.options.get("kl_estimator", "k3"))
     policy, loss = _setup(ctx)
-    delta = 0.5
-    td = _shifted_ref(_batch(policy, ctx), delta)
+    td, delta = _kl_batch(policy, ctx, 0.5)
     value, got = _logp_grads(policy, loss, td, _tol(ctx), term="loss_kl_to_ref")
     k, dk = _KL[est]
-    w = _expected_weights(ctx, td.get(ASST))
-    beta = float(value) / (k(delta) * float(w.sum()))
-    per = -dk(delta) + (k(delta) if form == "score" else 0.0)
-    want = w * beta * per
+    mask = td.get(ASST)
+    w = _expected_weights(ctx, mask).double()
+    beta = float(value) / _k_sum(est, w, delta, mask)
+    kd = delta.clone().apply_(k)
+    dkd = delta.clone().apply_(dk)
+    per = -dkd + (kd if form == "score" else 0.0)
+    want = (w * beta * per * mask).float()
     if not torch.allclose(got, want, atol=1e-6 * _tol(ctx), rtol=1e-4 * _tol(ctx)):
         i, t = divmod(int((got - want).abs().argmax()), got.shape[1])
-        other = -dk(delta) + (0.0 if form == "score" else k(delta))
+        other = -dkd + (0.0 if form == "score" else kd)
         raise _fail(
-            f"kl_gradient {form!r} ({est}): with reference log-probs the policy's own + {delta} "
-            f"on assistant tokens, d loss_kl_to_ref / d logp at row {i}, position {t} is "
+            f"kl_gradient {form!r} ({est}): off policy, with reference log-probs the policy's "
+            f"own + δ_t on assistant tokens (δ_t alternating 0.9, 0.1), d loss_kl_to_ref / d "
+            f"logp at row {i}, position {t} (δ = {float(delta[i, t]):.3g}) is "
             f"{float(got[i, t]):.6g}, expected {float(want[i, t]):.6g} "
-            f"(the other form gives {float(w[i, t]) * beta * other:.6g})"
+            f"(the other form gives {float(w[i, t] * beta * other[i, t]):.6g})"
         )
 
 
@@ -1253,6 +1282,27 @@ def declared_ratio(ctx: Context) -> None:
     kind = _declared(ctx, "ratio")
     policy, loss = _setup(ctx)
     td, eps = _ratio_batch(policy, ctx)
+    advantages = [("a [B] advantage", td.get(ADV))]
+    if "per_token_advantage" in ctx.capabilities:
+        # Varying along T: a sequence ratio's gradient mixes the row's advantages
+        # (Σ_t' w_t' A_t' / L per token), which GSPO-token's sg(ρ)·exp(logp_t - sg(logp_t))
+        # form does not; a [B] advantage cannot tell the two apart.
+        advantages.append(("a [B, T] advantage", _token_advantages(td, ctx.seed)))
+    for what, adv in advantages:
+        batch = td.clone()
+        batch.set(ADV, adv)
+        _check_ratio(ctx, kind, policy, loss, batch, eps, what)
+
+
+def _check_ratio(
+    ctx: Context,
+    kind: str,
+    policy: Any,
+    loss: Any,
+    td: TensorDictBase,
+    eps: torch.Tensor,
+    what: str,
+) -> None:
     value, got = _logp_grads(policy, loss, td, _tol(ctx))
     mask = td.get(ASST)
     m = mask.double()
@@ -1267,7 +1317,7 @@ def declared_ratio(ctx: Context) -> None:
         n = m.sum(-1, keepdim=True).clamp_min(1)
         r = ((eps * m).sum(-1, keepdim=True) / n).exp()
         rho = r.expand_as(m)
-        grad = -a * r * (w * m).sum(-1, keepdim=True) / n * m
+        grad = -r * (w * a * m).sum(-1, keepdim=True) / n * m
     elif kind == "on_policy":
         rho, grad = torch.ones_like(m), -a * w
     else:
@@ -1277,13 +1327,76 @@ def declared_ratio(ctx: Context) -> None:
     if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
         raise _fail(
             f"ratio {kind!r}: off policy (sample log-probs = own - ε, |ε| <= "
-            f"{float(eps.abs().max()):.3g}), loss_objective is {float(value):.6g}, expected "
-            f"sum of w x (-A x ρ) = {want_value:.6g}"
+            f"{float(eps.abs().max()):.3g}) with {what}, loss_objective is {float(value):.6g}, "
+            f"expected sum of w x (-A x ρ) = {want_value:.6g}"
         )
     grad = grad.float()
     if not torch.allclose(got, grad, atol=1e-6 * tol, rtol=1e-4 * tol):
         i, t = divmod(int((got - grad).abs().argmax()), got.shape[1])
         raise _fail(
-            f"ratio {kind!r}: off policy, d loss_objective / d logp at row {i}, position {t} is "
-            f"{float(got[i, t]):.6g}, expected {float(grad[i, t]):.6g}"
+            f"ratio {kind!r}: off policy with {what}, d loss_objective / d logp at row {i}, "
+            f"position {t} is {float(got[i, t]):.6g}, expected {float(grad[i, t]):.6g}"
+        )
+
+
+@requirement("LOSS-022")
+def sequence_ratio_clipped(ctx: Context) -> None:
+    if _ratio(ctx) != "sequence":
+        raise NotApplicable(f"option ratio {_ratio(ctx)!r}: LOSS-014 checks a token ratio's clip")
+    eps_low, eps_high, dual = _clip_declaration(ctx)
+    lo, hi = 1 - eps_low, 1 + eps_high
+    policy, loss = _setup(ctx)
+    td = _batch(policy, ctx, seed=22)
+    asst = td.get(ASST)
+    b, t = asst.shape
+    # Row i's ratio: above 1 + ε_high or below 1 - ε_low, with A > 0 and A < 0 in turn (a
+    # clipped term active in rows 0 and 1, the unclipped one in rows 2 and 3); log r
+    # alternates ±0.05 around the row's mean, so clipping each token's ratio reads otherwise.
+    targets = [hi * 1.25, lo * 0.75, hi * 1.25, lo * 0.75]
+    signs = [1.0, -1.0, -1.0, 1.0]
+    rho = torch.tensor([targets[i % 4] for i in range(b)], dtype=torch.float64)
+    a = torch.tensor([signs[i % 4] for i in range(b)], dtype=torch.float64)
+    a = a * td.get(ADV).double().abs()
+    wiggle = torch.where(torch.arange(t) % 2 == 0, 0.05, -0.05).expand(b, t).double()
+    logp = _own_log_probs(policy, td)
+    slp = torch.where(asst, logp - (rho.log()[:, None] + wiggle).float(), float("nan"))
+    td.set(SLP, slp)
+    td.set(ADV, a.float())
+    with torch.no_grad():
+        m = asst.double()
+        n = m.sum(-1).clamp_min(1)
+        logr = torch.where(asst, logp.double() - slp.double(), 0.0)
+        r = (logr.sum(-1) / n).exp()  # the rows' sequence ratios as the loss will see them
+        a = td.get(ADV).double()
+        unclipped, clipped = -a * r, -a * r.clamp(lo, hi)
+        per_row = torch.maximum(unclipped, clipped)
+        active = unclipped >= clipped
+        if dual is not None:
+            cap = -a * dual
+            dual_on = (a < 0) & (cap < per_row)
+            per_row = torch.where(dual_on, cap, per_row)
+            active &= ~dual_on
+        w = _expected_weights(ctx, asst).double()
+        want_value = float((per_row[:, None] * w * m).sum())
+        row_w = (w * m).sum(-1)
+        want = torch.where(active, -a * r * row_w / n, 0.0)[:, None] * m
+    tol = _tol(ctx)
+    value, got = _logp_grads(policy, loss, td, tol)
+    bounds = f"clip bounds [{lo:.4g}, {hi:.4g}]{'' if dual is None else f', dual clip {dual:.4g}'}"
+    if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
+        raise _fail(
+            f"ratio 'sequence', {bounds}: with sequence ratios "
+            f"{', '.join(f'{x:.3g}' for x in r[:4].tolist())} and advantages of both signs, "
+            f"loss_objective is {float(value):.6g}, expected {want_value:.6g} (Σ w x max(-A ρ, "
+            f"-A clip(ρ)), ρ the row's sequence ratio; unclipped it would be "
+            f"{float((unclipped[:, None] * w * m).sum()):.6g})"
+        )
+    bad = ~torch.isclose(got.double(), want, atol=1e-6 * tol, rtol=1e-4 * tol)
+    if bool(bad.any()):
+        i, p = divmod(int(((got.double() - want).abs() * bad).argmax()), t)
+        side = "unclipped" if bool(active[i]) else "clipped"
+        raise _fail(
+            f"ratio 'sequence', {bounds}: at sequence ratio {float(r[i]):.4g} with advantage "
+            f"{float(a[i]):+.3g} (row {i}, the {side} term active), d loss_objective / d logp at "
+            f"position {p} is {float(got[i, p]):.6g}, expected {float(want[i, p]):.6g}"
         )
