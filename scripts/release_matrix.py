@@ -177,8 +177,7 @@ def run_cell(framework: str, out: Path) -> None:
     for name in names:
         start = time.perf_counter()
         try:
-            if True:
-                rep = run(eps[name].load(), target=name).to_dict()
+            rep = run(eps[name].load(), target=name).to_dict()
             row: dict[str, Any] = {
                 "verdict": rep["verdict"],
                 "surprises": rep["surprises"],
@@ -204,14 +203,12 @@ def run_cell(framework: str, out: Path) -> None:
     tests = [str(p.relative_to(ROOT)) for g in TESTS[framework] for p in sorted(ROOT.glob(g))]
     for test in tests:
         start = time.perf_counter()
-        proc = subprocess.run(
+        proc = _run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-rfE", test],
+            TEST_TIMEOUT_S,
             cwd=ROOT,
             # Wide, so that each FAILED line keeps its error message (pytest cuts it to fit).
             env={**os.environ, "COLUMNS": "400"},
-            capture_output=True,
-            text=True,
-            check=False,
         )
         lines = proc.stdout.strip().splitlines()
         failed = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
@@ -253,6 +250,32 @@ def held_lock() -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+INSTALL_TIMEOUT_S = 1800
+"""Longest one install step of a cell may take (venv, its pins, posttrain itself)."""
+TEST_TIMEOUT_S = 1200
+"""Longest one test file of a cell may run."""
+CELL_TIMEOUT_S = 3600
+"""Longest a whole cell run may take: every row's suite, then its test files."""
+
+
+def _run(cmd: list[str], timeout: int, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """``cmd``'s result; past ``timeout`` seconds it is killed and reads as exit status 124
+    with a message saying so, so a hung install or run is one cell's error, not a hung matrix.
+
+    Example:
+        >>> slow = _run([sys.executable, "-c", "import time; time.sleep(5)"], 1)
+        >>> slow.returncode, slow.stderr.startswith("timed out after 1 s: ")
+        (124, True)
+    """
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, check=False, timeout=timeout, **kw
+        )
+    except subprocess.TimeoutExpired:
+        said = f"timed out after {timeout} s: {' '.join(cmd)}"
+        return subprocess.CompletedProcess(cmd, 124, stdout="", stderr=said)
+
+
 def _tail(text: str, n: int = 3) -> str:
     lines = [ln for ln in text.strip().splitlines() if not ln.startswith("WARNING: Location")]
     return " / ".join(lines[-n:])[-600:]
@@ -281,19 +304,14 @@ def build_and_run(cell: Cell, python: str, *, reuse: bool = False) -> dict[str, 
     if reuse and (venv / "bin" / "python").is_file() and kept.is_file():
         record["install_s"] = json.loads(kept.read_text()).get("install_s")
         # Only posttrain again: its entry points are read from pyproject.toml at install.
-        proc = subprocess.run(
-            [*pip, "--no-deps", "-e", str(ROOT)], capture_output=True, text=True, check=False
-        )
+        proc = _run([*pip, "--no-deps", "-e", str(ROOT)], INSTALL_TIMEOUT_S)
     else:
         shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([python, "-m", "venv", str(venv)], check=True)
-        proc = subprocess.run(
-            [*pip, *requirements(cell)], capture_output=True, text=True, check=False
-        )
+        proc = _run([python, "-m", "venv", str(venv)], INSTALL_TIMEOUT_S)
         if proc.returncode == 0:
-            proc = subprocess.run(
-                [*pip, "--no-deps", "-e", str(ROOT)], capture_output=True, text=True, check=False
-            )
+            proc = _run([*pip, *requirements(cell)], INSTALL_TIMEOUT_S)
+        if proc.returncode == 0:
+            proc = _run([*pip, "--no-deps", "-e", str(ROOT)], INSTALL_TIMEOUT_S)
         record["install_s"] = round(time.perf_counter() - start, 1)
     if proc.returncode != 0:
         record["install_error"] = _tail(proc.stderr or proc.stdout)
@@ -304,11 +322,10 @@ def build_and_run(cell: Cell, python: str, *, reuse: bool = False) -> dict[str, 
         # every other run between two rows.
         with held_lock():
             start = time.perf_counter()
-            proc = subprocess.run(
+            proc = _run(
                 [str(venv / "bin" / "python"), __file__, "--run-cell", cell.framework,
                  "--json", str(out)],
-                cwd=ROOT, capture_output=True, text=True, check=False,
-                env={**os.environ, "RL_WARNINGS": "0"},
+                CELL_TIMEOUT_S, cwd=ROOT, env={**os.environ, "RL_WARNINGS": "0"},
             )  # fmt: skip
             record["run_s"] = round(time.perf_counter() - start, 1)
         if out.is_file():

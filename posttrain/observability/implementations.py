@@ -101,4 +101,4 @@ TENSORBOARD_SINK = Implementation(
         "TensorBoard's EventAccumulator."
     ),
 )
-"""TensorBoard with histograms (no entry point yet: run it as module:attr)."""
+"""TensorBoard with histograms (entry point ``tensorboard-sink``)."""
