@@ -8,9 +8,9 @@ FAIL (not ERROR) the requirement its docstring names. Where the kit's verdict di
 case is an ``xfail(strict=True)`` listed in ``KIT_DEFECTS``, and a plain test below shows,
 without the kit, that the variant's bug is real.
 
-Tally: 7 loss rows (2 designs) and 2 sinks conform; of 24 one-bug variants (14 loss, 10
-sink), 23 FAIL their expected requirement and 1 is listed as a kit defect (gspo_never_clips,
-which the variant expects under LOSS-014; the kit now FAILs it under LOSS-022). A sweep
+Tally: 7 loss rows (2 designs) and 2 sinks conform; all 24 one-bug variants (14 loss, 10
+sink) FAIL their expected requirement (KIT_DEFECTS is empty: the 9 defects these designs
+found are fixed in the suites, the last by LOSS-022, the clipped sequence ratio). A sweep
 outside this file of the two loss designs over every aggregation x ratio (32 rows, cycling
 estimators and gradients) and of 4 rows in bfloat16 and float16 found no false FAIL.
 """
@@ -47,14 +47,7 @@ BUGGY: dict[str, tuple[Implementation, str]] = {
 
 # Where the kit's verdict differs from the spec sentence; the witness says what was run,
 # what the spec asks and what the kit said.
-KIT_DEFECTS: dict[str, str] = {
-    "loss/gspo_never_clips": (
-        "expected id: ratio='sequence' with capability clip, the surrogate never clips the "
-        "sequence ratio; the variant expects LOSS-014, which is NOT_APPLICABLE for ratio != "
-        "token; the kit FAILs it under LOSS-022 (sequence ratio clipped, loss 1.4), see "
-        "test_gspo_never_clips_fails_loss_022"
-    ),
-}
+KIT_DEFECTS: dict[str, str] = {}
 
 
 @functools.cache
@@ -241,9 +234,3 @@ def test_witness_one_per_step(kind: str) -> None:
             (entries,) = read(d).values()
             kept[cls] = len(entries)
     assert kept == {sc.SqliteRawSink: 2, bug: 1}  # the variant loses one of the two calls
-
-
-def test_gspo_never_clips_fails_loss_022() -> None:
-    impl, _expected = BUGGY["loss/gspo_never_clips"]
-    row = {r.id: r for r in _report("loss/gspo_never_clips").results}["LOSS-022"]
-    assert row.status is Status.FAIL, f"{impl.name}: LOSS-022 is {row.status.value}: {row.message}"

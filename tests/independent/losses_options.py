@@ -614,7 +614,7 @@ BUGGY_LOSSES: dict[str, tuple[Implementation, str]] = {
     ),
     "gspo_never_clips": (
         _vec("gspo_never_clips", GspoNeverClips, **{**_O, "kl_estimator": "k3", "ratio": "sequence"}),
-        "LOSS-014",
+        "LOSS-022",
     ),
     "kl_importance_weighted": (
         _vec("kl_importance_weighted", KlImportanceWeighted, **{**_O, "kl_estimator": "k3", "kl_gradient": "score"}),

@@ -801,6 +801,22 @@ def _probe_ratios(lo: float, hi: float, dual: float | None) -> list[float]:
     return sorted({r for r in cands if r > 0 and all(abs(r / b - 1) > 0.01 for b in bounds)})
 
 
+def _clipped_surrogate(
+    a: torch.Tensor, r: torch.Tensor, lo: float, hi: float, dual: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate max(-A r, -A clip(r, lo, hi)), with dual clip c its min with
+    -A c where A < 0, and where the unclipped term -A r is the active one."""
+    unclipped, clipped = -a * r, -a * r.clamp(lo, hi)
+    value = torch.maximum(unclipped, clipped)
+    active = unclipped >= clipped
+    if dual is not None:
+        cap = -a * dual
+        dual_on = (a < 0) & (cap < value)
+        value = torch.where(dual_on, cap, value)
+        active &= ~dual_on
+    return value, active
+
+
 @requirement("LOSS-014")
 def clipped_surrogate(ctx: Context) -> None:
     if _ratio(ctx) != "token":
@@ -836,14 +852,7 @@ def clipped_surrogate(ctx: Context) -> None:
     with torch.no_grad():
         ratio = torch.where(asst, (logp.double() - slp.double()).exp(), 1.0)
         a = adv.double()[:, None].expand(b, t)
-        unclipped, clipped = -a * ratio, -a * ratio.clamp(lo, hi)
-        per_token = torch.maximum(unclipped, clipped)
-        active = unclipped >= clipped
-        if dual is not None:
-            cap = -a * dual
-            dual_on = (a < 0) & (cap < per_token)
-            per_token = torch.where(dual_on, cap, per_token)
-            active &= ~dual_on
+        per_token, active = _clipped_surrogate(a, ratio, lo, hi, dual)
         w = _expected_weights(ctx, asst).double()
         want_value = float((per_token * w).where(asst, 0.0).sum())
         want = torch.where(asst & active, -a * ratio * w, 0.0)
@@ -1368,14 +1377,7 @@ def sequence_ratio_clipped(ctx: Context) -> None:
         logr = torch.where(asst, logp.double() - slp.double(), 0.0)
         r = (logr.sum(-1) / n).exp()  # the rows' sequence ratios as the loss will see them
         a = td.get(ADV).double()
-        unclipped, clipped = -a * r, -a * r.clamp(lo, hi)
-        per_row = torch.maximum(unclipped, clipped)
-        active = unclipped >= clipped
-        if dual is not None:
-            cap = -a * dual
-            dual_on = (a < 0) & (cap < per_row)
-            per_row = torch.where(dual_on, cap, per_row)
-            active &= ~dual_on
+        per_row, active = _clipped_surrogate(a, r, lo, hi, dual)
         w = _expected_weights(ctx, asst).double()
         want_value = float((per_row[:, None] * w * m).sum())
         row_w = (w * m).sum(-1)
@@ -1389,7 +1391,7 @@ def sequence_ratio_clipped(ctx: Context) -> None:
             f"{', '.join(f'{x:.3g}' for x in r[:4].tolist())} and advantages of both signs, "
             f"loss_objective is {float(value):.6g}, expected {want_value:.6g} (Σ w x max(-A ρ, "
             f"-A clip(ρ)), ρ the row's sequence ratio; unclipped it would be "
-            f"{float((unclipped[:, None] * w * m).sum()):.6g})"
+            f"{float((-a[:, None] * r[:, None] * w * m).sum()):.6g})"
         )
     bad = ~torch.isclose(got.double(), want, atol=1e-6 * tol, rtol=1e-4 * tol)
     if bool(bad.any()):
