@@ -1,9 +1,16 @@
-"""NeMo-RL facades against the raw TorchRL calls they end in, and against memcpy.
+"""NeMo-RL facades against the raw calls they end in, and against memcpy.
 
 One GRPO step at B=64, T=512 arrives as 8 prompt groups of 8 sequences in NeMo-RL's train-data
 format. ``NemoReplayBuffer.add`` (codec + validated TorchRL extend) is timed against a raw
 TorchRL ``extend`` of the same LLM-layout items, and ``sample`` of 8 groups (indexed reads +
 codec back) against a raw TorchRL ``sample(64)``; blocks alternate within one run.
+
+The newer facades, each against the one call it wraps (ratios printed, never asserted):
+``NemoAsyncReplayBuffer.add`` / ``sample`` of a group as NeMo-RL's collector pushes it against
+the backing ``RingBuffer``'s ``extend`` / ``read`` of the same uint8 chunks; a
+``NemoGroupSlots`` reserve + commit + remove against the data-plane ``put_samples`` it makes;
+``NemoShardedWeightSynchronizer.sync_weights`` over 3 worker shards against one ``send`` +
+``receive`` of the whole state through the reference weight sync.
 """
 
 from __future__ import annotations
@@ -79,3 +86,163 @@ def _facades() -> None:
 
 def test_nemo_facades(benchmark: Any) -> None:
     benchmark.pedantic(_facades, rounds=1, iterations=1)
+
+
+def _collector_group(i: int, n: int = G, gen: int = T // 2) -> dict[str, Any]:
+    """One prompt group shaped as NeMo-RL's collector pushes it (7ea279a)."""
+    from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict
+
+    logs = [
+        [
+            {"role": "user", "token_ids": torch.arange(gen) % 97},
+            {
+                "role": "assistant",
+                "token_ids": torch.arange(gen) % 89,
+                "generation_logprobs": -torch.rand(gen),
+            },
+        ]
+        for _ in range(n)
+    ]
+    batch = BatchedDataDict(
+        {
+            "message_log": logs,
+            "length": torch.full((n,), 2 * gen, dtype=torch.int32),
+            "loss_multiplier": torch.ones(n),
+            "idx": [i] * n,
+            "total_reward": torch.rand(n),
+        }
+    )
+    return {"batch": batch, "rollout_metrics": {"trajectory_duration_s": 1.0}, "timestamp": 0.0}
+
+
+def _async_buffer() -> None:
+    from posttrain.adapters.nemo_rl.async_buffer import NemoAsyncReplayBuffer, encode_payload
+    from posttrain.reference_impls import RingBuffer
+
+    torch.set_num_threads(1)
+    group = _collector_group(0)
+    rb = NemoAsyncReplayBuffer(64, chunk_bytes=1 << 16, chunks_per_entry=16)
+    chunks = rb._chunks(encode_payload(group))  # the items one add writes
+    raw = RingBuffer(64 * 16)
+    idx = raw.extend(chunks)
+    step = [0]
+
+    def add() -> None:
+        step[0] += 1
+        rb.add(group, step[0], step[0])
+
+    def add_sample() -> None:
+        add()
+        rb.sample(1, step[0], 1)
+
+    for _ in range(3):
+        add_sample()
+    med = block_medians(
+        {
+            "raw extend": lambda: raw.extend(chunks),
+            "raw read": lambda: raw.read(idx),
+            "add+sample": add_sample,
+        },
+        ROUNDS // 2,
+    )
+    # add alone: sample right after, outside the timing of "add" (the buffer stays small).
+    adds = block_medians({"add": add, "drain": lambda: rb.sample(1, step[0], 1)}, ROUNDS // 2)
+    sample = max(med["add+sample"] - adds["add"], 1e-9)
+    PAIRED["nemo async add / RingBuffer extend of its chunks (8 seqs)"] = (
+        adds["add"] / med["raw extend"]
+    )
+    PAIRED["nemo async sample / RingBuffer read of its chunks"] = sample / med["raw read"]
+
+
+def test_nemo_async_buffer_facade(benchmark: Any) -> None:
+    benchmark.pedantic(_async_buffer, rounds=1, iterations=1)
+
+
+def _group_slots() -> None:
+    from tensordict import TensorDict
+
+    from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient, NemoGroupSlots
+    from posttrain.reference_impls import RingBuffer
+
+    torch.set_num_threads(1)
+    fields = TensorDict(
+        {
+            "input_ids": torch.randint(0, 1000, (G, T)),
+            "input_lengths": torch.full((G,), T, dtype=torch.int32),
+            "advantages": torch.rand(G, T),
+        },
+        [G],
+    )
+    raw = NemoDataPlaneClient(RingBuffer, capacity=4096, full="evict_oldest")
+    dp = NemoDataPlaneClient(RingBuffer, capacity=4096, full="evict_oldest")
+    slots = NemoGroupSlots(dp, "train")
+    n = [0]
+
+    def ids() -> list[str]:
+        n[0] += 1
+        return [f"g{n[0]}_{j}" for j in range(G)]
+
+    def put() -> None:
+        raw.put_samples(ids(), "train", fields)
+
+    def commit() -> None:
+        gid = slots.reserve(weight_version=0, target_step=1)
+        slots.commit(gid, ids(), fields, 0, 1)
+        slots.remove_group(gid)  # the slot list stays short; the rows stay live
+
+    for _ in range(600):  # both stores wrapped once: live ids at capacity, as in a long run
+        put()
+        commit()
+    med = block_medians({"put_samples": put, "slots": commit}, ROUNDS)
+    PAIRED["group slots reserve+commit+remove / put_samples (8 x 512)"] = (
+        med["slots"] / med["put_samples"]
+    )
+
+
+def test_nemo_group_slots_facade(benchmark: Any) -> None:
+    benchmark.pedantic(_group_slots, rounds=1, iterations=1)
+
+
+def _sharded_sync() -> None:
+    from posttrain.adapters.nemo_rl.weight_sync import (
+        NemoShardedWeightSynchronizer,
+        ShardAssembler,
+    )
+    from posttrain.reference_impls import in_process_weight_sync
+
+    torch.set_num_threads(1)
+    trainer = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])
+    names = sorted(trainer.state_dict())
+
+    class Worker:
+        def __init__(self, mine: list[str]) -> None:
+            self.mine = mine
+
+        def state_shard(self) -> dict[str, torch.Tensor]:
+            sd = trainer.state_dict()
+            return {k: sd[k] for k in self.mine}
+
+    sender, receiver = in_process_weight_sync(
+        torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])
+    )
+    v = [0]
+
+    def raw() -> None:
+        v[0] += 1
+        sender.send(trainer.state_dict(), version=v[0])
+        receiver.receive(timeout=0)
+
+    inner, recv2 = in_process_weight_sync(
+        torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])
+    )
+    workers = [Worker(names[r::3]) for r in range(3)]
+    sync = NemoShardedWeightSynchronizer(workers, ShardAssembler(inner, 3), recv2)
+    sync.init_communicator()
+    med = block_medians({"send+receive": raw, "sharded sync": sync.sync_weights}, ROUNDS // 2)
+    PAIRED["sharded sync (3 workers) / send+receive of the whole (6.3 MB)"] = (
+        med["sharded sync"] / med["send+receive"]
+    )
+
+
+def test_nemo_sharded_sync_facade(benchmark: Any) -> None:
+    benchmark.pedantic(_sharded_sync, rounds=1, iterations=1)

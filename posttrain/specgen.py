@@ -230,9 +230,11 @@ def render_catalogue_markdown(cat: Catalogue) -> str:
         "(numerator, denominator) pairs across microbatches, steps and ranks, never a mean of "
         "means: `tok` = sum over masked tokens / masked-token count; `seq` = sum over "
         "sequences / sequence count; `sum`; `min`; `max`; `last`; `rate` = sum of a quantity / "
-        "sum of seconds. The ranks column says how ranks combine (`pairs`: numerators and counts "
+        "sum of seconds; `hist` = the values themselves (a distribution, through a sink's "
+        "`log_histogram`). The ranks column says how ranks combine (`pairs`: numerators and counts "
         "summed; `moments`: (count, mean, M2) merged in float64; `sum`; `max`; `min`; `rate`: "
-        "quantities summed over the slowest rank's seconds; `first`: rank 0's value). "
+        "quantities summed over the slowest rank's seconds; `first`: rank 0's value; `concat`: "
+        "every rank's values in rank order). "
         "`asst` is the layout's assistant mask. Names match "
         "`^[a-z0-9_]+(/[a-z0-9_]+)*$`; `<reward_fn>` stands for one series per reward function.",
         "",
@@ -265,8 +267,10 @@ def render_catalogue_markdown(cat: Catalogue) -> str:
         "",
         "## Versioning",
         "",
-        f"v{cat.version}. New metrics bump the minor version; a changed formula, unit or "
-        "reduction makes a new major. Names are never reused for another quantity.",
+        f"v{cat.version}. New metrics, and new optional inputs that leave every value "
+        "computed from the previous version's inputs unchanged, bump the minor version; a "
+        "formula, unit or reduction that changes such a value makes a new major. Names are "
+        "never reused for another quantity.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -312,7 +316,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m posttrain.specgen
         >>> import tempfile
         >>> out = tempfile.mkdtemp()
         >>> main([out])
-        wrote 17 files to ...
+        wrote ... files to ...
         0
         >>> main([out, "--check"])
         0

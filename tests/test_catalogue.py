@@ -29,7 +29,7 @@ def test_the_catalogue_holds_the_issues_minimum() -> None:
     names = {m.name for m in CATALOGUE_V1.metrics}
     assert sorted(set(REQUIRED) - names) == []
     assert {m.reduction for m in CATALOGUE_V1.metrics} == {
-        "tok", "seq", "sum", "min", "max", "last", "rate",
+        "tok", "seq", "sum", "min", "max", "last", "rate", "hist",
     }  # fmt: skip
 
 
@@ -107,3 +107,6 @@ def test_every_metric_declares_how_ranks_combine() -> None:
     assert CATALOGUE_V1.metric("policy/update_kl/k1").crosswalk["verl"].startswith("actor/ppo_kl")
     assert CATALOGUE_V1.metric("policy/update_kl/k1").crosswalk["torchrl"].startswith("kl_approx")
     assert CATALOGUE_V1.metric("policy/ratio/ess").crosswalk["torchrl"].startswith("ESS")
+    hist = {m.name for m in CATALOGUE_V1.metrics if m.since == "1.2"}
+    assert hist == {"rollout/response_len", "rollout/reward", "rollout/advantage"}
+    assert {rules[n] for n in hist} == {"concat"}

@@ -18,7 +18,17 @@ from posttrain.reference_impls import (
     PG_LOSSES,
     RING_BUFFER,
 )
-from tests.mutants import buffers, generation, losses, rollouts, sinks, weight_syncs
+from posttrain.reference_impls.sft_dpo import DPO_LOSSES, NLL_LOSSES
+from tests.mutants import (
+    buffers,
+    dpo_losses,
+    generation,
+    losses,
+    nll_losses,
+    rollouts,
+    sinks,
+    weight_syncs,
+)
 
 MUTANTS: dict[str, dict[str, Implementation]] = {
     "buffer": buffers.MUTANTS,
@@ -27,6 +37,8 @@ MUTANTS: dict[str, dict[str, Implementation]] = {
     "weight_sync": weight_syncs.MUTANTS,
     "metrics": sinks.MUTANTS,
     "generation": generation.MUTANTS,
+    "nll_loss": nll_losses.MUTANTS,
+    "dpo_loss": dpo_losses.MUTANTS,
 }
 REFERENCES = [
     RING_BUFFER,
@@ -35,6 +47,8 @@ REFERENCES = [
     IN_PROCESS_WEIGHT_SYNC,
     JSONL_SINK,
     GENERATION_SERVER,
+    *NLL_LOSSES,
+    *DPO_LOSSES,
 ]
 NEEDS_CUDA = {"BUF-021", "WS-009"}
 NEEDS_RAY = {"BUF-023"}  # run in tests/test_ray.py, which owns the Ray cluster's lifetime
@@ -82,7 +96,13 @@ def test_extra_mutant_fails_with_its_requirement_id(req_id: str, impl: Implement
 
 @pytest.mark.parametrize(
     ("req_id", "impl"),
-    [*weight_syncs.EXTRA_MUTANTS, *rollouts.EXTRA_MUTANTS, *sinks.EXTRA_MUTANTS],
+    [
+        *weight_syncs.EXTRA_MUTANTS,
+        *rollouts.EXTRA_MUTANTS,
+        *sinks.EXTRA_MUTANTS,
+        *nll_losses.EXTRA_MUTANTS,
+        *dpo_losses.EXTRA_MUTANTS,
+    ],
     ids=lambda x: x if isinstance(x, str) else x.name,
 )
 def test_contract_extra_mutant_fails_with_its_requirement_id(

@@ -32,6 +32,8 @@ PREFIX = {
     "loss": "LOSS",
     "metrics": "MET",
     "generation": "GEN",
+    "nll_loss": "NLL",
+    "dpo_loss": "DPO",
 }
 
 

@@ -142,6 +142,10 @@ def test_adapters_never_import_each_other() -> None:
         else []
     ):
         for f in d.rglob("*.py"):
+            if f.name == "implementations.py":
+                # Conformance rows (declarations, not adapter code) may compose two adapters
+                # inside a row's factory: docs/architecture.md, the one-way import rule.
+                continue
             for m in _imports(f, False):
                 # posttrain.adapters._* modules are framework-neutral helpers they may share.
                 if (
@@ -210,7 +214,10 @@ def test_every_lazy_optional_import_says_what_to_install() -> None:
         ),
         (
             "tensorboard",
-            "from posttrain.adapters.torchrl.loggers import read_tensorboard; read_tensorboard('.')",
+            # an event file to read: a folder without one needs no reader
+            "import pathlib, tempfile; d = tempfile.mkdtemp(); "
+            "pathlib.Path(d, 'events.out.tfevents.0').write_bytes(b'')\n"
+            "from posttrain.adapters.torchrl.loggers import read_tensorboard; read_tensorboard(d)",
             "observability",
         ),
         (

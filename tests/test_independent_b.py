@@ -25,6 +25,7 @@ from posttrain.contracts import LLM_LAYOUT_V1, Implementation
 from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY
 from posttrain.testing import forced_token_weights, tiny_causal_lm
 from tests.independent import generation, rollouts, weight_syncs
+from tests.independent_kit import assert_conforms, kit_params
 
 _TIMEOUT_S = 60.0  # per requirement: a hang is a failed row, never a stalled run
 
@@ -60,24 +61,13 @@ def _own_failures(rep: Report) -> dict[str, str]:
 
 
 def _params(keys: list[str]) -> list[Any]:
-    return [
-        pytest.param(
-            k,
-            marks=[pytest.mark.xfail(strict=True, reason=KIT_DEFECTS[k])]
-            if k in KIT_DEFECTS
-            else [],
-            id=k,
-        )
-        for k in sorted(keys)
-    ]
+    return kit_params(keys, KIT_DEFECTS)
 
 
 @pytest.mark.parametrize("key", _params(list(CORRECT)))
 def test_correct_implementation_conforms(key: str) -> None:
     rep = _report(key)
-    bad = {r.id: r.message for r in rep.results if r.status in (Status.FAIL, Status.ERROR)}
-    assert not bad, f"{key}: {bad}"
-    assert rep.ok
+    assert_conforms(key, rep)
 
 
 @pytest.mark.parametrize("key", _params(list(BUGGY)))

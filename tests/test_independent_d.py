@@ -33,6 +33,7 @@ from posttrain.contracts import LLM_LAYOUT_V1, Implementation
 from posttrain.testing import tiny_causal_lm
 from tests.independent import losses_options as lo
 from tests.independent import sinks_capabilities as sc
+from tests.independent_kit import assert_conforms, kit_params
 
 _TIMEOUT_S = 60.0
 
@@ -57,24 +58,13 @@ def _report(key: str) -> Report:
 
 
 def _params(keys: list[str]) -> list[Any]:
-    return [
-        pytest.param(
-            k,
-            marks=[pytest.mark.xfail(strict=True, reason=KIT_DEFECTS[k])]
-            if k in KIT_DEFECTS
-            else [],
-            id=k,
-        )
-        for k in sorted(keys)
-    ]
+    return kit_params(keys, KIT_DEFECTS)
 
 
 @pytest.mark.parametrize("key", _params(list(CORRECT)))
 def test_correct_implementation_conforms(key: str) -> None:
     rep = _report(key)
-    bad = {r.id: r.message for r in rep.results if r.status in (Status.FAIL, Status.ERROR)}
-    assert not bad, f"{key}: {bad}"
-    assert rep.ok
+    assert_conforms(key, rep)
 
 
 @pytest.mark.parametrize("key", _params(list(BUGGY)))

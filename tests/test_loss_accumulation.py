@@ -10,33 +10,33 @@ assistant tokens (the row with 0 is no sequence). Tolerances are the spec's (LOS
 
 from __future__ import annotations
 
-import multiprocessing
 import re
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from tensordict import TensorDictBase
 
-from posttrain.contracts import AGGREGATIONS, LLM_LAYOUT_V1, GlobalCounts
+from posttrain.contracts import AGGREGATIONS, GlobalCounts
 from posttrain.reference_impls import PolicyGradientLoss
-from posttrain.testing import llm_batch
+from tests.loss_dp import (
+    ANSWERS,
+    SHARDS,
+    SPLITS,
+    V,
+    all_reduced,
+    all_reduced_counts,
+    batch,
+    flat_grad,
+    gloo_rank,
+    rel,
+    run_ranks,
+)
 
-K = LLM_LAYOUT_V1.key
-V, PROMPT = 64, 3
-ANSWERS = (3, 8, 6, 1, 0, 5)  # assistant tokens per row; row 4 has none
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 DTYPES = (torch.float32, torch.float64)
-SPLITS = (
-    ((0, 1), (2, 3), (4, 5)),  # even
-    ((0,), (1, 2, 3, 4, 5)),  # one row, then the rest
-    ((3, 0, 5), (4,), (1, 2)),  # shuffled; a micro-batch without any assistant token
-)
-SHARDS = {2: ((0, 2, 4), (1, 3, 5)), 4: ((0, 5), (1,), (2, 3), (4,))}  # rank 3: no token
 
 
 class _Logits:
@@ -67,27 +67,6 @@ def _policy(dtype: torch.dtype) -> Any:
     return _TinyLM(dtype)
 
 
-def _batch(policy: Any) -> TensorDictBase:
-    """The rows of ANSWERS, off-policy (ratios around 1, some clipped), advantages of both signs."""
-    b, t = len(ANSWERS), PROMPT + max(ANSWERS) + 1
-    td = llm_batch(b, t, vocab_size=V, seed=3)
-    pos = torch.arange(t).expand(b, t)
-    lengths = torch.tensor(ANSWERS)
-    td.set(K("attention_mask"), pos < PROMPT + lengths[:, None])
-    asst = (pos >= PROMPT) & (pos < PROMPT + lengths[:, None])
-    td.set(K("assistant_mask"), asst)
-    with torch.no_grad():
-        logits = policy(input_ids=td.get(K("tokens"))).logits.float()
-    own = torch.log_softmax(logits, -1)[:, :-1].gather(-1, td.get(K("tokens"))[:, 1:, None])
-    own = torch.cat([torch.zeros(b, 1), own[..., 0]], 1)
-    g = torch.Generator().manual_seed(5)
-    slp = own + 0.3 * torch.randn(b, t, generator=g)
-    td.set(K("sample_log_probs"), torch.where(asst, slp, float("nan")))
-    td.set(K("ref_log_probs"), torch.where(asst, own - 0.2, float("nan")))
-    td.set(K("advantage"), torch.tensor([1.0, -0.5, 0.8, -1.2, 0.7, 0.4]))
-    return td
-
-
 def _loss(policy: Any, aggregation: str) -> PolicyGradientLoss:
     return PolicyGradientLoss(
         policy, aggregation=aggregation, clip_epsilon=(0.2, 0.28), kl_coef=0.05,
@@ -101,21 +80,12 @@ def _step(
     """The summed ``loss_*`` terms and their parameter gradient (flat, float64)."""
     out = _loss(policy, aggregation)(td, counts=counts)
     total = sum(v for k, v in out.items() if k.startswith("loss_"))
-    grads = torch.autograd.grad(total, list(policy.parameters()), allow_unused=True)
-    flat = [
-        (g if g is not None else torch.zeros_like(p)).double().flatten()
-        for g, p in zip(grads, policy.parameters(), strict=True)
-    ]
-    return float(total.detach()), torch.cat(flat)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+    return float(total.detach()), flat_grad(total, list(policy.parameters()))
 
 
 def _full(dtype: torch.dtype) -> dict[str, tuple[float, torch.Tensor]]:
     policy = _policy(dtype)
-    td = _batch(policy)
+    td = batch(policy)
     return {agg: _step(policy, agg, td, None) for agg in AGGREGATIONS}
 
 
@@ -132,7 +102,7 @@ def test_micro_batches_with_global_counts_add_up(
     dtype: torch.dtype,
 ) -> None:
     policy = _policy(dtype)
-    td = _batch(policy)
+    td = batch(policy)
     counts = GlobalCounts.of(td)
     assert counts == GlobalCounts(tokens=sum(ANSWERS), sequences=5)  # the empty row is none
     value, grad = full[dtype][aggregation]
@@ -140,7 +110,7 @@ def test_micro_batches_with_global_counts_add_up(
         parts = [_step(policy, aggregation, td[list(p)], counts) for p in split]
         got = sum(v for v, _ in parts)
         assert abs(got - value) <= TOL[dtype] * max(abs(value), 1.0)
-        assert _rel(torch.stack([g for _, g in parts]).sum(0), grad) <= TOL[dtype], split
+        assert rel(torch.stack([g for _, g in parts]).sum(0), grad) <= TOL[dtype], split
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -149,44 +119,26 @@ def test_accumulation_without_counts_depends_on_the_split(
 ) -> None:
     # What the capability fixes: the mean of micro-batch losses, as users write it.
     policy = _policy(torch.float64)
-    td = _batch(policy)
+    td = batch(policy)
     _, grad = full[torch.float64][aggregation]
     split = SPLITS[1]
     parts = [_step(policy, aggregation, td[list(p)], None) for p in split]
     naive = torch.stack([g for _, g in parts]).sum(0) / len(split)
-    assert _rel(naive, grad) > 0.05
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    assert rel(naive, grad) > 0.05
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:
     """One data-parallel rank: its shard, the all-reduced counts, gradients all-reduced by sum."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
+    with gloo_rank(rank, world, port):
         results: dict[str, Any] = {}
         for dtype in DTYPES:
             policy = _policy(dtype)
-            shard = _batch(policy)[list(SHARDS[world][rank])]
-            local = GlobalCounts.of(shard)
-            both = torch.tensor([local.tokens, local.sequences], dtype=torch.int64)
-            dist.all_reduce(both)  # sum over ranks
-            counts = GlobalCounts(tokens=int(both[0]), sequences=int(both[1]))
+            shard = batch(policy)[list(SHARDS[world][rank])]
+            counts = all_reduced_counts(shard)
             for agg in AGGREGATIONS:
-                value, grad = _step(policy, agg, shard, counts)
-                pair = torch.cat([torch.tensor([value], dtype=torch.float64), grad])
-                dist.all_reduce(pair)  # gradients all-reduced by sum, values too
-                results[f"{agg}/{dtype}"] = (float(pair[0]), pair[1:].clone())
+                results[f"{agg}/{dtype}"] = all_reduced(*_step(policy, agg, shard, counts))
         if rank == 0:
             torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -194,21 +146,14 @@ def test_data_parallel_ranks_with_global_counts_equal_one_batch(
     full: dict[torch.dtype, dict[str, tuple[float, torch.Tensor]]], world: int, tmp_path: Path
 ) -> None:
     out = str(tmp_path / "ranks.pt")
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0] * world
+    run_ranks(_rank, world, out, 120)
     got = torch.load(out)
     for dtype in DTYPES:
         for agg in AGGREGATIONS:
             value, grad = got[f"{agg}/{dtype}"]
             want_value, want_grad = full[dtype][agg]
             assert abs(value - want_value) <= TOL[dtype] * max(abs(want_value), 1.0), agg
-            assert _rel(grad, want_grad) <= TOL[dtype], (agg, dtype)
+            assert rel(grad, want_grad) <= TOL[dtype], (agg, dtype)
 
 
 # --- docs/loss.md: its two examples run as written -----------------------------------------

@@ -201,9 +201,12 @@ def test_refuses_what_it_cannot_encode_and_malformed_states() -> None:
     with pytest.raises(PayloadError, match=r"trajectory\['batch'\]\['f'\]"):
         rb.add({"batch": {"f": object()}}, 0, 0)
     assert rb.size() == 0
-    with pytest.raises(ValueError, match="missing required keys"):
+    with pytest.raises(
+        ValueError,
+        match=r"state keys: expected .* \(without \['last_target_weight_already_generated'",
+    ):
         rb.load_state_dict({"trajectories": []})
-    with pytest.raises(ValueError, match="inconsistent"):
+    with pytest.raises(ValueError, match="state lists: expected one length"):
         rb.load_state_dict(
             {
                 "trajectories": [encode_payload({})],
@@ -284,7 +287,9 @@ def _add_with_timeout(rb: NemoAsyncReplayBuffer, group: dict[str, Any], target: 
     return out[0]
 
 
-def test_fragmented_free_items_answer_full_and_change_nothing() -> None:
+def test_fragmented_free_items_are_compacted_and_no_group_is_lost() -> None:
+    # NeMo-RL answers "full" only at max_size: a group that fits in the free items must be
+    # taken even when no run of free items is long enough (live rows are moved instead).
     ring = RingBuffer(4)
     rb = NemoAsyncReplayBuffer(8, buffer=ring, chunk_bytes=1024)
     small: list[dict[str, Any]] = [
@@ -298,14 +303,43 @@ def test_fragmented_free_items_answer_full_and_change_nothing() -> None:
     big = collector_group(0)
     assert -(-encode_payload(big).numel() // 1024) == 2
     writes = ring.write_count
-    assert _add_with_timeout(rb, big, 2) == "full"
-    assert ring.write_count == writes  # nothing written
-    assert rb.size() == 2  # nothing dropped
-    rest = rb.sample(2, current_weight_version=2, max_age_steps=5)
+    assert _add_with_timeout(rb, big, 2) == "success"
+    assert ring.write_count == writes + 4  # the 2 live items rewritten, then the 2 new ones
+    assert rb.size() == 3
+    assert _add_with_timeout(rb, small[0], 2) == "full"  # 4 of 4 items live: truly full
+    assert rb.size() == 3
+    rest = rb.sample(3, current_weight_version=2, max_age_steps=5)
     assert rest is not None
-    for got, want in zip(rest["trajectories"], (small[1], small[3]), strict=True):
+    for got, want in zip(rest["trajectories"][:2], (small[1], small[3]), strict=True):
         assert torch.equal(got["batch"]["x"], want["batch"]["x"])
-    assert _add_with_timeout(rb, big, 3) == "success"  # once the ring empties, it fits
+    same(rest["trajectories"][2], big)
+
+
+def test_compaction_keeps_fifo_order_over_many_out_of_order_samples() -> None:
+    ring = RingBuffer(8)
+    rb = NemoAsyncReplayBuffer(16, buffer=ring, chunk_bytes=1024)
+    big = collector_group(1)
+    k = -(-encode_payload(big).numel() // 1024)
+    assert k == 2
+    pushed: dict[int, list[int]] = {}
+    for round_ in range(6):
+        # one-item groups for two targets, interleaved, fill the ring; consuming one target
+        # leaves every other item free: no two free items in a row
+        for i in range(8):
+            tgt = 10 + round_ * 2 + i % 2
+            g = {"batch": {"x": torch.tensor([round_ * 10 + i])}, "timestamp": 0.0}
+            assert rb.add(g, 10 + round_ * 2, tgt) == "success"
+            pushed.setdefault(tgt, []).append(round_ * 10 + i)
+        cur = 10 + round_ * 2
+        got = rb.sample(4, current_weight_version=cur, max_age_steps=100)
+        assert got is not None
+        assert [int(t["batch"]["x"]) for t in got["trajectories"]] == pushed.pop(cur)
+        assert rb.add(big, cur, cur + 1) == "success"  # 4 live + 2 <= 8, but fragmented
+        got = rb.sample(5, current_weight_version=cur + 1, max_age_steps=100)
+        assert got is not None
+        assert [int(t["batch"]["x"]) for t in got["trajectories"][:4]] == pushed.pop(cur + 1)
+        same(got["trajectories"][4], big)
+        assert rb.size() == 0
 
 
 def test_bad_task_index_and_malformed_headers_change_nothing() -> None:

@@ -43,7 +43,7 @@ def test_from_batches_is_a_classmethod_matching_nemo_rl() -> None:
     assert isinstance(out, BatchedDataDict)
     _same(out, v["out"])  # a key missing from the empty batch; "mixed" is 1-D with 2-D
     assert isinstance(SlicedDataDict.from_batches(batches), SlicedDataDict)
-    with pytest.raises(KeyError, match="missing from non-empty batches"):
+    with pytest.raises(KeyError, match="expected in every non-empty batch"):
         BatchedDataDict.from_batches([{"a": torch.tensor([1])}, {"b": torch.tensor([2])}])
     assert V["from_batches_missing"]["error"] == "KeyError"
 
@@ -59,7 +59,7 @@ def test_row_methods_match_nemo_rl() -> None:
         _same(got, want)
     assert d.size == V["size"]
     assert d.to("cpu") is d
-    with pytest.raises(ValueError, match="not a multiple"):
+    with pytest.raises(ValueError, match="microbatch_size: expected a divisor of the batch's"):
         next(d.make_microbatch_iterator(4))
 
 
@@ -139,5 +139,47 @@ def test_micro_batch_plan_keeps_rows_times_longest_within_the_budget() -> None:
 
     assert _plan_micro_batches([4, 4, 8, 8, 16], 16, 4) == ([[0, 2], [2, 4], [4, 5]], [4, 8, 16])
     assert _plan_micro_batches([], 16, 4) == ([[0, 0]], [0])
-    with pytest.raises(ValueError, match="length of 20, however max microbatch size is 16"):
+    with pytest.raises(ValueError, match="found 16 for a row of 20"):
         _plan_micro_batches([4, 20], 16, 4)
+
+
+def test_stacking_rule_casts_the_pad_per_value_and_promotes_like_concatenation() -> None:
+    # 3+ dims: each value padded with the pad in its own dtype, then concatenated (promoted);
+    # 2-D: rows padded in the first value's dtype. The expected tensors are built by hand.
+    from posttrain.adapters.nemo_rl.batching import stack_values
+
+    a = torch.tensor([[[1], [2]]])  # int64 [1, 2, 1]
+    b = torch.tensor([[[0.5], [1.5], [2.5]]])  # float32 [1, 3, 1]
+    got = stack_values([a, b], pad=-1.7)
+    assert got.dtype == torch.float32
+    assert got[:, :, 0].tolist() == [[1.0, 2.0, -1.0], [0.5, 1.5, 2.5]]  # -1.7 -> -1 as int64
+    rows = stack_values([torch.tensor([[1, 2]]), torch.tensor([[1.5, 2.0, 3.0]])], pad=0.7)
+    assert rows.dtype == torch.int64
+    assert rows.tolist() == [[1, 2, 0], [1, 2, 3]]
+    assert stack_values([[1], [2, 3]]) == [1, 2, 3]
+    with pytest.raises(NotImplementedError, match="tuple"):
+        stack_values([(1,), (2,)])
+
+
+def test_refusals_name_the_argument_what_was_expected_and_what_was_found() -> None:
+    d = BatchedDataDict({"x": torch.arange(6), "s": list("abcdef")})
+    with pytest.raises(ValueError, match=r"chunk rank: expected below 2 .*found 2"):
+        d.chunk(2, 3)  # NeMo-RL's bound: rows per part, not parts
+    with pytest.raises(ValueError, match=r"chunk chunks: expected a divisor .*6 rows, found 4"):
+        d.chunk(0, 4)
+    with pytest.raises(ValueError, match=r"batch_size: expected a divisor .*6 rows, found 4"):
+        d.shard_by_batch_size(2, batch_size=4)
+    with pytest.raises(ValueError, match=r"shards: expected a divisor of batch_size 6, found 4"):
+        d.shard_by_batch_size(4)
+    with pytest.raises(ValueError, match=r"batch_size: expected None .*, found 6"):
+        d.shard_by_batch_size(2, batch_size=6, allow_uneven_shards=True)
+    with pytest.raises(ValueError, match="expected at most one of them, found both"):
+        d.shard_by_batch_size(2, dynamic_batching_args={}, sequence_packing_args={})
+    with pytest.raises(
+        ValueError, match=r"batch keys: expected one row count, found \{'x': 6, 'y': 2\}"
+    ):
+        BatchedDataDict({"x": torch.arange(6), "y": [1, 2]}).chunk(0, 1)
+    with pytest.raises(ValueError, match=r"slice end: expected at most key 'x''s 6 rows, found 7"):
+        d.slice(0, 7)
+    with pytest.raises(TypeError, match=r"select_indices key 'z': expected a tensor or a list"):
+        BatchedDataDict({"z": (1, 2)}).select_indices([0])

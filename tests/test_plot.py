@@ -128,6 +128,8 @@ def test_panels_cover_the_issue_list_with_catalogue_names() -> None:
         "KL to reference",
         "clip fraction",
         "staleness",
+        "policy-update KL",
+        "effective sample size",
     ):
         assert t in titles
     for _t, metrics in PANELS:
@@ -189,3 +191,16 @@ def test_cli_default_title_names_the_runs_not_a_path(
     assert matplotlib.image.imread(out).shape[2] in (3, 4)
     runs = {r.label: r.scalars for r in find_runs(tmp_path)}
     assert dashboard(runs["grpo_a"], tmp_path / "single.png").stat().st_size > 10_000
+
+
+def test_update_kl_and_ess_have_their_panels() -> None:
+    scalars = {
+        "policy/update_kl/k3": [(1, 0.01), (2, 0.02)],
+        "policy/update_kl/k1": [(1, 0.012), (2, 0.018)],
+        "policy/ratio/ess": [(1, 1.0), (2, 0.9)],
+    }
+    by_title = {p.title: p for p in panels({"r": scalars}, smoothing=0.0)}
+    kl = by_title["policy-update KL [nats]"]
+    assert [s.metric for s in kl.series] == ["policy/update_kl/k3", "policy/update_kl/k1"]
+    (ess,) = by_title["effective sample size [1]"].series
+    assert (ess.steps, ess.values) == ([1, 2], [1.0, 0.9])

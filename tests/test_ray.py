@@ -6,8 +6,10 @@ One cluster for the module (``ray.init(num_cpus=2)``, loopback only), shut down 
 
 from __future__ import annotations
 
+import gc
 import pickle
 import runpy
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,13 +17,13 @@ import pytest
 import torch
 
 import posttrain.adapters.torchrl.implementations as trl_impls
-from posttrain.adapters._ray import ensure_cluster
+from posttrain.adapters._ray import ensure_cluster, ray_get
 from posttrain.adapters.ray import serve_buffer
 from posttrain.adapters.ray.implementations import SERVED_RING_BUFFER
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 from posttrain.adapters.torchrl.deviations import RAY_DEVIATIONS, Deviation
 from posttrain.conformance import Status
-from posttrain.conformance.runner import Session, run
+from posttrain.conformance.runner import run
 from posttrain.contracts import ContractViolation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
@@ -36,7 +38,21 @@ ATOMICITY = {"BUF-009", "BUF-010", "BUF-011", "BUF-012"}
 def cluster() -> Iterator[Any]:
     ray = ensure_cluster()
     yield ray
+    from ray._private.state import actors
+
+    from posttrain.adapters.ray.implementations import close_shared_host
+
+    close_shared_host()  # the rows' host: none outlives the module, even without the shutdown
+    deadline, hosts = time.monotonic() + 30, ["?"]
+    while hosts and time.monotonic() < deadline:  # ray.kill returns before the actor is dead
+        hosts = [
+            a
+            for a in actors().values()
+            if a["State"] != "DEAD" and a["ActorClassName"] == "BufferHost"
+        ]
+        time.sleep(0.1)
     ray.shutdown()
+    assert not hosts, hosts
 
 
 def test_served_reference_buffer_conforms_with_many_producers() -> None:
@@ -50,16 +66,10 @@ def test_served_reference_buffer_conforms_with_many_producers() -> None:
 def test_raw_torchrl_ray_buffer_accepts_a_bad_remote_extend() -> None:
     # TorchRL 0.14.1's Ray service stores what its local buffer stores: the same four
     # atomicity deviations, and a producer's batch with a key missing lands in the buffer.
-    # Only the declared deviations run here (each Ray-served buffer is a new actor process);
-    # `make torchrl-report` runs the whole suite on this row and fails on any other change.
+    # The whole suite runs: the row's buffers live in one host actor, not one process each.
     impl = trl_impls.RAW_RAY_LAZY_TENSOR
     assert impl.known_failures == ATOMICITY | {"BUF-023", "BUF-024"}
-    session = Session(impl)
-    failing = {}
-    for rid in sorted(impl.known_failures):
-        res = session.run_one(session.contract.requirement(rid))
-        if res.status in (Status.FAIL, Status.ERROR):
-            failing[rid] = res.message
+    failing = own_failures(impl)
     assert set(failing) == impl.known_failures, failing
     assert "missing was accepted; len is 41, expected 38" in failing["BUF-023"]
 
@@ -136,6 +146,33 @@ def test_each_published_ray_repro_still_reproduces(deviation: Deviation) -> None
     runpy.run_path(str(deviation.path), run_name="__main__")  # as `python <repro>` runs it
 
 
+def test_torchrl_rows_get_fresh_independent_buffers_from_one_host_process(cluster: Any) -> None:
+    from posttrain.adapters.ray.implementations import shared_host
+
+    gc.collect()  # what earlier tests dropped is gone from the host
+    host = shared_host()
+    before = cluster.get(host.held.remote())
+    a = trl_impls.RAW_RAY_LAZY_TENSOR.factory(8)
+    b = trl_impls.ADAPTED_RAY_LAZY_TENSOR.factory(8)
+    # TorchRL's own RayReplayBuffer and client, each on a buffer of its own
+    assert [type(x).__name__ for x in (a, b.rb)] == ["RayReplayBuffer"] * 2
+    assert a._rb.key != b.rb._rb.key
+    a.extend(llm_batch(3, 8))
+    b.extend(llm_batch(2, 8, uid_start=10))
+    assert (len(a), len(b)) == (3, 2)
+    c = trl_impls.RAW_RAY_LAZY_TENSOR.factory(8)
+    assert len(c) == 0  # a new buffer, not a recycled one
+    assert item_uids(b.read(torch.arange(2))) == [10, 11]
+    assert cluster.get(host.held.remote()) == before + 3
+    pid = cluster.get(host.pid.remote())
+    assert pid != __import__("os").getpid()  # served from another process
+    del a, b, c  # dropping the owner frees its buffer in the host
+    gc.collect()  # whichever of them sat in a reference cycle
+    assert cluster.get(host.held.remote(), timeout=60) == before
+    with pytest.raises(AttributeError, match="serves only"):
+        trl_impls.RAW_RAY_LAZY_TENSOR.factory(8)._rb.set_storage  # noqa: B018
+
+
 def test_a_buffer_host_serves_the_contract_methods_only() -> None:
     from posttrain.adapters.ray.buffer import BufferHost
 
@@ -145,14 +182,32 @@ def test_a_buffer_host_serves_the_contract_methods_only() -> None:
         with pytest.raises(ValueError, match=rf"'{method}': a buffer host serves only"):
             host.call("a", method, ())
     assert host.call("a", "__len__", ()) == 0
+    with pytest.raises(ValueError, match="'__getitem__': a buffer host serves only"):
+        host.call("a", "__getitem__", (0,))  # TorchRL's name of read, for TorchRL's buffers
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    from posttrain.adapters.ray.buffer import TORCHRL_METHODS
+
+    host.create("t", TensorDictReplayBuffer, (), {"storage": LazyTensorStorage(4)}, TORCHRL_METHODS)
+    for method in ("_getattr", "set_storage", "read", "__reduce__"):
+        with pytest.raises(ValueError, match=rf"'{method}': a buffer host serves only"):
+            host.call("t", method, ())
+    assert host.call("t", "__len__", ()) == 0
+    with pytest.raises(ValueError, match="SERVED_METHODS or TORCHRL_METHODS"):
+        host.create("u", RingBuffer, (4,), None, frozenset({"extend", "__class__"}))
 
 
 def test_the_local_cluster_listens_on_loopback_only() -> None:
     import psutil
 
+    from posttrain.adapters.ray.implementations import shared_host
+
     remote = serve_buffer(RingBuffer, 4)
+    shared = trl_impls.RAW_RAY_LAZY_TENSOR.factory(4)  # in the rows' shared host actor
     try:
         assert len(remote) == 0  # a worker process is up and serving
+        assert len(shared) == 0
+        assert ray_get(shared_host().pid.remote(), 60) != remote.pid
         # Ray's own servers run in the processes it spawned (GCS, raylet, agents, workers); the
         # driver also holds whatever else the test process opened (TorchRL's gloo store in the
         # Ray repros listens on all interfaces: docs/reliability.md says so).

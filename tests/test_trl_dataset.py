@@ -272,3 +272,28 @@ def test_a_shuffle_buffer_that_over_draws_the_replay_buffer_warns_with_the_figur
         warnings.simplefilter("error")
         sft_dataset(rb, 2, num_batches=1).shuffle(seed=0)  # one call fills it: silent
     assert rb.drawn == 0
+
+
+@pytest.mark.parametrize("typed", [False, True])
+def test_sft_rows_with_a_tokenizer_carry_the_assistant_mask_and_the_turns(typed: bool) -> None:
+    from posttrain.adapters._hf import word_level_tokenizer
+    from posttrain.testing import tiny_causal_lm
+
+    tok = word_level_tokenizer(tiny_causal_lm().config)
+    data = llm_batch(4, vocab_size=64)
+    rb = RingBuffer(4)
+    rb.extend(data)
+    stored = {}
+    for t, a, s in zip(data[K("tokens")], data[K("attention_mask")], data[K("assistant_mask")],
+                       strict=True):  # fmt: skip
+        stored[tuple(t[a].tolist())] = s[a].tolist()
+    rows = list(sft_dataset(rb, 4, tokenizer=tok, typed=typed))
+    assert len(rows) == 4
+    for row in rows:
+        assert sorted(row) == ["assistant_masks", "input_ids", "messages"]
+        ids = [int(i) for i in row["input_ids"]]
+        assert [bool(m) for m in row["assistant_masks"]] == stored[tuple(ids)]
+        words = " ".join(m["content"] for m in row["messages"]).split()
+        assert words == tok.convert_ids_to_tokens(ids)  # the turns are the row, decoded
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["user", "assistant"]  # one prompt, one answer

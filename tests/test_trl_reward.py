@@ -286,10 +286,11 @@ def test_reward_functions_get_distinct_names_and_hf_scoring_is_quiet(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     tok = word_level_tokenizer(tiny_causal_lm().config)
-    a = trl_reward_func(hf_reward_model(tiny_reward_model()), tok)
-    b = trl_reward_func(hf_reward_model(tiny_reward_model()), tok)
-    assert a.__name__ != b.__name__
-    assert a.__name__.startswith("LlamaForSequenceClassification")
+    a, b = trl_reward_func([hf_reward_model(tiny_reward_model()) for _ in range(2)], tok)
+    assert (a.__name__, b.__name__) == (
+        "LlamaForSequenceClassification",
+        "LlamaForSequenceClassification_2",
+    )
     assert trl_reward_func(hf_reward_model(tiny_reward_model()), tok, name="rm").__name__ == "rm"
     rm = hf_reward_model(tiny_reward_model())
     td = LazyStackedTensorDict.lazy_stack(
@@ -301,3 +302,28 @@ def test_reward_functions_get_distinct_names_and_hf_scoring_is_quiet(
         rm(td.clone())
     out, err = capfd.readouterr()
     assert "padding" not in out + err
+
+
+def test_reward_names_depend_on_the_list_alone_not_on_earlier_wraps() -> None:
+    tok = word_level_tokenizer(tiny_causal_lm().config)
+
+    def names(rewards: list[Any]) -> list[str]:
+        return [f.__name__ for f in trl_reward_func(rewards, tok)]
+
+    def rm(name: str | None = None) -> RewardModule:
+        return RewardModule(lambda td: td["masks", "all_assistant_mask"].sum(-1), name=name)
+
+    first = names([rm("rm"), rm("rm"), rm("judge"), rm("rm")])
+    for _ in range(3):  # wrapping again, for another trainer, gives the same names
+        assert names([rm("rm"), rm("rm"), rm("judge"), rm("rm")]) == first
+    assert first == ["rm", "rm_2", "judge", "rm_3"]
+    assert names([rm("rm_2"), rm("rm"), rm("rm")]) == ["rm_2", "rm", "rm_3"]  # no clash
+    assert trl_reward_func(rm(), tok).__name__ == trl_reward_func(rm(), tok).__name__ == "<lambda>"
+    with pytest.raises(ValueError, match="name"):
+        trl_reward_func([rm()], tok, name="x")  # type: ignore[call-overload]
+    # A list runs as TRL runs it: each entry scores the pairs on its own.
+    scores = [
+        f(prompts=["t5"], completions=["t7 t8"], completion_ids=[[7, 8]])
+        for f in trl_reward_func([rm("a"), rm("b")], tok)
+    ]
+    assert scores == [[2.0], [2.0]]

@@ -98,6 +98,9 @@ def test_prompt_ids_come_from_the_dataset_not_a_decode_encode_round_trip() -> No
         assert naive["prompt_ids"][0] == [1, 9, 19]  # what TRL's own tokenization gives
         exact = CaptureRollouts(rb, width=8, prompt_ids={"t9 t19": [9, 19]})
         assert exact(["t9 t19", "t9 t19"], src.trainer)["prompt_ids"] == [[9, 19], [9, 19]]
+        # Per prompt: a known text gives its stored ids, an unknown one TRL's tokenization.
+        mixed = exact(["t9 t19", "t9 t19", "t5", "t5"], src.trainer)["prompt_ids"]
+        assert mixed == [[9, 19], [9, 19], [1, 5], [1, 5]]
     finally:
         src.shutdown()
 

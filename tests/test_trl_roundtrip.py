@@ -252,11 +252,8 @@ def test_torchrl_grpo_trains_with_an_hf_reward_model(tmp_path: Path) -> None:
     assert steps == 3
 
 
-def test_sft_packing_is_refused_with_what_to_use_instead_and_padding_free_trains(
-    collected: list[TensorDictBase], tmp_path: Path
-) -> None:
+def _sft_args(tmp_path: Path, **kw: Any) -> Any:
     from trl.trainer.sft_config import SFTConfig
-    from trl.trainer.sft_trainer import SFTTrainer
 
     common: dict[str, Any] = {
         "output_dir": str(tmp_path),
@@ -267,21 +264,135 @@ def test_sft_packing_is_refused_with_what_to_use_instead_and_padding_free_trains
         "save_strategy": "no",
         "logging_steps": 1,
     }
+    return SFTConfig(**{**common, **kw})
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "wrapped"])
+def test_sft_packing_that_over_draws_is_refused_by_what_it_reads_and_one_sample_packs(
+    collected: list[TensorDictBase], tmp_path: Path, strategy: str
+) -> None:
+    from trl.data_utils import pack_dataset
+    from trl.trainer.sft_trainer import SFTTrainer
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match=r"packing=False, padding_free=True, max_length=None"):
+        # The trainer's config: packing=True over an endless stream reads 1,000 rows first.
+        with pytest.raises(ValueError, match=r"250 sample calls of 4 items.*padding_free=True"):
             SFTTrainer(
                 model=tiny_causal_lm(),
-                args=SFTConfig(packing=True, max_length=32, **common),
-                train_dataset=sft_dataset(_torchrl_buffer(collected), 4),
+                args=_sft_args(tmp_path, packing=True, packing_strategy=strategy, max_length=32),
+                train_dataset=sft_dataset(_torchrl_buffer(collected), 4, num_batches=None),
                 processing_class=_tokenizer(),
             )
+        # The behaviour, whatever the function is called: TRL's packing called directly, and
+        # a batched map of the caller's own.
+        endless = sft_dataset(_torchrl_buffer(collected), 4, num_batches=3)
+        with pytest.raises(ValueError, match="3 sample calls"):
+            pack_dataset(endless.select_columns(["input_ids", "labels"]), 32, strategy)
+        with pytest.raises(ValueError, match="batch_size<=4"):
+            endless.map(lambda rows: rows, batched=True)
+        endless.map(lambda rows: rows, batched=True, batch_size=4)  # one sample call: fine
+        # Packing one sample reads what one step trains on: allowed, and it trains.
+        calls: list[int] = []
         rb = _torchrl_buffer(collected)
+        sample = rb.sample
+
+        def counted(*a: Any, **k: Any) -> Any:
+            calls.append(1)
+            return sample(*a, **k)
+
+        patched: Any = rb  # the stored buffer's class varies with TorchRL's typing
+        patched.sample = counted
         trainer = SFTTrainer(
             model=tiny_causal_lm(),
-            args=SFTConfig(padding_free=True, max_length=None, **common),
-            train_dataset=sft_dataset(rb, 4),
+            args=_sft_args(tmp_path, packing=True, packing_strategy=strategy, max_length=32),
+            train_dataset=sft_dataset(rb, 8),
             processing_class=_tokenizer(),
         )
         trainer.train()
     assert len(_losses(trainer)) == 1
+    assert len(calls) == 1
+
+
+def test_sft_padding_free_trains(collected: list[TensorDictBase], tmp_path: Path) -> None:
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = SFTTrainer(
+            model=tiny_causal_lm(),
+            args=_sft_args(tmp_path, padding_free=True, max_length=None),
+            train_dataset=sft_dataset(_torchrl_buffer(collected), 4, num_batches=None),
+            processing_class=_tokenizer(),
+        )
+        trainer.train()
+    assert len(_losses(trainer)) == 1
+
+
+# A chat template with TRL's generation markers: SFTTrainer(assistant_only_loss=True) checks
+# for them, though the pre-tokenized rows never go through the template.
+CHAT = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}{{ eos_token }}{% endgeneration %}{% else %}{{ m['content'] }} "
+    "{% endif %}{% endfor %}"
+)
+
+
+def test_sft_assistant_only_loss_trains_on_the_buffers_assistant_tokens_only(
+    collected: list[TensorDictBase], tmp_path: Path
+) -> None:
+    import copy
+
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    tok = _tokenizer()
+    tok.chat_template = CHAT
+    torch.manual_seed(0)
+    model = tiny_causal_lm()
+    before = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = SFTTrainer(
+            model=model,
+            args=_sft_args(tmp_path, assistant_only_loss=True, per_device_train_batch_size=8),
+            train_dataset=sft_dataset(_torchrl_buffer(collected), 8, tokenizer=tok),
+            processing_class=tok,
+        )
+        seen: list[dict[str, torch.Tensor]] = []
+        collate = trainer.data_collator
+
+        def recording(examples: list[dict[str, Any]]) -> Any:
+            seen.append(collate(examples))
+            return seen[-1]
+
+        trainer.data_collator = recording
+        trainer.train()
+    (batch,) = seen
+    assert sorted(batch) == ["attention_mask", "input_ids", "labels"]  # messages dropped
+    # Labels: the stored ids where the buffer's assistant mask holds, -100 everywhere else.
+    stored = {
+        tuple(x.get(K("tokens"))[x.get(K("attention_mask"))].tolist()): x.get(K("assistant_mask"))[
+            x.get(K("attention_mask"))
+        ]
+        for b in collected
+        for x in b.tensordicts
+    }
+    attn = batch["attention_mask"].bool()
+    expected = torch.full_like(batch["input_ids"], IGNORE_INDEX)
+    for i, (ids, m) in enumerate(zip(batch["input_ids"], attn, strict=True)):
+        asst = stored[tuple(ids[m].tolist())]
+        expected[i, : int(m.sum())] = torch.where(asst, ids[m], IGNORE_INDEX)
+    assert torch.equal(batch["labels"], expected)
+    assert sorted(stored) == sorted(
+        tuple(ids[m].tolist()) for ids, m in zip(batch["input_ids"], attn, strict=True)
+    )
+    # The logged loss is the mean next-token NLL over assistant tokens, computed here from
+    # the model as it was and the buffer's masks alone.
+    with torch.no_grad():
+        logits = before(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = logits[:, :-1].float().log_softmax(-1)
+    target = expected[:, 1:]
+    keep = target != IGNORE_INDEX
+    nll = -logp.gather(-1, target.clamp_min(0)[..., None])[..., 0][keep]
+    assert 0 < keep.sum() < attn.sum() - len(attn)  # prompt tokens left out
+    assert _losses(trainer)[0] == pytest.approx(float(nll.mean()), abs=1e-4)

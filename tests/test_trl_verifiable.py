@@ -3,6 +3,7 @@ that adds BOS and a ground-truth column reaching a verifiable reward (CPU, tiny 
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import warnings
@@ -179,3 +180,57 @@ def test_grpo_generates_from_the_stored_ids_and_the_solution_reaches_the_reward(
         (tuple(p), f"t{30 + i}") for i, p in enumerate(PROMPTS) for _ in range(2)
     )
     assert [g for _, _, g in seen] == [0] * 4 + [1] * 4  # trainer_state reached the reward
+
+
+def test_the_text_to_ids_map_stays_bounded_on_an_endless_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from posttrain.adapters.trl import dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "PROMPT_IDS_KEPT", 3)
+    tok = bos_tokenizer()
+    # Every other prompt is stored without the BOS the tokenizer adds: its text does not
+    # give its ids back, so only a map can. The others round-trip and need no entry.
+    items = [_item([10 + i] if i % 2 else [BOS, 10 + i], [40], "s") for i in range(20)]
+    ds = prompt_dataset(_Cycle(items), tok, 4, num_batches=None)  # type: ignore[arg-type]
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for row in ds:
+            rows.append(row)
+            assert len(ds.posttrain_prompt_ids) <= 3  # never more, however long the stream
+            if len(rows) == 60:
+                break
+    known = ds.posttrain_prompt_ids
+    assert list(known.values()) == [[25], [27], [29]]  # the latest mismatched ones
+    assert ds.posttrain_decode_stats["mismatched"] == 30
+    assert ds.posttrain_decode_stats["evicted"] == 27  # 30 new keys through a map of 3
+    assert ds.posttrain_decode_stats["collided"] == 0  # each text has one stored prompt
+    # No doubled BOS from the map or without it: a known text gives its stored ids, a text
+    # that round-trips gives its ids by tokenizing it (CaptureRollouts' fallback).
+    for row in rows[-6:]:  # the map's window: 3 mismatched prompts, 3 that round-trip
+        ids = known.get(row["prompt"]) or tok(row["prompt"])["input_ids"]
+        assert ids == row["prompt_ids"]
+        assert ids.count(BOS) <= 1
+
+
+def test_the_map_counts_what_it_drops() -> None:
+    from posttrain.adapters.trl.dataset import _Recent
+
+    stats: collections.Counter[str] = collections.Counter()
+    known = _Recent(2, stats)
+    known["a"], known["b"], known["c"] = [1], [2], [3]
+    assert list(known) == ["b", "c"]
+    assert stats["evicted"] == 1
+
+
+class _Cycle:
+    """A buffer whose samples walk its items in order, round and round (an endless stream)."""
+
+    def __init__(self, items: list[TensorDict]) -> None:
+        self.items, self.next = items, 0
+
+    def sample(self, n: int) -> Any:
+        out = [self.items[(self.next + i) % len(self.items)] for i in range(n)]
+        self.next += n
+        return LazyStackedTensorDict.lazy_stack(out, 0)

@@ -94,7 +94,7 @@ def select(contract: str | None = None, impl_glob: str | None = None) -> dict[st
         >>> select("bufer")
         Traceback (most recent call last):
         ...
-        ValueError: unknown contract 'bufer'; valid: buffer, rollout, weight_sync, loss, metrics, generation
+        ValueError: unknown contract 'bufer'; valid: buffer, rollout, weight_sync, loss, ...
     """
     if contract is not None and contract not in CONTRACTS:
         raise ValueError(f"unknown contract {contract!r}; valid: {some_names(list(CONTRACTS))}")

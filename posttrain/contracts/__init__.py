@@ -7,7 +7,7 @@ batch with ``LLM_LAYOUT_V1.check(td)`` (raises) or ``LLM_LAYOUT_V1.violations(td
 Example:
     >>> from posttrain.contracts import CONTRACTS, LLM_LAYOUT_V1
     >>> sorted(CONTRACTS)
-    ['buffer', 'generation', 'loss', 'metrics', 'rollout', 'weight_sync']
+    ['buffer', 'dpo_loss', 'generation', 'loss', 'metrics', 'nll_loss', 'rollout', 'weight_sync']
     >>> LLM_LAYOUT_V1.key("assistant_mask")
     ('masks', 'all_assistant_mask')
 """

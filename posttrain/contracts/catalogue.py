@@ -6,14 +6,18 @@ global (numerator, denominator) pairs, never as a mean of means:
 - ``tok``: sum over masked tokens / count of masked tokens;
 - ``seq``: sum over sequences / count of sequences;
 - ``sum``: sum; ``min`` / ``max``: extremum (a NaN anywhere makes it NaN); ``last``: the latest;
-- ``rate``: sum of a quantity / sum of seconds.
+- ``rate``: sum of a quantity / sum of seconds;
+- ``hist``: a distribution, the per-sequence values themselves (every micro-batch's and
+  rank's values, concatenated: exact, no binning before the sink), written through a sink's
+  ``log_histogram`` (metrics contract MET-008), never as a scalar.
 
 Its *ranks* rule says how ranks combine (``Accumulator.all_reduce``): ``pairs`` (sum the
 numerators and the counts: a count-weighted mean), ``moments`` (merge (count, mean, M2) in
 float64: standard deviations and effective sample sizes), ``sum`` (counts, loss shares),
 ``max`` (wall times: ranks run at once; and maxima), ``min``, ``rate`` (the ranks' quantities
-summed over the slowest rank's seconds: a rate of the whole job, not of one rank) and ``first``
-(rank 0's value: gauges every rank reads the same, such as the learning rate).
+summed over the slowest rank's seconds: a rate of the whole job, not of one rank), ``first``
+(rank 0's value: gauges every rank reads the same, such as the learning rate) and ``concat``
+(every rank's values in rank order: distributions).
 
 Definitions every formula uses:
 
@@ -44,8 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from posttrain.contracts.metrics import METRIC_NAME
 
-Reduction = Literal["tok", "seq", "sum", "min", "max", "last", "rate"]
-Ranks = Literal["pairs", "moments", "sum", "max", "min", "rate", "first"]
+Reduction = Literal["tok", "seq", "sum", "min", "max", "last", "rate", "hist"]
+Ranks = Literal["pairs", "moments", "sum", "max", "min", "rate", "first", "concat"]
 
 
 def default_ranks(name: str, unit: str, reduction: str) -> str:
@@ -55,6 +59,8 @@ def default_ranks(name: str, unit: str, reduction: str) -> str:
         >>> default_ranks("time/rollout_s", "s", "sum"), default_ranks("rollout/reward/std", "1", "seq")
         ('max', 'moments')
     """
+    if reduction == "hist":
+        return "concat"
     if reduction in ("tok", "seq"):
         return "moments" if name.endswith(("/std", "/ess")) else "pairs"
     if reduction == "sum":
@@ -127,7 +133,7 @@ class Catalogue(BaseModel):
 
     Example:
         >>> CATALOGUE_V1.version, len(CATALOGUE_V1.metrics) > 40
-        ('1.1', True)
+        ('1.2', True)
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -185,7 +191,7 @@ _TOKMEAN = "over asst tokens of the whole global batch (one (sum, count) pair ac
 
 CATALOGUE_V1 = Catalogue(
     name="posttrain-metrics",
-    version="1.1",
+    version="1.2",
     metrics=(
         # --- rollout: rewards, groups, advantages, lengths -------------------------------
         _m("rollout/reward/mean", "1", "seq", "sum_i r_i / n over sequences with a finite reward (NaN rewards excluded from both)", ("reward",),
@@ -225,6 +231,13 @@ CATALOGUE_V1 = Catalogue(
            verl="prompt_length/mean"),
         _m("rollout/prompt_len/max", "tokens", "max", "max over sequences of the real tokens before the first asst token", ("attention_mask", "assistant_mask"),
            verl="prompt_length/max"),
+        # --- rollout distributions (reduction hist: through log_histogram, MET-008) ---------
+        _m("rollout/response_len", "tokens", "hist", "one value per sequence: sum_t asst[t] (zero-length responses included), the values behind rollout/response_len/mean, /min, /max", ("assistant_mask",),
+           since="1.2"),
+        _m("rollout/reward", "1", "hist", "one value per sequence with a finite reward: r_i (NaN rewards left out, as in rollout/reward/mean)", ("reward",),
+           since="1.2"),
+        _m("rollout/advantage", "1", "hist", "one value per sequence: its advantage as in rollout/advantage/mean (a [B, T] advantage: its token mean over asst; sequences without asst tokens left out)", ("advantage",),
+           since="1.2"),
         _m("rollout/truncated_frac", "1", "seq", "fraction of sequences whose generation stopped at the length limit (finish reason, not the tensor width)", ("truncated",),
            trl="completions/clipped_ratio (last token not EOS/pad)", nemo_rl="train/truncation_rate", verl="response_length/clip_ratio (length == the limit, not the finish reason)"),
         # --- policy: KL, entropy, ratios, clipping --------------------------------------
@@ -248,10 +261,10 @@ CATALOGUE_V1 = Catalogue(
         _m("policy/ratio/max", "1", "max", "max over asst tokens of exp(logp - old_logp) (NaN if any is NaN)", ("log_probs(policy)", "old_log_probs|sample_log_probs", "assistant_mask"),
            nemo_rl="train/probs_ratio_max"),
         _m("policy/clip_frac/low", "1", "tok", f"[ratio < 1 - eps_low and A < 0] (the clip that binds for a negative advantage; ratio against old_logp as in policy/ratio/mean), {_TOKMEAN}", ("ratio", "advantage", "assistant_mask"),
-           trl="clip_ratio/low_mean (same, against old_per_token_logps; the callback forwards it only when one micro-batch was logged)", torchrl="clip_fraction (both sides, sign-blind, over every padded position)",
+           trl="clip_ratio/low_mean (same, against old_per_token_logps; TRL's window mean is a mean of micro-batch means: the callback weights each by its token count)", torchrl="clip_fraction (both sides, sign-blind, over every padded position)",
            verl="actor/pg_clipfrac (low and high counted together; actor/pg_clipfrac_lower is the dual clip)"),
         _m("policy/clip_frac/high", "1", "tok", f"[ratio > 1 + eps_high and A > 0] (ratio against old_logp as in policy/ratio/mean), {_TOKMEAN}", ("ratio", "advantage", "assistant_mask"),
-           trl="clip_ratio/high_mean (same, against old_per_token_logps; forwarded only when one micro-batch was logged)",
+           trl="clip_ratio/high_mean (same, against old_per_token_logps; the callback weights each micro-batch by its token count)",
            verl="actor/pg_clipfrac (low and high counted together)"),
         _m("policy/mismatch_kl", "nats", "tok", f"k3 with log r = old_logp - sample_logp at the sampled tokens, {_TOKMEAN}: estimates KL(sampler || trainer's old policy), unbiased (the tokens are the sampler's); only when old_log_probs are given", ("sample_log_probs", "old_log_probs", "assistant_mask"),
            nemo_rl="train/gen_kl_error", trl="sampling/sampling_logp_difference/mean (mean |diff|, not KL)",

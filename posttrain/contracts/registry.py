@@ -4,20 +4,22 @@ from __future__ import annotations
 
 from posttrain.contracts.buffer import BUFFER
 from posttrain.contracts.contract import Contract
+from posttrain.contracts.dpo_loss import DPO
 from posttrain.contracts.generation import GENERATION
 from posttrain.contracts.loss import LOSS
 from posttrain.contracts.metrics import METRICS
+from posttrain.contracts.nll_loss import NLL
 from posttrain.contracts.rollout import ROLLOUT
 from posttrain.contracts.weight_sync import WEIGHT_SYNC
 
 CONTRACTS: dict[str, Contract] = {
-    c.id: c for c in (BUFFER, ROLLOUT, WEIGHT_SYNC, LOSS, METRICS, GENERATION)
+    c.id: c for c in (BUFFER, ROLLOUT, WEIGHT_SYNC, LOSS, METRICS, GENERATION, NLL, DPO)
 }
 """The v1 contracts by id, in dependency order.
 
 Example:
     >>> list(CONTRACTS)
-    ['buffer', 'rollout', 'weight_sync', 'loss', 'metrics', 'generation']
+    ['buffer', 'rollout', 'weight_sync', 'loss', 'metrics', 'generation', 'nll_loss', 'dpo_loss']
 """
 
 

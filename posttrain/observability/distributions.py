@@ -3,10 +3,13 @@
 
 Wiring, next to the scalar hooks of one step::
 
-    acc = rollout_metrics(batch, learner_version=step)     # scalars: means, std, min, max
-    acc.log_to(sink, step)
-    log_distributions(sink, batch, step)                   # histograms of the same batch
+    acc = rollout_metrics(batch, learner_version=step, histograms=True)
+    acc.log_to(sink, step)          # scalars, and the histograms through log_histogram
     log_completion_samples(sink, prompts, completions, rewards, step, k=8)
+
+The distributions are catalogue entries (reduction ``hist``, catalogue 1.2): the accumulator
+keeps their values, so micro-batches and ranks (``all_reduce``) concatenate exactly and the
+sink bins once. :func:`log_distributions` logs one batch's directly.
 
 The histograms are over sequences, as the catalogue's ``rollout/*`` sequence metrics are:
 ``rollout/response_len`` (assistant tokens under the attention mask), ``rollout/reward``
@@ -47,31 +50,11 @@ def rollout_distributions(
         >>> sorted(d), len(d["rollout/response_len"])
         (['rollout/advantage', 'rollout/response_len', 'rollout/reward'], 4)
     """
-    from posttrain.observability.hooks import _checked
+    from posttrain.observability.hooks import rollout_metrics
 
-    td, _ = _checked(td, layout, "rollout_distributions")
-    k = layout.key
-    attn = td.get(k("attention_mask"))
-    asst = td.get(k("assistant_mask")) & attn
-    out: dict[str, list[float]] = {"rollout/response_len": asst.sum(-1).float().tolist()}
-    reward = td.get(k("reward"), None)
-    if reward is not None:
-        r = reward.double().reshape(-1)
-        if bool(torch.isfinite(r).any()):
-            out["rollout/reward"] = r[torch.isfinite(r)].tolist()
-    adv = td.get(k("advantage"), None)
-    if adv is not None:
-        a = adv.double()
-        if a.ndim == 2:
-            # torch.where, not a product: a NaN outside the mask would poison its sequence.
-            # A sequence without assistant tokens has no advantage (not 0.0): left out, as
-            # the hooks leave it out of rollout/advantage/*.
-            n_tok = asst.sum(-1)
-            a = torch.where(asst, a, 0.0).sum(-1)[n_tok > 0] / n_tok[n_tok > 0]
-        a = a.reshape(-1)
-        if bool(torch.isfinite(a).any()):
-            out["rollout/advantage"] = a[torch.isfinite(a)].tolist()
-    return out
+    # The hooks' own per-sequence values: one computation for the statistics and the histograms.
+    held = rollout_metrics(td, histograms=True, layout=layout).histograms()
+    return {name: held[name] for name in HISTOGRAM_NAMES if name in held}
 
 
 def _log_histogram(sink: Any) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from posttrain._kl import kl_estimate
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.validation import check
 from posttrain.observability.reduce import Accumulator
@@ -82,18 +83,24 @@ def rollout_metrics(
     learner_version: int | None = None,
     truncated: torch.Tensor | None = None,
     reward_fns: Mapping[str, torch.Tensor] | None = None,
+    histograms: bool = False,
     layout: Layout = LLM_LAYOUT_V1,
 ) -> Accumulator:
     """Rewards, groups, advantages, lengths, truncation and staleness of a rollout batch.
 
     Group metrics need whole groups: call it on the rollout batch (or on microbatches that
-    do not split a ``group_id``).
+    do not split a ``group_id``). With ``histograms``, the per-sequence values behind the
+    length, reward and advantage statistics are kept too, as the catalogue's distributions
+    ``rollout/response_len``, ``rollout/reward`` and ``rollout/advantage`` (finite values;
+    :meth:`Accumulator.log_to` writes them through the sink's ``log_histogram``).
 
     Example:
         >>> from posttrain.testing import llm_batch
         >>> vals = rollout_metrics(llm_batch(4, 8), learner_version=9).values()
         >>> vals["staleness/mean"], vals["rollout/response_len/max"] <= 5
         (2.0, True)
+        >>> sorted(rollout_metrics(llm_batch(4, 8), histograms=True).histograms())
+        ['rollout/advantage', 'rollout/response_len', 'rollout/reward']
         >>> rollout_metrics(llm_batch(2, 4), truncated=torch.ones(3, dtype=torch.bool))
         Traceback (most recent call last):
         ...
@@ -127,6 +134,8 @@ def rollout_metrics(
         if ok.numel():
             acc.add("rollout/reward/min", ok.min())
             acc.add("rollout/reward/max", ok.max())
+        if histograms:
+            acc.add_hist("rollout/reward", ok)
         group = td.get(k("group_id"), None)
         if group is not None:
             # A group is flat when its smallest and largest reward agree (a NaN reward equals
@@ -150,7 +159,11 @@ def rollout_metrics(
         if a.numel():
             acc.add("rollout/advantage/min", a.min())
             acc.add("rollout/advantage/max", a.max())
+        if histograms:  # a NaN inside the mask shows in /mean; no backend can bin it
+            acc.add_hist("rollout/advantage", a[torch.isfinite(a)])
     resp = asst.sum(-1).double()
+    if histograms:
+        acc.add_hist("rollout/response_len", resp)
     _seq(acc, "rollout/response_len/mean", resp)
     acc.add("rollout/response_len/min", resp.min())
     acc.add("rollout/response_len/max", resp.max())
@@ -251,8 +264,8 @@ def policy_metrics(
             acc.add("policy/ratio/min", picked_ratio.min())
             acc.add("policy/ratio/max", picked_ratio.max())
             acc.add_values("policy/ratio/ess", picked_ratio)
-        tok("policy/update_kl/k1", -log_w)
-        tok("policy/update_kl/k3", log_w.exp() - log_w - 1)
+        tok("policy/update_kl/k1", kl_estimate(log_w, "k1"))
+        tok("policy/update_kl/k3", kl_estimate(log_w))
         adv = td.get(k("advantage"), None)
         if adv is not None:
             a = adv.float()
@@ -263,12 +276,12 @@ def policy_metrics(
             tok("policy/clip_frac/high", high.float())
         if old_log_probs is not None and sample is not None:
             d = old - torch.where(mask, sample.float(), 0.0)  # log(old / sampler)
-            tok("policy/mismatch_kl", d.exp() - d - 1)
+            tok("policy/mismatch_kl", kl_estimate(d))
     ref = td.get(k("ref_log_probs"), None)
     if ref is not None:
         d = torch.where(mask, ref.float(), 0.0) - logp
-        tok("policy/kl_ref/k1", -d)
-        tok("policy/kl_ref/k3", d.exp() - d - 1)
+        tok("policy/kl_ref/k1", kl_estimate(d, "k1"))
+        tok("policy/kl_ref/k3", kl_estimate(d))
         seq = torch.where(mask, -d, 0.0).sum(-1, dtype=torch.float64)
         scored = mask.any(-1)
         acc.add("policy/kl_ref/seq_k1", seq[scored].sum(), int(scored.sum()))

@@ -1,104 +1,79 @@
-"""Conformance declarations of the observability sinks (entry points in ``pyproject.toml``)."""
+"""Conformance declarations of the observability sinks (entry points in ``pyproject.toml``).
+
+Each row names its sink class and readers in ``posttrain.observability.sinks`` by attribute:
+the backends (MLflow, W&B, TensorBoard) are imported only when a row is run.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from posttrain.contracts.implementation import Implementation
 
 
-def _mlflow(directory: Any) -> Any:
-    from posttrain.observability.sinks import MlflowSink
+def _call(attr: str, directory: Any) -> Any:
+    from posttrain.observability import sinks
 
-    return MlflowSink(directory)
-
-
-def _read_mlflow(directory: Any) -> Any:
-    from posttrain.observability.sinks import read_mlflow
-
-    return read_mlflow(directory)
+    return getattr(sinks, attr)(directory)
 
 
-MLFLOW_SINK = Implementation(
-    "metrics",
-    _mlflow,
-    name="posttrain.MlflowSink (SQLite tracking store)",
-    extras={"reader": _read_mlflow},
-    known_failures={"MET-004"},  # SHOULD: MLflow stores +-inf as +-1.797e308
-    description="MLflow through its client API into a local SQLite store, read back with MlflowClient.",
+def _lazy(attr: str) -> Callable[[Any], Any]:
+    # A partial of a module function (not a closure): rows stay picklable for worker processes.
+    return functools.partial(_call, attr)
+
+
+def _sink(
+    cls: str,
+    name: str,
+    description: str,
+    *,
+    readers: dict[str, str],
+    capabilities: frozenset[str] = frozenset(),
+    known_failures: frozenset[str] = frozenset(),
+) -> Implementation:
+    """One sink row: ``sinks.<cls>(directory)``, its readers as ``extras`` (key -> attribute)."""
+    return Implementation(
+        "metrics",
+        _lazy(cls),
+        name=name,
+        capabilities=capabilities,
+        extras={key: _lazy(attr) for key, attr in readers.items()},
+        known_failures=known_failures,
+        description=description,
+    )
+
+
+MLFLOW_SINK = _sink(
+    "MlflowSink",
+    "posttrain.MlflowSink (SQLite tracking store)",
+    "MLflow through its client API into a local SQLite store, read back with MlflowClient.",
+    readers={"reader": "read_mlflow"},
+    known_failures=frozenset({"MET-004"}),  # SHOULD: MLflow stores +-inf as +-1.797e308
 )
 """Entry point ``mlflow-sink``."""
 
-
-def _wandb(directory: Any) -> Any:
-    from posttrain.observability.sinks import WandbSink
-
-    return WandbSink(directory)
-
-
-def _read_wandb(directory: Any) -> Any:
-    from posttrain.observability.sinks import read_wandb
-
-    return read_wandb(directory)
-
-
-def _read_wandb_histograms(directory: Any) -> Any:
-    from posttrain.observability.sinks import read_wandb_histograms
-
-    return read_wandb_histograms(directory)
-
-
-def _read_wandb_samples(directory: Any) -> Any:
-    from posttrain.observability.sinks import read_wandb_samples
-
-    return read_wandb_samples(directory)
-
-
-WANDB_SINK = Implementation(
-    "metrics",
-    _wandb,
-    name="posttrain.WandbSink (offline run)",
-    capabilities={"histogram", "samples"},
-    extras={
-        "reader": _read_wandb,
-        "histogram_reader": _read_wandb_histograms,
-        "samples_reader": _read_wandb_samples,
+WANDB_SINK = _sink(
+    "WandbSink",
+    "posttrain.WandbSink (offline run)",
+    "W&B in offline mode, one run per sink, read back from each run's .wandb log with "
+    "W&B's own reader (wandb leet inspect --json).",
+    readers={
+        "reader": "read_wandb",
+        "histogram_reader": "read_wandb_histograms",
+        "samples_reader": "read_wandb_samples",
     },
-    description=(
-        "W&B in offline mode, one run per sink, read back from each run's .wandb log with "
-        "W&B's own reader (wandb leet inspect --json)."
-    ),
+    capabilities=frozenset({"histogram", "samples"}),
 )
 """Entry point ``wandb-sink``."""
 
-
-def _tensorboard(directory: Any) -> Any:
-    from posttrain.observability.sinks import TensorboardSink
-
-    return TensorboardSink(directory)
-
-
-def _read_tensorboard(directory: Any) -> Any:
-    from posttrain.adapters.torchrl.loggers import read_tensorboard
-
-    return read_tensorboard(directory)
-
-
-def _read_tensorboard_histograms(directory: Any) -> Any:
-    from posttrain.observability.sinks import read_tensorboard_histograms
-
-    return read_tensorboard_histograms(directory)
-
-
-TENSORBOARD_SINK = Implementation(
-    "metrics",
-    _tensorboard,
-    name="posttrain.TensorboardSink (event files)",
-    capabilities={"flush", "histogram"},
-    extras={"reader": _read_tensorboard, "histogram_reader": _read_tensorboard_histograms},
-    description=(
-        "torch.utils.tensorboard's SummaryWriter (add_scalar, add_histogram), read back with "
-        "TensorBoard's EventAccumulator."
-    ),
+TENSORBOARD_SINK = _sink(
+    "TensorboardSink",
+    "posttrain.TensorboardSink (event files)",
+    "torch.utils.tensorboard's SummaryWriter (add_scalar, add_histogram), read back with "
+    "TensorBoard's EventAccumulator.",
+    readers={"reader": "read_tensorboard", "histogram_reader": "read_tensorboard_histograms"},
+    capabilities=frozenset({"flush", "histogram"}),
 )
 """TensorBoard with histograms (entry point ``tensorboard-sink``)."""

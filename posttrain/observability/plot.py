@@ -45,6 +45,8 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("throughput", ("perf/gen_tokens_per_s", "perf/train_tokens_per_s")),
     ("staleness", ("staleness/mean", "staleness/max")),
     ("time", ("time/step_s", "time/rollout_s", "time/train_s")),
+    ("policy-update KL", ("policy/update_kl/k3", "policy/update_kl/k1")),
+    ("effective sample size", ("policy/ratio/ess",)),
 )
 """Panel title -> the catalogue metrics it draws (a ``/mean`` with a ``/std`` gets a band)."""
 
@@ -83,21 +85,11 @@ def _jsonl_runs(root: Path) -> list[Run]:
 
 
 def _tensorboard_runs(root: Path) -> list[Run]:
-    dirs = sorted({p.parent for p in root.rglob("events.out.tfevents.*")})
-    if not dirs:
-        return []
-    with optional_deps():
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from posttrain.observability.sinks import tensorboard_events
 
     out = []
-    for d in dirs:
-        # This folder's event files only: read from a parent, they would count twice.
-        acc = EventAccumulator(str(d), size_guidance={"scalars": 0})
-        acc.Reload()
-        scalars = {
-            tag: [(int(e.step), float(e.value)) for e in acc.Scalars(tag)]
-            for tag in acc.Tags()["scalars"]
-        }
+    for d, tags in tensorboard_events(root, "scalars"):
+        scalars = {tag: [(int(e.step), float(e.value)) for e in ev] for tag, ev in tags.items()}
         if scalars:
             out.append(Run(_rel(d, root), "tensorboard", d, scalars))
     return out

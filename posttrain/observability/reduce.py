@@ -5,6 +5,8 @@ the microbatches' means instead weights each microbatch equally, whatever its to
 "mean of means" the catalogue forbids). :class:`Accumulator` keeps the pairs in float64, and a
 standard deviation as merged moments (count, mean, M2), so that 1000 +- 0.01 keeps its spread.
 Across ranks each metric combines by its catalogue ``ranks`` rule (:meth:`Accumulator.all_reduce`).
+A distribution (reduction ``hist``) keeps its values themselves, so micro-batches and ranks
+concatenate exactly and the sink bins once (:meth:`Accumulator.add_hist`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import torch
 from posttrain.contracts.catalogue import CATALOGUE_V1, Catalogue
 
 _KINDS: dict[int, tuple[Catalogue, dict[str, tuple[str, str]]]] = {}
+
+HIST_MAX_VALUES = 65_536
+"""The most values one accumulator keeps per distribution (sequences of a log window): the
+values travel between ranks as text, so an unbounded list would make ``all_reduce`` unbounded."""
 
 
 def not_a_number(x: Any) -> str:
@@ -62,7 +68,8 @@ def _count(name: str, what: str, x: float | torch.Tensor) -> float:
 class Accumulator:
     """Per metric: (sum, count) for ``tok``/``seq``/``rate``, a total for ``sum``, the
     extremum for ``min``/``max``, the latest value for ``last``, merged moments (count, mean,
-    M2 in float64) for ``.../std`` and ``.../ess``; reductions from the catalogue.
+    M2 in float64) for ``.../std`` and ``.../ess``, the values themselves for ``hist``
+    distributions (:meth:`add_hist`); reductions from the catalogue.
 
     Example:
         >>> acc = Accumulator()
@@ -87,6 +94,7 @@ class Accumulator:
         self._ext: dict[str, float] = {}
         self._last: dict[str, float] = {}
         self._mom: dict[str, tuple[float, float, float]] = {}  # (count, mean, M2)
+        self._hist: dict[str, list[float]] = {}
 
     def _rules(self, name: str) -> tuple[str, str]:
         rules = self._kind.get(name)
@@ -132,6 +140,8 @@ class Accumulator:
         kind, rule = self._rules(name)
         if rule == "moments":
             raise ValueError(f"metric {name!r}: expected values through add_values (moments)")
+        if kind == "hist":
+            raise ValueError(f"metric {name!r}: expected values through add_hist (a distribution)")
         v = _number(name, "value", value)
         if kind in ("tok", "seq", "rate"):
             c = _count(name, "count", count)
@@ -171,6 +181,56 @@ class Accumulator:
         m2 = float(((x - mean) ** 2).sum())
         self._merge_moments(name, (float(n), float(mean), m2))
 
+    def add_hist(self, name: str, values: torch.Tensor | list[float]) -> None:
+        """A distribution (catalogue reduction ``hist``): keep ``values``, finite numbers, in
+        float64. Micro-batches, steps and ranks concatenate (rank order), so the sink's
+        histogram is the one of all values, binned once. A non-finite value, a name of another
+        reduction, or more than :data:`HIST_MAX_VALUES` values held raise ``ValueError`` and
+        nothing is added.
+
+        Example:
+            >>> acc = Accumulator()
+            >>> acc.add_hist("rollout/response_len", torch.tensor([3, 5]))
+            >>> acc.add_hist("rollout/response_len", [4.0])
+            >>> acc.histograms(), acc.values()
+            ({'rollout/response_len': [3.0, 5.0, 4.0]}, {})
+        """
+        if self.reduction(name) != "hist":
+            raise ValueError(f"metric {name!r}: add_hist needs a distribution (reduction hist)")
+        if isinstance(values, torch.Tensor):
+            x = values.detach().reshape(-1).to(torch.float64).tolist()
+        else:
+            try:
+                x = [float(v) for v in values]
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"metric {name!r}: expected a tensor or list of numbers, found "
+                    f"{not_a_number(values)}"
+                ) from None
+        bad = [v for v in x if not math.isfinite(v)]
+        if bad:
+            raise ValueError(
+                f"metric {name!r}: expected finite values (no backend bins NaN or inf), found "
+                f"{len(bad)} non-finite of {len(x)} ({bad[0]})"
+            )
+        held = self._hist.get(name, [])
+        if len(held) + len(x) > HIST_MAX_VALUES:
+            raise ValueError(
+                f"metric {name!r}: expected at most {HIST_MAX_VALUES} values held, found "
+                f"{len(held)} + {len(x)}: log (log_to) and start a new accumulator more often"
+            )
+        if x:
+            self._hist[name] = held + x
+
+    def histograms(self) -> dict[str, list[float]]:
+        """Every distribution added (:meth:`add_hist`): name -> its values, in order.
+
+        Example:
+            >>> Accumulator().histograms()
+            {}
+        """
+        return {name: list(v) for name, v in self._hist.items()}
+
     def add_moments(
         self, name: str, total: float | torch.Tensor, squares: float | torch.Tensor, count: float
     ) -> None:
@@ -194,10 +254,15 @@ class Accumulator:
         """Fold another accumulator (another microbatch or step of this rank) into this one.
 
         Every name of ``other`` is looked up first: one this catalogue does not hold raises
-        ``KeyError`` before anything is folded in. Across ranks use :meth:`all_reduce`.
+        ``KeyError``, and a distribution that would pass :data:`HIST_MAX_VALUES` raises
+        ``ValueError``, before anything is folded in. Across ranks use :meth:`all_reduce`.
         """
-        for name in (*other._num, *other._ext, *other._last, *other._mom):
+        for name in (*other._num, *other._ext, *other._last, *other._mom, *other._hist):
             self.reduction(name)
+        for name, h in other._hist.items():  # a distribution add_hist would refuse: refused now
+            held = len(self._hist.get(name, ()))
+            if self.reduction(name) != "hist" or held + len(h) > HIST_MAX_VALUES:
+                self.add_hist(name, h)  # raises ValueError, adds nothing
         for name, num in other._num.items():
             if name in other._den:
                 self.add(name, num, other._den[name])
@@ -209,6 +274,8 @@ class Accumulator:
             self.add(name, v)
         for name, m in other._mom.items():
             self._merge_moments(name, m)
+        for name, h in other._hist.items():
+            self.add_hist(name, h)
 
     def state(self) -> dict[str, dict[str, Any]]:
         """What this accumulator holds, as plain floats (what :meth:`all_reduce` exchanges)."""
@@ -218,6 +285,7 @@ class Accumulator:
             "ext": dict(self._ext),
             "last": dict(self._last),
             "mom": dict(self._mom),
+            "hist": {name: list(v) for name, v in self._hist.items()},
         }
 
     def merge_ranks(self, states: list[dict[str, dict[str, Any]]]) -> None:
@@ -227,7 +295,8 @@ class Accumulator:
         counts (a count-weighted mean), ``moments`` merges (count, mean, M2), ``sum`` adds,
         ``max`` takes the largest (wall times: ranks run at once), ``rate`` adds the quantity
         and takes the slowest rank's seconds, ``min``/``max`` extremes propagate NaN, ``first``
-        keeps the value of the lowest rank holding it. A metric some ranks lack (a rank whose
+        keeps the value of the lowest rank holding it, ``concat`` joins the ranks' distribution
+        values in rank order. A metric some ranks lack (a rank whose
         rewards were all NaN has no reward min) combines over the ranks that hold it.
 
         Example:
@@ -243,6 +312,7 @@ class Accumulator:
         ext: dict[str, float] = {}
         last: dict[str, float] = {}
         mom: dict[str, tuple[float, float, float]] = {}
+        hist: dict[str, list[float]] = {}
         for s in states:
             for name, v in s["num"].items():
                 rule = self.ranks(name)
@@ -268,7 +338,11 @@ class Accumulator:
                 pos = (float(n), float(mean), float(m2))
                 was = mom.get(name)
                 mom[name] = pos if was is None else _chan(was, pos)
+            for name, vals in s.get("hist", {}).items():
+                self.reduction(name)  # a name this catalogue lacks: KeyError, as elsewhere
+                hist.setdefault(name, []).extend(float(v) for v in vals)
         self._num, self._den, self._ext, self._last, self._mom = num, den, ext, last, mom
+        self._hist = hist
 
     def all_reduce(self, group: Any = None) -> None:
         """Combine every rank's metrics by the catalogue's ``ranks`` rules; no-op without
@@ -325,14 +399,37 @@ class Accumulator:
         return out
 
     def log_to(self, sink: Any, step: int) -> Mapping[str, float]:
-        """Write every value to a ``MetricSinkV1`` at ``step``; return them."""
+        """Write every value to a ``MetricSinkV1`` at ``step``, and every distribution to its
+        ``log_histogram`` (MET-008); return the scalar values.
+
+        Distributions to a sink without ``log_histogram`` (MLflow) raise ``TypeError`` before
+        anything is written: a dashboard missing its histograms should not look complete.
+
+        Example:
+            >>> import tempfile
+            >>> from posttrain.reference_impls import JsonlSink
+            >>> from posttrain.reference_impls.jsonl_sink import read_jsonl_histograms
+            >>> acc = Accumulator(); acc.add_hist("rollout/reward", [0.0, 1.0, 1.0])
+            >>> d = tempfile.mkdtemp(); sink = JsonlSink(d)
+            >>> acc.log_to(sink, step=2); sink.close()
+            {}
+            >>> read_jsonl_histograms(d)["rollout/reward"][0][1]["values"]
+            [0.0, 1.0, 1.0]
+        """
+        hist = self.histograms()
+        if hist:
+            from posttrain.observability.distributions import _log_histogram
+
+            log_histogram = _log_histogram(sink)
         vals = self.values()
         for name, v in vals.items():
             sink.log_scalar(name, v, step=step)
+        for name, h in hist.items():
+            log_histogram(name, h, step=step)
         return vals
 
 
-_PARTS = ("num", "den", "ext", "last", "mom")
+_PARTS = ("num", "den", "ext", "last", "mom", "hist")
 
 
 def _encode_state(state: Mapping[str, Mapping[str, Any]]) -> bytes:
@@ -346,7 +443,7 @@ def _encode_state(state: Mapping[str, Mapping[str, Any]]) -> bytes:
     out: dict[str, dict[str, Any]] = {}
     for part in _PARTS:
         vals = state.get(part, {})
-        if part == "mom":
+        if part in ("mom", "hist"):
             out[part] = {k: [float(x).hex() for x in v] for k, v in vals.items()}
         else:
             out[part] = {k: float(v).hex() for k, v in vals.items()}
@@ -371,6 +468,10 @@ def _decode_state(raw: bytes) -> dict[str, dict[str, Any]]:
             if not all(isinstance(v, list) and len(v) == 3 for v in vals.values()):
                 raise ValueError("decoded a rank's moments; expected 3 numbers per metric")
             out[part] = {str(k): tuple(float.fromhex(str(x)) for x in v) for k, v in vals.items()}
+        elif part == "hist":
+            if not all(isinstance(v, list) for v in vals.values()):
+                raise ValueError("decoded a rank's distributions; expected a list per metric")
+            out[part] = {str(k): [float.fromhex(str(x)) for x in v] for k, v in vals.items()}
         else:
             out[part] = {str(k): float.fromhex(str(v)) for k, v in vals.items()}
     return out

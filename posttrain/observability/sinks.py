@@ -182,6 +182,55 @@ class TensorboardSink:
         self.writer.close()
 
 
+def tensorboard_events(
+    directory: str | os.PathLike[str], kind: str = "scalars"
+) -> list[tuple[Path, dict[str, list[Any]]]]:
+    """Every folder under ``directory`` holding TensorBoard event files, with its events of
+    ``kind`` (``"scalars"`` or ``"histograms"``) by tag, through TensorBoard's own
+    ``EventAccumulator``: the one walker of event files (readers, the plot).
+
+    Each folder is read on its own (its event files only): an accumulator over a parent folder
+    would read a nested run's events again.
+
+    Example:
+        >>> import tempfile
+        >>> tensorboard_events(tempfile.mkdtemp())
+        []
+    """
+    folders = sorted({p.parent for p in Path(directory).rglob("events.out.tfevents.*")})
+    if not folders:
+        return []
+    with optional_deps():
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = []
+    for folder in folders:
+        acc = EventAccumulator(str(folder), size_guidance={kind: 0})
+        acc.Reload()
+        read = acc.Scalars if kind == "scalars" else acc.Histograms
+        out.append((folder, {tag: list(read(tag)) for tag in acc.Tags()[kind]}))
+    return out
+
+
+def read_tensorboard(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under ``directory`` (values as TensorBoard stores
+    them, float32): ``{name: [(step, value), ...]}``, folder by folder in the order each
+    folder's accumulator gives them (not re-sorted: a reader must show what was written).
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> sink = TensorboardSink(d); sink.log_scalar("loss/total", 0.5, step=1); sink.close()
+        >>> read_tensorboard(d)
+        {'loss/total': [(1, 0.5)]}
+    """
+    out: dict[str, list[tuple[int, float]]] = {}
+    for _folder, tags in tensorboard_events(directory, "scalars"):
+        for tag, events in tags.items():
+            out.setdefault(tag, []).extend((int(e.step), float(e.value)) for e in events)
+    return out
+
+
 def read_tensorboard_histograms(
     directory: str | os.PathLike[str],
 ) -> dict[str, list[tuple[int, dict[str, Any]]]]:
@@ -193,15 +242,10 @@ def read_tensorboard_histograms(
         >>> read_tensorboard_histograms(tempfile.mkdtemp())
         {}
     """
-    with optional_deps():
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-    for run in sorted({p.parent for p in Path(directory).rglob("events.out.tfevents.*")}):
-        acc = EventAccumulator(str(run), size_guidance={"histograms": 0})
-        acc.Reload()
-        for tag in acc.Tags()["histograms"]:
-            for e in acc.Histograms(tag):
+    for _folder, tags in tensorboard_events(directory, "histograms"):
+        for tag, events in tags.items():
+            for e in events:
                 h = e.histogram_value
                 summary = {
                     "count": int(h.num),

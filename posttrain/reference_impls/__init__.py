@@ -19,6 +19,7 @@ from posttrain.reference_impls.jsonl_sink import (
 )
 from posttrain.reference_impls.pg_loss import PolicyGradientLoss
 from posttrain.reference_impls.ring_buffer import RingBuffer
+from posttrain.reference_impls.sft_dpo import DPOLoss, NLLLoss
 from posttrain.reference_impls.weight_sync import (
     InProcessReceiver,
     InProcessSender,
@@ -26,10 +27,12 @@ from posttrain.reference_impls.weight_sync import (
 )
 
 __all__ = [
+    "DPOLoss",
     "HFRolloutSource",
     "InProcessReceiver",
     "InProcessSender",
     "JsonlSink",
+    "NLLLoss",
     "PolicyGradientLoss",
     "RingBuffer",
     "ThreadGenerationServer",

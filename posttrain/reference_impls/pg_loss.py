@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain._kl import KL_ESTIMATORS, kl_estimate
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import AGGREGATIONS, GlobalCounts
 from posttrain.contracts.validation import check
@@ -50,7 +51,8 @@ class PolicyGradientLoss(torch.nn.Module):
 
     Options beyond PPO/GRPO (each NeMo-RL ``ClippedPGLossConfig`` key maps to one, see
     :func:`posttrain.adapters.nemo_rl.loss.clipped_pg_options`): ``ratio`` (:data:`RATIOS`:
-    per token, GSPO's per sequence, forced on-policy, none = REINFORCE), ``dual_clip`` c > 1,
+    per token, GSPO's per sequence, forced on-policy, none = REINFORCE, GSPO's token form,
+    CISPO), ``dual_clip`` c > 1,
     ``cispo``, ``kl_estimator`` (:data:`KL_ESTIMATORS`), ``kl_input_clamp`` / ``kl_output_clamp``,
     ``kl_gradient`` (:data:`KL_GRADIENTS`: NeMo-RL differentiates the KL times
     exp(log p - sg(log p)), ``"score"``), ``importance_correction`` /
@@ -142,10 +144,12 @@ class PolicyGradientLoss(torch.nn.Module):
             raise ValueError(
                 f"positive_nll_coef: expected a number >= 0, found {positive_nll_coef!r}"
             )
-        if cispo and (ratio != "token" or dual_clip is not None):
+        if (cispo and ratio not in ("token", "cispo")) or (
+            (cispo or ratio == "cispo") and dual_clip is not None
+        ):
             raise ValueError(
-                f"cispo: needs ratio='token' and no dual_clip (NeMo-RL's rule), found "
-                f"ratio={ratio!r}, dual_clip={dual_clip!r}"
+                f"cispo: needs ratio='token' (or 'cispo') and no dual_clip (NeMo-RL's rule), "
+                f"found ratio={ratio!r}, dual_clip={dual_clip!r}"
             )
         bounds = _bounds(importance_correction, importance_bounds)
         self.policy = policy
@@ -156,7 +160,7 @@ class PolicyGradientLoss(torch.nn.Module):
         self.t_norm = t_norm
         self.ratio = ratio
         self.dual_clip = None if dual_clip is None else float(dual_clip)
-        self.cispo = bool(cispo)
+        self.cispo = bool(cispo) or ratio == "cispo"  # ratio 'cispo' (loss 1.5) is cispo=True
         self.kl_estimator = kl_estimator
         self.kl_clamp = (kl_input_clamp, kl_output_clamp)
         self.kl_gradient = kl_gradient
@@ -207,15 +211,26 @@ class PolicyGradientLoss(torch.nn.Module):
             loss, clipped = torch.where(dual, pg3, loss), clipped | dual
         return loss, clipped
 
+    def _cispo(
+        self, adv: torch.Tensor, ratio: torch.Tensor, logp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CISPO's per-token loss -A·sg(clip(r))·log p (MiniMax-M1; verl's
+        ``compute_policy_loss_cispo``) and where the weight is clipped: a clipped weight bounds
+        the token's gradient, it does not zero it."""
+        ratio_c = self._clamped(ratio)
+        return -adv * ratio_c.detach() * logp, ratio_c != ratio
+
     def _ratios(self, logp: torch.Tensor, prox: torch.Tensor, fm: torch.Tensor) -> torch.Tensor:
         """The per-token ratio the surrogate clips (1 off the mask)."""
         mask = fm > 0
         if self.ratio == "none":  # REINFORCE: the surrogate is -A log p
             return logp
-        if self.ratio == "sequence":  # GSPO: the geometric mean over the row's tokens
+        if self.ratio in ("sequence", "gspo_token"):  # GSPO: the row's geometric mean
             mean = ((logp - prox) * fm).sum(-1, keepdim=True) / fm.sum(-1, keepdim=True).clamp_min(
                 1
             )
+            if self.ratio == "gspo_token":  # sg(ρ)·exp(logp_t - sg(logp_t)), verl's gspo
+                return torch.where(mask, (mean.detach() + logp - logp.detach()).exp(), 1.0)
             return torch.where(mask, mean.exp().expand_as(logp), 1.0)
         return torch.where(mask, (logp - prox).exp(), 1.0)  # "on_policy": prox is logp.detach()
 
@@ -227,7 +242,7 @@ class PolicyGradientLoss(torch.nn.Module):
         prox, old = prox.detach(), old.detach()
         mask = fm > 0
         n_tok, n_seq = max(counts.tokens, 1), max(counts.sequences, 1)
-        if self.ratio == "sequence":
+        if self.ratio in ("sequence", "gspo_token"):
             w = ((prox - old) * fm).sum(-1, keepdim=True).exp()
         else:
             w = torch.where(mask, (prox - old).exp(), 1.0)
@@ -247,7 +262,7 @@ class PolicyGradientLoss(torch.nn.Module):
             rows = mask.any(-1).to(fm.dtype)
             metrics["is_oob_ratio"] = ((1 - kept) * rows).sum() / n_seq
             w = w * kept[:, None]
-        if self.ratio == "sequence":
+        if self.ratio in ("sequence", "gspo_token"):
             # NeMo-RL's reduction: a [B, 1] weight times a [B] sample mask broadcasts to
             # [B, B], i.e. the sum of every row's weight times the valid rows, over the global
             # sequence count.
@@ -273,12 +288,7 @@ class PolicyGradientLoss(torch.nn.Module):
             if weight is not None:
                 weight = torch.where(logr == clamped, weight, weight.detach())
             logr = clamped
-        if self.kl_estimator == "k1":
-            kl = -logr
-        elif self.kl_estimator == "k2":
-            kl = logr.square() / 2
-        else:
-            kl = logr.exp() - logr - 1
+        kl = kl_estimate(logr, self.kl_estimator)
         if weight is not None:
             kl = weight * kl
         if lo_out is not None:
@@ -300,19 +310,10 @@ class PolicyGradientLoss(torch.nn.Module):
         logp, prox, old, ratio = logp.detach(), prox.detach(), old.detach(), ratio.detach()
         ratio_c = self._clamped(ratio)
         fm = mask.to(logp.dtype)
-
-        def kl(logr: torch.Tensor) -> torch.Tensor:
-            if self.kl_estimator == "k1":
-                return -logr
-            if self.kl_estimator == "k2":
-                return logr.square() / 2
-            return logr.exp() - 1 - logr
-
+        est = self.kl_estimator
         mix = torch.log(0.5 * prox.exp() + 0.5 * old.exp())
         # NeMo-RL's Jensen-Shannon term is k3-shaped whatever the KL type.
-        js = 0.5 * ((prox - mix).exp() - (prox - mix) - 1) + 0.5 * (
-            (old - mix).exp() - (old - mix) - 1
-        )
+        js = 0.5 * kl_estimate(prox - mix) + 0.5 * kl_estimate(old - mix)
         inf = torch.tensor(float("inf"), dtype=logp.dtype)
         pick, pick_c = ratio[mask], ratio_c[mask]
         res = {
@@ -323,8 +324,8 @@ class PolicyGradientLoss(torch.nn.Module):
             "probs_ratio_clamped_min": pick_c.min() if pick.numel() else inf,
             "probs_ratio_clamped_max": pick_c.max() if pick.numel() else -inf,
             "token_mult_prob_error": ((old - prox).abs() * fm).exp().mul(tm).sum(),
-            "gen_kl_error": (kl(prox - old) * tm).sum(),
-            "policy_kl_error": (kl(old - prox) * tm).sum(),
+            "gen_kl_error": (kl_estimate(prox - old, est) * tm).sum(),
+            "policy_kl_error": (kl_estimate(old - prox, est) * tm).sum(),
             "js_divergence_error": (js * tm).sum(),
             "approx_entropy": -((logp - old).exp() * logp * tm).sum(),
         }
@@ -390,9 +391,8 @@ class PolicyGradientLoss(torch.nn.Module):
         fm = mask.to(logp.dtype)
         n_tok = max(counts.tokens, 1)
         ratio = self._ratios(logp, prev, fm)
-        if self.cispo:  # MiniMax-M1: -A sg(clip(r)) log p
-            ratio_c = self._clamped(ratio)
-            per_token, active = -adv * ratio_c.detach() * logp, ratio_c != ratio
+        if self.cispo:
+            per_token, active = self._cispo(adv, ratio, logp)
         else:
             per_token, active = self._surrogate(adv, ratio)
         is_w, is_metrics = self._importance(prev, gen, fm, counts)
@@ -421,7 +421,7 @@ class PolicyGradientLoss(torch.nn.Module):
         with torch.no_grad():
             out["clip_fraction"] = ((active & mask).to(tm.dtype) * tm).sum()
             d_old = old - logp
-            out["kl_approx"] = (torch.where(mask, d_old.exp() - d_old - 1, 0.0) * tm).sum()
+            out["kl_approx"] = (torch.where(mask, kl_estimate(d_old), 0.0) * tm).sum()
             out["entropy"] = (torch.where(mask, ent, 0.0) * tm).sum()
             if self.nemo_metrics:
                 out.update(is_metrics)
@@ -438,22 +438,15 @@ def _real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)  # numpy floats too
 
 
-RATIOS = ("token", "sequence", "on_policy", "none")
+RATIOS = ("token", "sequence", "on_policy", "none", "gspo_token", "cispo")
 """``ratio`` values: the PPO ratio per token, GSPO's per-sequence geometric mean, exactly 1
 with the policy's gradient (NeMo-RL ``force_on_policy_ratio``), none (REINFORCE: -A log p,
-NeMo-RL ``disable_ppo_ratio``).
+NeMo-RL ``disable_ppo_ratio``), GSPO's token form sg(ρ_seq)·exp(logp_t - sg(logp_t)) (verl's
+``gspo``), CISPO's -A·sg(clip(r))·log p (the same as ``cispo=True``).
 
 Example:
     >>> RATIOS[0]
     'token'
-"""
-KL_ESTIMATORS = ("k1", "k2", "k3")
-"""KL estimators of log r = log pi_ref - log pi (Schulman): k1 -log r, k2 (log r)^2 / 2,
-k3 r - 1 - log r.
-
-Example:
-    >>> KL_ESTIMATORS[-1]
-    'k3'
 """
 KL_GRADIENTS = ("pathwise", "score", "behaviour")
 """How the KL estimate is differentiated: as written (``pathwise``), times

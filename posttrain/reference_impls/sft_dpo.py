@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import GlobalCounts
 from posttrain.contracts.validation import check
@@ -209,7 +210,6 @@ class DPOLoss(torch.nn.Module):
             rewards = rewards / n_tok.clamp_min(1)
         chosen, rejected = rewards[0::2], rewards[1::2]
         valid = (n_tok[0::2] > 0).to(logp.dtype)
-        valid_rejected = (n_tok[1::2] > 0).to(logp.dtype)
         pairs = max(c.sequences, 1) / 2
         pref = (-torch.nn.functional.logsigmoid(self.beta * (chosen - rejected)) * valid).sum()
         pref = pref / pairs
@@ -226,5 +226,65 @@ class DPOLoss(torch.nn.Module):
             out["sft_loss"] = sft.detach()
             out["accuracy"] = ((chosen > rejected).to(logp.dtype) * valid).sum() / pairs
             out["rewards_chosen_mean"] = (chosen * valid).sum() / pairs
-            out["rewards_rejected_mean"] = (rejected * valid_rejected).sum() / pairs
+            out["rewards_rejected_mean"] = (rejected * valid).sum() / pairs
         return TensorDict(out, batch_size=[])
+
+
+_DPO_BETA = 0.5  # large enough that σ(-β·Δ) differs visibly from 1/2 on the suite's pairs
+
+
+def make_dpo_loss(policy: Any, *, token_reduction: str = "sum", beta: float = _DPO_BETA) -> DPOLoss:
+    """The ``dpo_loss`` factory: :class:`DPOLoss` with option ``token_reduction`` by name.
+
+    Example:
+        >>> from posttrain.testing import tiny_causal_lm
+        >>> make_dpo_loss(tiny_causal_lm(vocab_size=64), token_reduction="mean").preference_average
+        True
+        >>> make_dpo_loss(tiny_causal_lm(vocab_size=64), token_reduction="avg")
+        Traceback (most recent call last):
+        ...
+        ValueError: token_reduction: expected 'sum' or 'mean', found 'avg'
+    """
+    if token_reduction not in ("sum", "mean"):
+        raise ValueError(f"token_reduction: expected 'sum' or 'mean', found {token_reduction!r}")
+    return DPOLoss(policy, beta=beta, preference_average=token_reduction == "mean")
+
+
+def _nll_impl(aggregation: str) -> Implementation:
+    return Implementation(
+        "nll_loss",
+        NLLLoss,
+        name=f"posttrain.NLLLoss[{aggregation}]",
+        capabilities={"global_counts"},
+        options={"aggregation": aggregation},
+        description="Reference supervised NLL loss over the assistant tokens (NeMo-RL's NLLLossFn).",
+    )
+
+
+NLL_LOSS_TOKEN_MEAN = _nll_impl("token_mean")
+NLL_LOSS_SEQ_MEAN_TOKEN_MEAN = _nll_impl("seq_mean_token_mean")
+NLL_LOSS_SEQ_MEAN_TOKEN_SUM = _nll_impl("seq_mean_token_sum")
+NLL_LOSSES: tuple[Implementation, ...] = (
+    NLL_LOSS_TOKEN_MEAN,
+    NLL_LOSS_SEQ_MEAN_TOKEN_MEAN,
+    NLL_LOSS_SEQ_MEAN_TOKEN_SUM,
+)
+"""The reference NLL loss in each aggregation (entry points ``reference-nll-loss-*``)."""
+
+
+def _dpo_impl(token_reduction: str) -> Implementation:
+    return Implementation(
+        "dpo_loss",
+        make_dpo_loss,
+        name=f"posttrain.DPOLoss[{token_reduction}]",
+        capabilities={"global_counts"},
+        options={"token_reduction": token_reduction},
+        extras={"beta": _DPO_BETA},
+        description="Reference sigmoid DPO loss over interleaved pairs (NeMo-RL's DPOLossFn).",
+    )
+
+
+DPO_LOSS_SUM = _dpo_impl("sum")
+DPO_LOSS_MEAN = _dpo_impl("mean")
+DPO_LOSSES: tuple[Implementation, ...] = (DPO_LOSS_SUM, DPO_LOSS_MEAN)
+"""The reference DPO loss in each token reduction (entry points ``reference-dpo-loss-*``)."""

@@ -509,6 +509,63 @@ class GspoNeverClips(PolicyGradientLoss):
         return ratio if self.ratio == "sequence" else super()._clamped(ratio)
 
 
+class GspoTokenAsSequence(PolicyGradientLoss):
+    """``ratio="gspo_token"`` computed as the sequence ratio: the same value, and with a [B, T]
+    advantage each token's gradient mixes its row's advantages instead of its own A_t·ρ."""
+
+    def __init__(self, policy: Any, *, ratio: str = "token", **kwargs: Any) -> None:
+        super().__init__(policy, ratio=ratio, **kwargs)
+        if ratio == "gspo_token":
+            self.ratio = "sequence"
+
+
+class GspoTokenNeverClips(PolicyGradientLoss):
+    """``ratio="gspo_token"`` whose surrogate never clips the sequence ratio's value."""
+
+    def _clamped(self, ratio: torch.Tensor) -> torch.Tensor:
+        return ratio if self.ratio == "gspo_token" else super()._clamped(ratio)
+
+
+class CispoWeightNotDetached(PolicyGradientLoss):
+    """``ratio="cispo"`` with the gradient flowing through the weight: -A·clip(r)·log p
+    differentiated as written, so an unclipped token's gradient is -A·r·(1 + log p)·w."""
+
+    def _cispo(
+        self, adv: torch.Tensor, ratio: torch.Tensor, logp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ratio_c = self._clamped(ratio)
+        return -adv * ratio_c * logp, ratio_c != ratio
+
+
+class CispoAsClippedSurrogate(PolicyGradientLoss):
+    """``ratio="cispo"`` computed as PPO's token surrogate: value Σ w·(-A·r), not
+    Σ w·(-A·sg(r)·log p), though the gradient inside the bounds is the same."""
+
+    def __init__(self, policy: Any, *, ratio: str = "token", **kwargs: Any) -> None:
+        super().__init__(policy, ratio=ratio, **kwargs)
+        if ratio == "cispo":
+            self.ratio, self.cispo = "token", False
+
+
+class CispoClippedWeightStopsGradient(PolicyGradientLoss):
+    """``ratio="cispo"`` whose clipped tokens get no gradient (PPO's rule): the same value, but
+    where the weight is clipped the token's log-prob is detached too."""
+
+    def _cispo(
+        self, adv: torch.Tensor, ratio: torch.Tensor, logp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ratio_c = self._clamped(ratio)
+        active = ratio_c != ratio
+        return -adv * ratio_c.detach() * torch.where(active, logp.detach(), logp), active
+
+
+class CispoUnclippedWeight(PolicyGradientLoss):
+    """``ratio="cispo"`` whose weight is never clipped: -A·sg(r)·log p at every ratio."""
+
+    def _clamped(self, ratio: torch.Tensor) -> torch.Tensor:
+        return ratio if self.cispo else super()._clamped(ratio)
+
+
 class KlWithoutGradient(PolicyGradientLoss):
     """The KL estimate computed from a detached log pi: ``loss_kl_to_ref`` has no grad_fn."""
 
@@ -602,6 +659,7 @@ MUTANTS: dict[str, Implementation] = {
     "LOSS-020": _opt_impl("LOSS-020", IgnoresKlGradient, kl_gradient="score"),
     "LOSS-021": _opt_impl("LOSS-021", IgnoresRatio, ratio="sequence"),
     "LOSS-022": _opt_impl("LOSS-022", GspoNeverClips, ratio="sequence"),
+    "LOSS-023": _opt_impl("LOSS-023", CispoClippedWeightStopsGradient, ratio="cispo"),
 }
 """Requirement id -> a loss that breaks exactly that requirement."""
 
@@ -630,6 +688,12 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-020", _opt_impl("LOSS-020", KlOfMeanLogRatio, kl_gradient="pathwise")),
     ("LOSS-020", _opt_impl("LOSS-020", KlImportanceWeighted, kl_gradient="score")),
     ("LOSS-021", _opt_impl("LOSS-021", GspoTokenForm, ratio="sequence")),
+    # loss 1.5: GSPO's token form and CISPO
+    ("LOSS-021", _opt_impl("LOSS-021", GspoTokenAsSequence, ratio="gspo_token")),
+    ("LOSS-022", _opt_impl("LOSS-022", GspoTokenNeverClips, ratio="gspo_token")),
+    ("LOSS-021", _opt_impl("LOSS-021", CispoWeightNotDetached, ratio="cispo")),
+    ("LOSS-021", _opt_impl("LOSS-021", CispoAsClippedSurrogate, ratio="cispo")),
+    ("LOSS-023", _opt_impl("LOSS-023", CispoUnclippedWeight, ratio="cispo")),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
 

@@ -21,6 +21,8 @@ MODULES = {
     "weight_sync": "weight_syncs",
     "metrics": "sinks",
     "generation": "generation",
+    "nll_loss": "nll_losses",
+    "dpo_loss": "dpo_losses",
 }
 
 

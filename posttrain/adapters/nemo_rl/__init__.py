@@ -14,13 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 from posttrain._deprecated import deprecated_attr, moved_to
 from posttrain.adapters.nemo_rl.advantages import grpo_advantages
-from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient
+from posttrain.adapters.nemo_rl.async_buffer import NemoAsyncReplayBuffer
+from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict
+from posttrain.adapters.nemo_rl.data_plane import NemoAsyncGroupSlots, NemoDataPlaneClient
 from posttrain.adapters.nemo_rl.generation import NemoGeneration
 from posttrain.adapters.nemo_rl.logger import NemoLogger
 from posttrain.adapters.nemo_rl.loss import ContractAsNemoLoss, NemoLossModule
 from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
 from posttrain.adapters.nemo_rl.train_data import NemoFormatError, from_layout, to_layout
-from posttrain.adapters.nemo_rl.weight_sync import NemoWeightSynchronizer
+from posttrain.adapters.nemo_rl.weight_sync import (
+    NemoShardedWeightSynchronizer,
+    NemoWeightSynchronizer,
+)
 
 if TYPE_CHECKING:  # the deprecated names below, typed for code that still uses them
     from posttrain.adapters.nemo_rl.batching import flatten_message_logs as flatten_message_logs
@@ -38,13 +43,17 @@ if TYPE_CHECKING:  # the deprecated names below, typed for code that still uses 
     from posttrain.adapters.nemo_rl.wire import wire_to_layout as wire_to_layout
 
 __all__ = [
+    "BatchedDataDict",
     "ContractAsNemoLoss",
+    "NemoAsyncGroupSlots",
+    "NemoAsyncReplayBuffer",
     "NemoDataPlaneClient",
     "NemoFormatError",
     "NemoGeneration",
     "NemoLogger",
     "NemoLossModule",
     "NemoReplayBuffer",
+    "NemoShardedWeightSynchronizer",
     "NemoWeightSynchronizer",
     "from_layout",
     "grpo_advantages",

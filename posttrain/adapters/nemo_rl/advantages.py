@@ -17,8 +17,9 @@ committed vectors are matched bit for bit, RE++ to 1e-6 absolute):
   compute_advantage`` (optional group-mean baseline, optional KL in the reward, global
   whitening over the mask).
 
-:func:`grpo_advantages` (per-sample, [B]) keeps its own exact-std numerics; use
-:func:`grpo_advantage` where NeMo-RL's values are wanted.
+:func:`grpo_advantages` (per-sample, [B], prompt rows of any length) shares their grouping
+and baseline but takes the exact two-pass std; use :func:`grpo_advantage` where NeMo-RL's
+values are wanted.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from posttrain._kl import KL_ESTIMATORS, kl_estimate
 
 
 def _group_layout(prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -118,13 +121,44 @@ def grpo_advantage(
         >>> a.shape, round(a[3, 0].item(), 2)
         (torch.Size([4, 3]), 5310.04)
     """
+    _, _, centred = _grpo(prompt_ids, rewards, leave_one_out, normalize, 1e-6, exact_std=False)
+    return centred.unsqueeze(-1).expand(mask.shape)
+
+
+def _grpo(
+    prompts: torch.Tensor,
+    rewards: torch.Tensor,
+    leave_one_out: bool,
+    normalize: bool,
+    eps: float,
+    *,
+    exact_std: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GRPO's baseline, std and advantage per sample (every sample valid), both public forms.
+
+    ``exact_std`` replaces NeMo-RL's mean-square std by the two-pass one, the root of the mean
+    squared deviation from the baseline over the same samples (n - 1 in the denominator).
+    """
     baseline, std = baseline_and_std_per_prompt(
-        prompt_ids, rewards, torch.ones_like(rewards), leave_one_out_baseline=leave_one_out
+        prompts, rewards, torch.ones_like(rewards), leave_one_out_baseline=leave_one_out
     )
+    if exact_std and len(rewards):
+        group, column, width = _group_layout(prompts)
+        table = torch.zeros(int(group.max()) + 1, width, dtype=rewards.dtype)
+        present = torch.zeros(table.shape, dtype=torch.bool)
+        table[group, column] = rewards
+        present[group, column] = True
+        others, kept = table[group], present[group]  # [B, width]: each sample's group
+        if leave_one_out:
+            kept = kept.clone()
+            kept[torch.arange(len(group)), column] = False
+        n = kept.sum(1).to(rewards.dtype)
+        squares = torch.where(kept, (others - baseline[:, None]).square(), 0.0).sum(1)
+        std = torch.where(n > 1, (squares / (n - 1).clamp(min=1)).sqrt(), 0.0)
     centred = rewards - baseline
     if normalize:
-        centred = torch.where(std > 0, centred / (std + 1e-6), centred)
-    return centred.unsqueeze(-1).expand(mask.shape)
+        centred = torch.where(std > 0, centred / (std + eps), centred)
+    return baseline, std, centred
 
 
 def clip_advantages(
@@ -143,13 +177,6 @@ def clip_advantages(
     return advantages
 
 
-_KL_OF_LOG_RATIO = {
-    "k1": lambda x: -x,
-    "k2": lambda x: x * x / 2,
-    "k3": lambda x: x.exp() - 1 - x,
-}
-
-
 def _kl(
     logprobs: torch.Tensor,
     reference: torch.Tensor,
@@ -163,13 +190,12 @@ def _kl(
     ``-x``, k2 is ``x**2 / 2``, k3 is ``exp(x) - 1 - x``; the estimate is then clamped to
     ``[-output_clamp, output_clamp]``.
     """
-    estimate = _KL_OF_LOG_RATIO.get(kl_type)
-    if estimate is None:
+    if kl_type not in KL_ESTIMATORS:
         raise ValueError(f"kl_type: expected 'k1', 'k2' or 'k3', found {kl_type!r}")
     x = reference - logprobs
     if input_clamp is not None:
         x = x.clamp(-input_clamp, input_clamp)
-    kl: torch.Tensor = estimate(x)
+    kl = kl_estimate(x, kl_type)
     return kl if output_clamp is None else kl.clamp(-output_clamp, output_clamp)
 
 
@@ -242,21 +268,11 @@ def grpo_advantages(
         raise ValueError(
             f"rewards: expected one per prompt row ({len(prompt_rows)}), found {r.numel()}"
         )
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, row in enumerate(prompt_rows):
-        groups.setdefault(tuple(int(t) for t in row), []).append(i)
-    baseline = torch.zeros_like(r)
-    std = torch.zeros_like(r)
-    for members in groups.values():
-        g = r[members]
-        for j, i in enumerate(members):
-            others = torch.cat([g[:j], g[j + 1 :]]) if leave_one_out else g
-            if others.numel() == 0:
-                baseline[i] = r[i]
-                continue
-            baseline[i] = others.mean()
-            std[i] = others.std(unbiased=True) if others.numel() > 1 else 0.0
-    adv = r - baseline
-    if normalize:
-        adv = torch.where(std > 0, adv / (std + eps), adv)
+    # Prompt rows may differ in length: each distinct row becomes one group id.
+    ids: dict[tuple[int, ...], int] = {}
+    group = torch.tensor(
+        [ids.setdefault(tuple(int(t) for t in row), len(ids)) for row in prompt_rows],
+        dtype=torch.int64,
+    )
+    baseline, std, adv = _grpo(group, r, leave_one_out, normalize, eps, exact_std=True)
     return {"baseline": baseline, "std": std, "advantages": adv}

@@ -21,11 +21,13 @@ either served from a Ray actor. ``sample`` hands back the group as it was pushed
 as ``nemo_rl``'s ``BatchedDataDict`` where it imports, else posttrain's mirror).
 
 Full policy (explicit, never a silent drop): ``add`` answers ``"full"`` with nothing changed
-when ``max_size`` entries are held (NeMo-RL's rule), when the backing buffer's capacity
-has no room for the group's chunks beside the live ones, or when the free items are
-fragmented so that no run of that many free items lies within one turn of the ring; the
-collector then retries, as it does on NeMo-RL's ``"full"``. A FIFO backing buffer's write position is advanced past live
-chunks by rewriting them in place, so groups consumed out of order never lose rows.
+when ``max_size`` entries are held (NeMo-RL's rule) or when the backing buffer's capacity
+has no room for the group's chunks beside the live ones (a bound NeMo-RL's in-memory list
+does not have); the collector then retries, as it does on NeMo-RL's ``"full"``. A FIFO
+backing buffer's write position is advanced past live chunks by rewriting them in place, so
+groups consumed out of order never lose rows; when the free items are fragmented so that no
+run of the group's size lies within one turn of the ring, every live group is rewritten back
+to back first (compaction), so a group that fits in the free items is never refused.
 
 Checkpoints: ``save_to_path`` writes ``torch.save`` of plain tensors, lists and ints to a
 temporary file beside ``path``, fsyncs it and renames it into place (a crash leaves the
@@ -35,6 +37,7 @@ previous file or the new one); ``load_from_path`` reads it with ``weights_only=T
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -47,7 +50,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from posttrain.adapters.nemo_rl.storage import _capacity_of
+from posttrain.adapters.nemo_rl.storage import _capacity_of, mean_age, take_for_step
 from posttrain.errors import PosttrainError
 
 NEMO_GYM_TASK_INDEX_KEY = "_ng_task_index"
@@ -337,14 +340,14 @@ class NemoAsyncReplayBuffer:
         # Plan the walk of the FIFO write position before writing anything: it steps over a
         # live entry whole (it is always at an entry's first item, entries being contiguous
         # runs) or over one dead item, until k free items lie ahead. One full turn without
-        # such a run means the free items are fragmented: answer "full" with nothing written
-        # (walking on would go round the ring forever).
+        # such a run means the free items are fragmented: compact instead (walking on would
+        # go round the ring forever, and NeMo-RL answers "full" only at max_size).
         start = self._written % cap
         steps: list[_Entry | int] = []
         walked = 0
         while any((start + walked + j) % cap in owner for j in range(k)):
             if walked >= cap:
-                return None
+                return self._compact_and_store(td)
             pos = (start + walked) % cap
             if pos in owner:
                 steps.append(owner[pos])
@@ -357,6 +360,24 @@ class NemoAsyncReplayBuffer:
                 self._extend(self._chunks(self._payload(step)), step.indices)
             else:
                 self._extend(self.buffer.read(torch.tensor([step])), [step])
+        return self._extend(td, [(self._written + j) % cap for j in range(k)])
+
+    def _compact_and_store(self, td: TensorDict) -> list[int]:
+        """Rewrite every live entry back to back from the write position, then ``td``.
+
+        Called when live + k <= capacity but no k free items lie in a row. All payloads are
+        read before the first write (a rewrite lands on rows of entries not yet moved), so
+        the live items end up in one run, in FIFO order, followed by k free items: the
+        write that follows them fits. Costs one read and one write of every live item.
+        """
+        cap = self.capacity
+        assert cap is not None
+        payloads = [self._payload(e) for e in self._entries]
+        for e, p in zip(self._entries, payloads, strict=True):
+            chunks = self._chunks(p)
+            n = int(chunks.batch_size[0])
+            e.indices = self._extend(chunks, [(self._written + j) % cap for j in range(n)])
+        k = int(td.batch_size[0])
         return self._extend(td, [(self._written + j) % cap for j in range(k)])
 
     # -- NeMo-RL's interface -------------------------------------------------------------------
@@ -429,26 +450,21 @@ class NemoAsyncReplayBuffer:
         """NeMo-RL's ``sample``: evict stale groups, then take the first ``num_prompt_groups``
         meant for ``current_weight_version``, or ``None`` (stall) when there are fewer."""
         with self._lock:
-            if not self._entries:
+            left, chosen = take_for_step(
+                self._entries, num_prompt_groups, current_weight_version, max_age_steps
+            )
+            if chosen is None:
+                self._entries = left
                 return None
-            min_valid = max(0, current_weight_version - max_age_steps)
-            self._entries = [e for e in self._entries if e.version >= min_valid]
-            valid = [e for e in self._entries if min_valid <= e.version <= current_weight_version]
-            if not valid or len(valid) < num_prompt_groups:
-                return None
-            intended = [e for e in valid if e.target == current_weight_version]
-            if len(intended) < num_prompt_groups:
-                return None
-            chosen = intended[:num_prompt_groups]
             items = [decode_payload(self._payload(e)) for e in chosen]
-            taken = {id(e) for e in chosen}
-            self._entries = [e for e in self._entries if id(e) not in taken]
+            self._entries = left  # only once every group decoded
             self.last_target_weight_already_generated = max(
                 self.last_target_weight_already_generated, current_weight_version
             )
-            versions = [e.version for e in chosen]
-            age = current_weight_version - sum(versions) / len(versions)
-            return {"trajectories": items, "avg_trajectory_age": age}
+            return {
+                "trajectories": items,
+                "avg_trajectory_age": mean_age(chosen, current_weight_version),
+            }
 
     def size(self) -> int:
         """Prompt groups held."""
@@ -541,7 +557,10 @@ class NemoAsyncReplayBuffer:
         }
         missing = required - set(state)
         if missing:
-            raise ValueError(f"Checkpoint missing required keys: {missing}")
+            raise ValueError(
+                f"state keys: expected {sorted(required)}, found {sorted(state)} "
+                f"(without {sorted(missing)})"
+            )
         if "format" in state and state["format"] != PAYLOAD_FORMAT:
             raise ValueError(
                 f"Checkpoint format: expected {PAYLOAD_FORMAT!r}, found {state['format']!r}"
@@ -551,9 +570,8 @@ class NemoAsyncReplayBuffer:
         targets = [int(t) for t in state["target_weight_versions"]]
         if not len(trajs) == len(versions) == len(targets):
             raise ValueError(
-                "Checkpoint has inconsistent replay buffer lengths: "
-                f"trajectories={len(trajs)}, trajectory_versions={len(versions)}, "
-                f"target_weight_versions={len(targets)}"
+                "state lists: expected one length for trajectories, trajectory_versions and "
+                f"target_weight_versions, found {len(trajs)}, {len(versions)} and {len(targets)}"
             )
         payloads = [t if isinstance(t, torch.Tensor) else encode_payload(t) for t in trajs]
         for p in payloads:
@@ -631,34 +649,53 @@ def _restore_plan(
     current_training_step: int | None,
     max_age_steps: int | None,
 ) -> tuple[list[_Row], int]:
-    """``ReplayBufferImpl.load_state_dict``'s filtering, on (payload, version, target, task) rows.
+    """Which restored (payload, version, target, task) rows stay, and the new generation mark.
 
-    ``_remove_stale_trajectories``, then ``_prepare_for_training_step`` or
-    ``_remove_incomplete_target_steps``, then ``_truncate_to_max_size``, as NeMo-RL 7ea279a.
+    The rule (what NeMo-RL 7ea279a's ``ReplayBufferImpl.load_state_dict`` leaves behind):
+
+    - *fresh* rows: all, or with ``max_age_steps`` those whose version is valid for their
+      target; a target is *short* when it has fewer than ``num_prompts_per_step`` fresh rows.
+    - resuming (``current_training_step`` and ``num_prompts_per_step`` given): keep fresh
+      rows aimed at ``current_training_step`` or later, without the short targets'
+      rows when ``drop_incomplete``; the mark becomes ``current_training_step - 1``.
+    - only ``num_prompts_per_step``: keep fresh rows of targets that are not short; if some
+      target was short, the mark drops to one below the lowest kept target (never rises),
+      or to -1 when nothing is kept.
+    - otherwise: keep the fresh rows; the mark stays.
+    - then at most ``max_size`` rows remain, in their order: the newest ones, or, when
+      resuming from a step, the ones with the lowest targets (ties: the earliest).
+
+    Example:
+        >>> p = torch.zeros(1)
+        >>> rows = [(p, 0, 1, None), (p, 1, 2, None), (p, 1, 2, None), (p, 2, 3, None)]
+        >>> kept, mark = _restore_plan(rows, 3, 8, False, 2, None, None)
+        >>> [r[2] for r in kept], mark
+        ([2, 2], 1)
     """
-    if max_age_steps is not None and rows:
-        rows = [r for r in rows if _valid_for_target(r[1], r[2], max_age_steps)]
+    fresh = [
+        r for r in rows if max_age_steps is None or _valid_for_target(r[1], r[2], max_age_steps)
+    ]
+    per_target = Counter(r[2] for r in fresh)
+    short = (
+        set()
+        if num_prompts_per_step is None
+        else {t for t, n in per_target.items() if n < num_prompts_per_step}
+    )
     if current_training_step is not None and num_prompts_per_step is not None:
-        rows = [r for r in rows if r[2] >= current_training_step]
-        if rows:
-            counts = Counter(r[2] for r in rows)
-            incomplete = {t for t, c in counts.items() if c < num_prompts_per_step}
-            if incomplete and drop_incomplete:
-                rows = [r for r in rows if r[2] not in incomplete]
+        unwanted = short if drop_incomplete else set()
+        kept = [r for r in fresh if r[2] >= current_training_step and r[2] not in unwanted]
         last = current_training_step - 1
-    elif num_prompts_per_step is not None and rows:
-        counts = Counter(r[2] for r in rows)
-        incomplete = {t for t, c in counts.items() if c < num_prompts_per_step}
-        if incomplete:
-            rows = [r for r in rows if r[2] not in incomplete]
-            last = min(last, min(r[2] for r in rows) - 1) if rows else -1
-    if len(rows) > max_size:
-        if current_training_step is None:
-            rows = rows[len(rows) - max_size :]
-        else:
-            order = sorted(range(len(rows)), key=lambda i: (rows[i][2], i))
-            rows = [rows[i] for i in sorted(order[:max_size])]
-    return rows, last
+    else:
+        kept = [r for r in fresh if r[2] not in short]
+        if short:
+            last = min(last, min(r[2] for r in kept) - 1) if kept else -1
+    surplus = len(kept) - max_size
+    if surplus <= 0:
+        return kept, last
+    if current_training_step is None:
+        return kept[surplus:], last
+    lowest = set(heapq.nsmallest(max_size, range(len(kept)), key=lambda i: (kept[i][2], i)))
+    return [r for i, r in enumerate(kept) if i in lowest], last
 
 
 def nemo_replay_buffer_actor(

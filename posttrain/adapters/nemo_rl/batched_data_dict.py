@@ -1,13 +1,15 @@
 """A mirror of NeMo-RL's ``BatchedDataDict`` (``nemo_rl/distributed/batched_data_dict.py``).
 
-Followed at NeMo-RL commit 7ea279a method by method, and pinned by outputs of NeMo-RL's own
-class on the same inputs (``tests/data/nemo_rl_batched_data_dict.json``). Where ``nemo_rl``
-imports, use its class; this one is for code that must run without it (NeMo-RL is not on the
-package index). Not mirrored: ``PackedTensor`` values, multimodal helpers, ``all_gather``,
-and ``shard_by_batch_size``'s ``sequence_packing_args`` (refused with ``NotImplementedError``).
+Each method is written from the rule its docstring states (what it returns for given
+inputs), and pinned by outputs of NeMo-RL's own class at commit 7ea279a on the same inputs
+(``tests/data/nemo_rl_batched_data_dict.json``). Where ``nemo_rl`` imports, use its class;
+this one is for code that must run without it (NeMo-RL is not on the package index). Not
+mirrored: ``PackedTensor`` values, multimodal helpers, ``all_gather``, and
+``shard_by_batch_size``'s ``sequence_packing_args`` (refused with ``NotImplementedError``).
 
-NeMo-RL signals misuse with ``assert``; this mirror raises ``ValueError`` with the same
-conditions, so ``python -O`` does not turn a bad call into a silent wrong answer.
+NeMo-RL signals misuse with ``assert``; this mirror raises ``ValueError`` on the same
+conditions, so ``python -O`` does not turn a bad call into a silent wrong answer; each
+message names the argument or key, what was expected and what was found.
 """
 
 from __future__ import annotations
@@ -62,53 +64,34 @@ class BatchedDataDict(UserDict[str, Any]):
             >>> out["a"].tolist()
             [[1, 0], [2, 0], [3, 4]]
         """
+        from posttrain.adapters.nemo_rl.batching import stack_values
+
         del allow_missing_packed_tensors
         out = cls()
         pads = dict(pad_value_dict or {})
-        if not batches:
-            return out
-
-        def rows(item: Mapping[Any, Any]) -> int:
-            return len(next(iter(item.values()))) if item else 0
-
-        for k in sorted({key for item in batches for key in item}):
-            missing = [i for i, item in enumerate(batches) if k not in item and rows(item)]
-            if missing:
-                raise KeyError(f"Key {k!r} is missing from non-empty batches {missing}.")
-            values = [item[k] for item in batches if k in item]
-            if isinstance(values[0], list):
-                out[k] = [x for v in values for x in v]
-            elif all(isinstance(v, torch.Tensor) and v.ndim == 1 for v in values):
-                out[k] = torch.cat(values)
-            elif isinstance(values[0], torch.Tensor):
-                pad = pads.get(k, 0)
-                if values[0].ndim >= 3:
-                    width = max(v.shape[1] for v in values)
-                    padded = [
-                        torch.nn.functional.pad(
-                            v, (0, 0) * (v.ndim - 2) + (0, width - v.shape[1]), value=pad
-                        )
-                        for v in values
-                    ]
-                    out[k] = torch.cat(padded, dim=0)
-                else:
-                    flat = [row.flatten() for v in values for row in v]
-                    out[k] = torch.nn.utils.rnn.pad_sequence(
-                        flat, batch_first=True, padding_value=pad
-                    )
-            else:
-                raise NotImplementedError(
-                    f"Attempted to stack for unsupported type {type(values[0])} with key {k}."
+        for key in sorted({k for batch in batches for k in batch}):
+            # An empty batch (no key at all, or rows of length 0) may lack any key.
+            lacking = [n for n, batch in enumerate(batches) if key not in batch and _rows(batch)]
+            if lacking:
+                raise KeyError(
+                    f"from_batches key {key!r}: expected in every non-empty batch, "
+                    f"found it absent from batches {lacking}"
                 )
+            out[key] = stack_values([b[key] for b in batches if key in b], pads.get(key, 0))
         return out
 
     def _batch_size(self) -> int:
-        sizes = {v.size(0) if isinstance(v, torch.Tensor) else len(v) for v in self.data.values()}
-        if len(sizes) != 1:
+        counts = {
+            k: int(v.shape[0]) if isinstance(v, torch.Tensor) else len(v)
+            for k, v in self.data.items()
+        }
+        if len(set(counts.values())) != 1:
+            shown = ", ".join(f"{k!r}: {n}" for k, n in list(counts.items())[:10])
             raise ValueError(
-                f"Batch sizes are not the same across the rollout batch, found sizes: {sorted(sizes)}"
+                f"batch keys: expected one row count, found {{{shown}}}"
+                + (f" and {len(counts) - 10} more" if len(counts) > 10 else "")
             )
-        return sizes.pop()
+        return next(iter(counts.values()))
 
     @property
     def size(self) -> int:
@@ -124,27 +107,37 @@ class BatchedDataDict(UserDict[str, Any]):
         return int(v.shape[0]) if isinstance(v, torch.Tensor) else len(v)
 
     def chunk(self, rank: int, chunks: int) -> SlicedDataDict:
-        """Rows ``torch.arange(B).tensor_split(chunks)[rank]`` (tensors cloned).
+        """Part ``rank`` of the batch cut into ``chunks`` equal, consecutive parts.
 
-        NeMo-RL's bound check compares ``rank`` with the rows per chunk (``B // chunks >
-        rank``), not with ``chunks``; mirrored as is: 6 rows in 3 chunks refuse rank 2.
+        The rule: with ``B`` rows and ``n = B // chunks``, part ``rank`` is rows
+        ``[rank * n, (rank + 1) * n)`` (a negative ``rank`` counts from the last part);
+        tensors come back as copies, list values as new lists. Refused: ``chunks`` not
+        dividing ``B``, and ``rank >= n``. That bound compares ``rank`` with the rows per part,
+        not with ``chunks`` (NeMo-RL's check, kept so both accept the same calls): 6 rows in 3
+        parts refuse rank 2.
 
         Example:
             >>> BatchedDataDict({"x": [0, 1, 2, 3, 4, 5]}).chunk(1, 3)["x"]
             [2, 3]
         """
-        b = self._batch_size()
-        if b % chunks:
-            raise ValueError(f"batch size ({b}) is not a multiple of chunks ({chunks})")
-        if b // chunks <= rank:
+        total = self._batch_size()
+        if total % chunks:
             raise ValueError(
-                f"index OOB: not enough splits for this rank. rollout_batch_size: {b}, "
-                f"chunks ({chunks}), rank_idx ({rank})"
+                f"chunk chunks: expected a divisor of the batch's {total} rows, found {chunks}"
             )
-        idx = torch.arange(b).tensor_split(chunks)[rank]
+        per_part = total // chunks
+        if rank >= per_part:
+            raise ValueError(
+                f"chunk rank: expected below {per_part} (the rows per part of {total} rows "
+                f"in {chunks}), found {rank}"
+            )
+        part = rank + chunks if rank < 0 else rank
+        if not 0 <= part < chunks:
+            raise IndexError(f"chunk rank: expected -{chunks} or more, found {rank}")
+        lo, hi = part * per_part, (part + 1) * per_part
         out = SlicedDataDict()
         for k, v in self.data.items():
-            out[k] = v[idx].clone() if torch.is_tensor(v) else [v[i] for i in idx]
+            out[k] = v[lo:hi].clone() if isinstance(v, torch.Tensor) else list(v[lo:hi])
         return out
 
     def reorder_data(self, reorded_indices: list[int]) -> None:
@@ -174,90 +167,107 @@ class BatchedDataDict(UserDict[str, Any]):
         dynamic_batching_args: Mapping[str, Any] | None = None,
         sequence_packing_args: Mapping[str, Any] | None = None,
     ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
-        """Chunks of ``batch_size``, each cut in ``shards``; shard i gathers every chunk's i-th part.
+        """Split the batch over ``shards`` ranks, keeping each global batch's order.
 
-        ``allow_uneven_shards`` (``batch_size`` must then be ``None``) rounds the shard size up,
-        so the last shards may be shorter or empty. ``dynamic_batching_args``
-        (``max_tokens_per_microbatch``, ``sequence_length_round``, ``input_key``,
-        ``input_lengths_key``) sorts each chunk by length, strides it over the shards, sets
-        ``micro_batch_indices`` / ``micro_batch_lengths`` on every shard and returns
-        ``(shards, sorted_indices)``, as NeMo-RL does.
+        The rule, with ``B`` rows and ``G = batch_size`` (``B`` when ``None``): the rows form
+        ``B / G`` global batches of ``G`` consecutive rows; each global batch is cut in
+        ``shards`` consecutive parts of ``m = G / shards`` rows, and shard ``s`` holds part
+        ``s`` of every global batch, global batch by global batch, i.e. rows
+        ``g * G + s * m + j`` for ``g`` in order, then ``j < m``. With
+        ``allow_uneven_shards`` (``batch_size`` must then be ``None``; one global batch),
+        ``m = ceil(B / shards)`` and shard ``s`` holds rows ``[s * m, (s + 1) * m)`` clipped
+        to ``B``, so the last shards may be shorter or empty. Tensors come back as copies.
+
+        ``dynamic_batching_args`` (``max_tokens_per_microbatch``, ``sequence_length_round``,
+        ``input_key``, ``input_lengths_key``) first reorders each global batch: its rows
+        ranked by length (ties by position), the row of rank ``r`` placed at part ``r % shards``,
+        slot ``r // shards``. The cut above then runs on the reordered rows, every shard gets
+        the same micro-batch plan (``micro_batch_indices`` / ``micro_batch_lengths``, one list
+        per global batch; see ``_plan_micro_batches``) and the call returns
+        ``(shards, order)``, ``order[i]`` being the original row now at position ``i``.
+        Slot ``j`` of a plan is as long as the longest row any shard holds at slot ``j`` of
+        that global batch, rounded up to ``sequence_length_round`` and capped at the width of
+        ``input_key``.
 
         Example:
             >>> b = BatchedDataDict({"id": [0, 1, 2, 3, 4]})
             >>> [s["id"] for s in b.shard_by_batch_size(2, allow_uneven_shards=True)]
             [[0, 1, 2], [3, 4]]
+            >>> b = BatchedDataDict({"id": list(range(8))})
+            >>> [s["id"] for s in b.shard_by_batch_size(2, batch_size=4)]
+            [[0, 1, 4, 5], [2, 3, 6, 7]]
         """
         if allow_uneven_shards and batch_size is not None:
-            raise ValueError("batch_size must be None if allow_uneven_shards is True")
+            raise ValueError(
+                "shard_by_batch_size batch_size: expected None with allow_uneven_shards=True, "
+                f"found {batch_size}"
+            )
         if dynamic_batching_args is not None and sequence_packing_args is not None:
             raise ValueError(
-                "dynamic_batching_args and sequence_packing_args cannot be passed together"
+                "shard_by_batch_size dynamic_batching_args, sequence_packing_args: "
+                "expected at most one of them, found both"
             )
         if sequence_packing_args is not None:
             raise NotImplementedError(
                 "sequence_packing_args: not mirrored (NeMo-RL's packers); use nemo_rl's class"
             )
         total = self._batch_size()
-        bs = total if batch_size is None else batch_size
-        if total % bs:
-            raise ValueError(f"Total batch size ({total}) is not a multiple of batch_size ({bs})")
-        if not allow_uneven_shards and bs % shards:
-            raise ValueError(f"Batch size ({bs}) is not a multiple of shards ({shards})")
-        num_chunks = total // bs
-        shard_size = (bs + shards - 1) // shards if allow_uneven_shards else bs // shards
+        per_batch = total if batch_size is None else batch_size
+        if total % per_batch:
+            raise ValueError(
+                "shard_by_batch_size batch_size: expected a divisor of the batch's "
+                f"{total} rows, found {per_batch}"
+            )
+        if not allow_uneven_shards and per_batch % shards:
+            raise ValueError(
+                f"shard_by_batch_size shards: expected a divisor of batch_size {per_batch}, "
+                f"found {shards}"
+            )
+        batches = total // per_batch
+        width = -(-per_batch // shards) if allow_uneven_shards else per_batch // shards
+        # Row numbers laid out as [global batch, shard, slot]; the uneven case (one global
+        # batch) pads the grid with -1 past the last row.
+        grid = torch.full((batches * shards * width,), -1, dtype=torch.int64)
+        grid[:total] = torch.arange(total)
+        grid = grid.view(batches, shards, width)
 
         data: dict[str, Any] = self.data
-        sorted_indices: list[int] = []
+        order: list[int] = []
         if dynamic_batching_args is not None:
-            # Each chunk's rows by length (ties keep their order), dealt round-robin to shards.
             lengths = torch.as_tensor(self.data[dynamic_batching_args["input_lengths_key"]])
-            for c in range(num_chunks):
-                by_length = torch.argsort(lengths[c * bs : (c + 1) * bs], stable=True) + c * bs
-                for r in range(shards):
-                    sorted_indices.extend(int(i) for i in by_length[r::shards])
-            data = _take_rows(self.data, torch.tensor(sorted_indices, dtype=torch.int64))
+            ranked = torch.argsort(lengths.to("cpu").view(batches, per_batch), dim=1, stable=True)
+            rank = torch.arange(per_batch)
+            dealt = torch.argsort((rank % shards) * per_batch + rank // shards)
+            first_row = (torch.arange(batches) * per_batch).unsqueeze(1)
+            order = (ranked[:, dealt] + first_row).reshape(-1).tolist()
+            data = _take_rows(self.data, torch.tensor(order, dtype=torch.int64))
 
-        out = [SlicedDataDict() for _ in range(shards)]
+        out = []
         for s in range(shards):
-            ranges: list[tuple[int, int]] = []
-            for c in range(num_chunks):
-                lo = c * bs + s * shard_size
-                hi = c * bs + (s + 1) * shard_size
-                if allow_uneven_shards:
-                    lo, hi = min(lo, total), min(hi, total)
-                if lo < hi:
-                    ranges.append((lo, hi))
-            for k, v in data.items():
-                if torch.is_tensor(v):
-                    parts = [v[lo:hi] for lo, hi in ranges]
-                    out[s][k] = torch.cat(parts) if parts else v[:0].clone()
-                else:
-                    out[s][k] = [v[i] for lo, hi in ranges for i in range(lo, hi)]
-
+            rows = grid[:, s].reshape(-1)
+            out.append(SlicedDataDict(_take_rows(data, rows[rows >= 0])))
         if dynamic_batching_args is None:
             return out
-        max_tokens = int(dynamic_batching_args["max_tokens_per_microbatch"])
+
         step = int(dynamic_batching_args["sequence_length_round"])
         cap = int(data[dynamic_batching_args["input_key"]].shape[1])
-        key = dynamic_batching_args["input_lengths_key"]
-        mb_indices: list[list[list[int]]] = []
-        mb_lengths: list[list[int]] = []
-        for c in range(num_chunks):
-            # Position j of every shard shares one micro-batch plan: its padded length is the
-            # longest row any shard holds there, rounded up to ``step`` and capped at ``cap``.
-            parts = [torch.as_tensor(sh[key])[c * shard_size : (c + 1) * shard_size] for sh in out]
-            padded = []
-            for j in range(shard_size):
-                longest = max((int(p[j]) for p in parts if j < len(p)), default=0)
-                padded.append(min(-(-longest // step) * step, cap))
-            plan, widths = _plan_micro_batches(padded, max_tokens, step)
-            mb_indices.append(plan)
-            mb_lengths.append(widths)
+        held = torch.as_tensor(data[dynamic_batching_args["input_lengths_key"]]).to("cpu")
+        # Each slot's longest row over the shards; an empty grid cell counts as length 0.
+        by_cell = torch.where(grid >= 0, held[grid.clamp(min=0)], torch.zeros((), dtype=held.dtype))
+        longest = by_cell.amax(dim=1)
+        padded = torch.clamp((-(-longest // step)) * step, max=cap)
+        plans = [
+            _plan_micro_batches(
+                [int(x) for x in row], int(dynamic_batching_args["max_tokens_per_microbatch"]), step
+            )
+            for row in padded
+        ]
+        mb_indices = [plan for plan, _ in plans]
+        mb_lengths = [widths for _, widths in plans]
         for shard in out:
             shard.micro_batch_indices = mb_indices
             shard.micro_batch_lengths = mb_lengths
-        return out, sorted_indices
+        return out, order
 
     def get_batch(self, batch_idx: int, batch_size: int | None = None) -> SlicedDataDict:
         """Rows ``[batch_size * batch_idx, batch_size * (batch_idx + 1))`` with their micro-batch plan.
@@ -287,7 +297,7 @@ class BatchedDataDict(UserDict[str, Any]):
         for k, v in self.data.items():
             if isinstance(v, torch.Tensor) and end > v.shape[0]:
                 raise ValueError(
-                    f"end: {end} is greater than the shape of the tensor: {v.shape[0]} for key: {k}"
+                    f"slice end: expected at most key {k!r}'s {v.shape[0]} rows, found {end}"
                 )
             out[k] = v[start:end]
         return out
@@ -331,8 +341,8 @@ class BatchedDataDict(UserDict[str, Any]):
         n = self.size
         if n % microbatch_size:
             raise ValueError(
-                f"Data dict size ({n}) is not a multiple of the provided microbatch size "
-                f"({microbatch_size})"
+                "make_microbatch_iterator microbatch_size: expected a divisor of the batch's "
+                f"{n} rows, found {microbatch_size}"
             )
         for i in range(0, n, microbatch_size):
             yield self.slice(i, i + microbatch_size)
@@ -390,7 +400,8 @@ class BatchedDataDict(UserDict[str, Any]):
                 out[k] = [v[i] for i in indices]
             else:
                 raise TypeError(
-                    f"Unsupported type {type(v)} for index selection in BatchedDataDict"
+                    f"select_indices key {k!r}: expected a tensor or a list, "
+                    f"found {type(v).__name__}"
                 )
         return out
 
@@ -413,6 +424,13 @@ class SlicedDataDict(BatchedDataDict):
     """
 
 
+def _rows(batch: Mapping[Any, Any]) -> int:
+    """A batch's row count as NeMo-RL reads it: the length of its first value (0 if none)."""
+    for value in batch.values():
+        return len(value)
+    return 0
+
+
 def _take_rows(data: Mapping[str, Any], rows: torch.Tensor) -> dict[str, Any]:
     """Every field's ``rows``, in that order (tensors by ``index_select``, lists by item)."""
     return {
@@ -426,28 +444,37 @@ def _take_rows(data: Mapping[str, Any], rows: torch.Tensor) -> dict[str, Any]:
 def _plan_micro_batches(
     padded: list[int], max_tokens: int, step: int
 ) -> tuple[list[list[int]], list[int]]:
-    """Greedy contiguous micro-batches over positions with these padded lengths.
+    """Cut slots with these padded lengths into consecutive micro-batches.
 
-    The rule: a micro-batch costs (its row count) x (its longest padded length) tokens; each
-    position joins the open micro-batch while that cost stays within ``max_tokens``, else it
-    opens the next one. A position longer than ``max_tokens`` alone is refused. No position:
-    one empty micro-batch ``[0, 0]`` of length 0 (as NeMo-RL reports it).
+    The rule: a micro-batch of ``k`` slots whose longest is ``w`` costs ``k * w`` tokens.
+    Each micro-batch starts where the previous one ended and takes the most slots whose cost
+    stays within ``max_tokens`` (the cost only grows with ``k``, so that is a single cut);
+    its reported length is ``w``. A slot longer than ``max_tokens`` fits nowhere and is
+    refused (``step`` only names the rounding in that error). No slot at all: one empty
+    micro-batch ``[0, 0]`` of length 0, as NeMo-RL reports it.
+
+    Example:
+        >>> _plan_micro_batches([4, 4, 8, 8, 16], 16, 4)
+        ([[0, 2], [2, 4], [4, 5]], [4, 8, 16])
     """
-    ranges: list[list[int]] = []
+    lengths = torch.tensor(padded, dtype=torch.int64)
+    over = (lengths > max_tokens).nonzero()
+    if over.numel():
+        worst = int(lengths[over[0, 0]])
+        raise ValueError(
+            f"dynamic_batching_args max_tokens_per_microbatch: expected at least every "
+            f"row's padded length (rounded to {step}), found {max_tokens} for a row of {worst}"
+        )
+    if not padded:
+        return [[0, 0]], [0]
+    bounds: list[list[int]] = []
     widths: list[int] = []
-    start, peak = 0, 0
-    for j, length in enumerate(padded):
-        if length > max_tokens:
-            raise ValueError(
-                f"got an input of padded ({step}) sequence length of {length}, "
-                f"however max microbatch size is {max_tokens} tokens"
-            )
-        if (j - start + 1) * max(peak, length) > max_tokens:
-            ranges.append([start, j])
-            widths.append(peak)
-            start, peak = j, length
-        else:
-            peak = max(peak, length)
-    ranges.append([start, len(padded)])
-    widths.append(peak)
-    return ranges, widths
+    lo = 0
+    while lo < len(padded):
+        peak = lengths[lo:].cummax(0).values
+        cost = torch.arange(1, len(peak) + 1) * peak
+        take = int((cost <= max_tokens).sum())  # cost is non-decreasing: a prefix fits
+        bounds.append([lo, lo + take])
+        widths.append(int(peak[take - 1]))
+        lo += take
+    return bounds, widths

@@ -1,4 +1,4 @@
-"""NeMo-RL's own batching helpers, reproduced from their documented behaviour.
+"""NeMo-RL's batching helpers, written from their specified behaviour (not from its code).
 
 ``BatchedDataDict.from_batches`` and ``shard_by_batch_size``
 (``nemo_rl/distributed/batched_data_dict.py``), and the flattening of message logs that
@@ -19,11 +19,12 @@ from posttrain.adapters.nemo_rl.train_data import _plain
 def from_batches(
     batches: Sequence[Mapping[str, Any]], pad_value_dict: Mapping[str, int | float] | None = None
 ) -> dict[str, Any]:
-    """``BatchedDataDict.from_batches``: concatenate batches, right-padding 2-D tensors.
+    """``BatchedDataDict.from_batches`` as a plain dict, every key in every batch.
 
-    Per key (sorted): lists concatenate; 1-D tensors ``cat``; 2-D tensors are split into rows
-    and right-padded with ``pad_value_dict.get(key, 0)``; tensors of 3+ dims are padded on
-    dim 1 then concatenated (``nemo_rl/distributed/batched_data_dict.py``).
+    Stricter than NeMo-RL's classmethod (``BatchedDataDict.from_batches`` in
+    :mod:`posttrain.adapters.nemo_rl.batched_data_dict` is the faithful one): a key missing
+    from any batch raises ``KeyError``, and a key holding 1-D tensors in one batch and 2-D in
+    another raises ``TypeError``. Otherwise the values are stacked by :func:`stack_values`.
 
     Example:
         >>> import torch
@@ -32,31 +33,73 @@ def from_batches(
         [[1, 2, 9], [3, 4, 5]]
     """
     pads = dict(pad_value_dict or {})
-    keys = sorted({k for b in batches for k in b})
     out: dict[str, Any] = {}
-    for key in keys:
+    for key in sorted({k for b in batches for k in b}):
         missing = [i for i, b in enumerate(batches) if key not in b]
         if missing:
             raise KeyError(f"{key!r}: missing from batches {missing}")
         vals = [b[key] for b in batches]
-        pad = pads.get(key, 0)
-        if all(isinstance(v, list) for v in vals):
-            out[key] = [x for v in vals for x in v]
-        elif all(isinstance(v, torch.Tensor) and v.ndim == 1 for v in vals):
-            out[key] = torch.cat(vals)
-        elif all(isinstance(v, torch.Tensor) and v.ndim == 2 for v in vals):
-            rows = [r for v in vals for r in v]
-            out[key] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
-        elif all(isinstance(v, torch.Tensor) and v.ndim >= 3 for v in vals):
-            width = max(v.shape[1] for v in vals)
-            padded = []
-            for v in vals:
-                spec = [0, 0] * (v.ndim - 2) + [0, width - v.shape[1]]
-                padded.append(torch.nn.functional.pad(v, spec, value=pad))
-            out[key] = torch.cat(padded)
-        else:
+        lists = all(isinstance(v, list) for v in vals)
+        ranks = {v.ndim for v in vals if isinstance(v, torch.Tensor)}
+        tensors = len(ranks) == 1 and all(isinstance(v, torch.Tensor) for v in vals)
+        if not (lists or (tensors and ranks != {0})):
             raise TypeError(f"{key!r}: cannot concatenate {[type(v).__name__ for v in vals]}")
+        out[key] = stack_values(vals, pads.get(key, 0))
     return out
+
+
+def stack_values(values: Sequence[Any], pad: int | float = 0) -> Any:
+    """One key's values from several batches, as one batch (NeMo-RL's stacking rule).
+
+    The rule, by the first value: lists are joined; tensors that are all 1-D are joined
+    end to end; tensors of 3+ dims keep their trailing dims and are right-padded on dim 1
+    to the longest (the pad cast to each value's dtype), with the type the values promote to; any other tensors are cut into
+    rows (a 1-D value's rows are single elements), each row flattened and right-padded to
+    the longest row, with the first value's dtype. ``pad`` is cast to that dtype (a float
+    pad on integers truncates toward zero). Anything else raises ``NotImplementedError``.
+
+    Example:
+        >>> import torch
+        >>> stack_values([torch.tensor([1, 2]), torch.tensor([[3, 4]])], pad=-1).tolist()
+        [[1, -1], [2, -1], [3, 4]]
+    """
+    first = values[0]
+    if isinstance(first, list):
+        return [x for v in values for x in v]
+    if not isinstance(first, torch.Tensor):
+        raise NotImplementedError(
+            f"cannot stack values of type {type(first).__name__}: expected tensors or lists"
+        )
+    if all(v.ndim == 1 for v in values):
+        return torch.cat(list(values))
+    if first.ndim >= 3:
+        dtype = first.dtype
+        for v in values[1:]:
+            dtype = torch.promote_types(dtype, v.dtype)
+        width = max(int(v.shape[1]) for v in values)
+        out = torch.empty(
+            (sum(int(v.shape[0]) for v in values), width, *first.shape[2:]),
+            dtype=dtype,
+            device=first.device,
+        )
+        at = 0
+        for v in values:
+            block = out[at : at + v.shape[0]]
+            # The pad as the value's own dtype holds it, then promoted with the value.
+            block.fill_(torch.empty((), dtype=v.dtype).fill_(pad))
+            block[:, : v.shape[1]] = v
+            at += int(v.shape[0])
+        return out
+    rows = [r.reshape(-1) for v in values for r in v]
+    table = torch.empty(
+        (len(rows), max((int(r.numel()) for r in rows), default=0)),
+        dtype=first.dtype,
+        device=first.device,
+    )
+    table.fill_(pad)
+    for i, r in enumerate(rows):
+        table[i, : r.numel()] = r
+    return table
 
 
 def shard_by_batch_size(

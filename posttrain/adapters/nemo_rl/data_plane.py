@@ -1,4 +1,4 @@
-"""NeMo-RL's data-plane client interface (direct by-key part) over posttrain/TorchRL buffers.
+"""NeMo-RL's data-plane client interface over posttrain/TorchRL buffers.
 
 ``DataPlaneClient`` (``nemo_rl/data_plane/interfaces.py``, commit 7ea279a, since v0.7) stores
 fields of samples by id in a partition: ``put_samples(sample_ids, partition_id, fields, tags)``
@@ -15,12 +15,28 @@ store (TransferQueue's ``storage_capacity`` bounds a partition); here the policy
 when a write would land on a live id's row; ``full="evict_oldest"`` lets the FIFO write evict
 the oldest rows, and reading an id whose row was overwritten raises ``KeyError``.
 
+The task-mediated half (``register_partition``, ``claim_meta``, ``get_data``,
+``check_consumption_status``) follows ``nemo_rl/data_plane/adapters/transfer_queue.py`` and
+the in-memory ``adapters/noop.py`` (7ea279a): a partition declares its consumer tasks; each
+task claims every sample once, in write order, once all of its ``required_fields`` are
+written (field production is the stage-done signal); ``claim_meta`` blocks until at least
+one sample is ready (``TimeoutError`` after ``timeout_s``), or returns an empty meta with
+``blocking=False``. Not applied: ``grpo_group_size`` (TransferQueue's group-balanced
+sampler), ``enums`` and ``dp_rank`` are kept but change nothing (NeMo-RL's interface calls
+``dp_rank`` reserved). NeMo-RL's sync trainer uses only the by-key half; its async trainer
+does not call the task-mediated half at this commit (``data_plane/README.md``).
+
 :class:`NemoGroupSlots` is the reserve-then-commit slot list of NeMo-RL's ``TQReplayBuffer``
-(``nemo_rl/algorithms/async_utils/replay_buffer.py``, 7ea279a) over this client.
+(``nemo_rl/algorithms/async_utils/replay_buffer.py``, 7ea279a) over this client, with
+synchronous calls; :class:`NemoAsyncGroupSlots` has NeMo-RL's coroutine ``commit`` /
+``remove_group`` / ``remove``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,10 +79,26 @@ class KVBatchMeta:
     partition_id: str
     task_name: str | None
     sample_ids: list[str]
-    fields: list[str]
+    fields: list[str] | None = None
     sequence_lengths: list[int] | None = None
     extra_info: dict[str, Any] = field(default_factory=dict)
     tags: list[dict[str, Any]] | None = None
+
+    @property
+    def size(self) -> int:
+        """Samples this meta addresses (NeMo-RL's ``KVBatchMeta.size``)."""
+        return len(self.sample_ids)
+
+
+@dataclass
+class _Partition:
+    """What ``register_partition`` declared, and each task's claimed ids."""
+
+    fields: list[str]
+    num_samples: int
+    grpo_group_size: int | None
+    enums: dict[str, list[str]]
+    claimed: dict[str, set[str]]
 
 
 class NemoDataPlaneClient:
@@ -117,7 +149,177 @@ class NemoDataPlaneClient:
         self._evicted: dict[tuple[str, str], set[str]] = {}
         self._schemas: dict[tuple[str, str], ItemSchema] = {}
         self._closed = False
+        self._partitions: dict[str, _Partition] = {}
+        self._order: dict[str, dict[str, int]] = {}  # partition -> id -> first-write number
+        self._tags: dict[str, dict[str, dict[str, Any]]] = {}  # partition -> id -> tags
+        self._count = 0
+        # One lock for every call, so a producer thread may put while a consumer claims.
+        self._lock = threading.RLock()
+        self._ready = threading.Condition(self._lock)
 
+    # -- task-mediated -------------------------------------------------------------------------
+    def register_partition(
+        self,
+        partition_id: str,
+        fields: list[str],
+        num_samples: int,
+        consumer_tasks: list[str],
+        grpo_group_size: int | None = None,
+        enums: dict[str, list[str]] | None = None,
+    ) -> None:
+        """Declare ``partition_id``'s fields and consumer tasks (one claim cursor per task).
+
+        Registering again (NeMo-RL's sync trainer does, each step) replaces the declaration
+        and adds new tasks; a task already declared keeps its claims, so no sample is handed
+        to one task twice. Samples and their rows are left as they are.
+
+        Example:
+            >>> from posttrain.reference_impls import RingBuffer
+            >>> dp = NemoDataPlaneClient(RingBuffer, capacity=4)
+            >>> dp.register_partition("train", ["x"], num_samples=2, consumer_tasks=["train"])
+            >>> dp.check_consumption_status("train", ["train"])  # nothing written yet
+            True
+        """
+        self._open()
+        if isinstance(consumer_tasks, str) or not all(isinstance(t, str) for t in consumer_tasks):
+            raise TypeError(f"consumer_tasks: expected a list of str, found {consumer_tasks!r}")
+        with self._lock:
+            old = self._partitions.get(partition_id)
+            claimed = {t: (old.claimed.get(t, set()) if old else set()) for t in consumer_tasks}
+            self._partitions[partition_id] = _Partition(
+                list(fields), int(num_samples), grpo_group_size, dict(enums or {}), claimed
+            )
+
+    def claim_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: list[str],
+        batch_size: int,
+        dp_rank: int | None = None,
+        blocking: bool = True,
+        timeout_s: float = 60.0,
+    ) -> KVBatchMeta:
+        """Claim up to ``batch_size`` samples ``task_name`` has not claimed, all fields written.
+
+        In write order; once claimed, a sample is not handed to ``task_name`` again (it stays
+        readable until ``clear_samples``). Blocks until at least one sample is ready (a put
+        from another thread wakes it), then takes what is ready; ``TimeoutError`` after
+        ``timeout_s``; ``blocking=False`` returns an empty meta at once. ``sequence_lengths``
+        come from the ``input_lengths`` tags, as TransferQueue's adapter lifts them. A task
+        not declared by ``register_partition`` raises ``KeyError``.
+
+        Example:
+            >>> from posttrain.reference_impls import RingBuffer
+            >>> dp = NemoDataPlaneClient(RingBuffer, capacity=4)
+            >>> dp.register_partition("p", ["x"], 2, ["read"])
+            >>> _ = dp.put_samples(["a", "b"], "p", TensorDict({"x": torch.tensor([1, 2])}, [2]))
+            >>> meta = dp.claim_meta("p", "read", ["x"], batch_size=8)
+            >>> meta.sample_ids, dp.get_data(meta)["x"].tolist(), dp.check_consumption_status("p", ["read"])
+            (['a', 'b'], [1, 2], True)
+        """
+        del dp_rank  # reserved in NeMo-RL's interface
+        self._open()
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected >= 1, found {batch_size}")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._ready:
+            while True:
+                part = self._partitions.get(partition_id)
+                if part is None:
+                    raise KeyError(
+                        f"claim_meta: partition {partition_id!r} is not registered; call "
+                        f"register_partition first (registered: {sorted(self._partitions)})"
+                    )
+                claimed = part.claimed.get(task_name)
+                if claimed is None:
+                    raise KeyError(
+                        f"claim_meta: expected a consumer task of partition {partition_id!r} "
+                        f"(one of {sorted(part.claimed)}), found {task_name!r}"
+                    )
+                ready = self._ready_ids(partition_id, claimed, list(required_fields), batch_size)
+                if ready or not blocking:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"claim_meta: waited {timeout_s} s for task {task_name!r} of partition "
+                        f"{partition_id!r}; no unclaimed sample has all of {list(required_fields)}"
+                    )
+                self._ready.wait(left)
+            claimed.update(ready)
+            table = self._tags.get(partition_id, {})
+            tags = [dict(table.get(s, {})) for s in ready]
+            lengths = (
+                [int(t.get("input_lengths", 0)) for t in tags]
+                if any("input_lengths" in t for t in tags)
+                else None
+            )
+            return KVBatchMeta(
+                partition_id,
+                task_name,
+                ready,
+                list(required_fields),
+                lengths,
+                {},
+                tags if tags else None,
+            )
+
+    def _ready_ids(
+        self, partition_id: str, claimed: set[str], required: list[str], limit: int
+    ) -> list[str]:
+        indexes = [self._index.get((partition_id, f), {}) for f in required]
+        out: list[str] = []
+        order = self._order.get(partition_id, {})
+        for s in sorted(order, key=order.__getitem__):
+            if s not in claimed and all(s in ix for ix in indexes):
+                out.append(s)
+                if len(out) == limit:
+                    break
+        return out
+
+    def get_data(self, meta: KVBatchMeta, select_fields: list[str] | None = None) -> TensorDict:
+        """The fields of ``meta``'s samples: ``select_fields``, else ``meta.fields``, else
+        ``ValueError`` (never every field silently).
+
+        Example:
+            >>> from posttrain.reference_impls import RingBuffer
+            >>> dp = NemoDataPlaneClient(RingBuffer, capacity=4)
+            >>> dp.get_data(KVBatchMeta("p", None, ["a"]))
+            Traceback (most recent call last):
+            ...
+            ValueError: get_data: name the fields to read ...
+        """
+        names = select_fields if select_fields is not None else meta.fields
+        if names is None:
+            raise ValueError(
+                "get_data: name the fields to read (select_fields=, or a meta with fields); "
+                "found neither, and every field is never read implicitly"
+            )
+        return self.get_samples(meta.sample_ids, meta.partition_id, list(names))
+
+    def check_consumption_status(self, partition_id: str, task_names: list[str]) -> bool:
+        """Whether every task in ``task_names`` has claimed every live sample of the partition.
+
+        A task the partition does not declare has consumed nothing: ``False``.
+
+        Example:
+            >>> from posttrain.reference_impls import RingBuffer
+            >>> dp = NemoDataPlaneClient(RingBuffer, capacity=4)
+            >>> dp.register_partition("p", ["x"], 1, ["read"])
+            >>> _ = dp.put_samples(["a"], "p", TensorDict({"x": torch.ones(1)}, [1]))
+            >>> dp.check_consumption_status("p", ["read"]), dp.check_consumption_status("p", ["other"])
+            (False, False)
+        """
+        self._open()
+        with self._lock:
+            part = self._partitions.get(partition_id)
+            if part is None:
+                raise KeyError(f"check_consumption_status: partition {partition_id!r} unknown")
+            live = self.live_sample_ids(partition_id)
+            return all(t in part.claimed and live <= part.claimed[t] for t in task_names)
+
+    # -- direct by key -------------------------------------------------------------------------
     def put_samples(
         self,
         sample_ids: list[str],
@@ -127,6 +329,26 @@ class NemoDataPlaneClient:
     ) -> KVBatchMeta:
         """Write ``fields`` (a TensorDict [len(sample_ids)]) for these ids."""
         self._open()
+        with self._ready:
+            meta = self._put(sample_ids, partition_id, fields, tags)
+            order = self._order.setdefault(partition_id, {})
+            table = self._tags.setdefault(partition_id, {})
+            for i, s in enumerate(sample_ids):
+                if s not in order:
+                    order[s] = self._count
+                    self._count += 1
+                if tags is not None:
+                    table.setdefault(s, {}).update(tags[i])
+            self._ready.notify_all()  # a blocked claim_meta may now find its fields
+            return meta
+
+    def _put(
+        self,
+        sample_ids: list[str],
+        partition_id: str,
+        fields: TensorDictBase | None,
+        tags: list[dict[str, Any]] | None,
+    ) -> KVBatchMeta:
         n = len(sample_ids)
         if len(set(sample_ids)) != n:
             raise ValueError(f"sample_ids: duplicates in {sample_ids}")
@@ -222,6 +444,14 @@ class NemoDataPlaneClient:
         self._open()
         if not select_fields:
             raise ValueError("select_fields: name at least one field (no implicit fetch-all)")
+        if not sample_ids:  # an empty claim reads as an empty batch, as TransferQueue's adapter
+            return TensorDict({}, batch_size=[0])
+        with self._lock:
+            return self._get(sample_ids, partition_id, select_fields)
+
+    def _get(
+        self, sample_ids: list[str], partition_id: str, select_fields: list[str]
+    ) -> TensorDict:
         out: dict[str, torch.Tensor] = {}
         for name in select_fields:
             index = self._index.get((partition_id, name))
@@ -249,8 +479,21 @@ class NemoDataPlaneClient:
         return TensorDict(out, batch_size=[len(sample_ids)])
 
     def clear_samples(self, sample_ids: list[str] | None, partition_id: str) -> None:
-        """Forget these ids (``None``: every id of the partition)."""
+        """Forget these ids (``None``: every id of the partition), claims included."""
         self._open()
+        with self._lock:
+            self._clear(sample_ids, partition_id)
+
+    def _clear(self, sample_ids: list[str] | None, partition_id: str) -> None:
+        order, table = self._order.get(partition_id, {}), self._tags.get(partition_id, {})
+        part = self._partitions.get(partition_id)
+        gone = list(order) if sample_ids is None else list(sample_ids)
+        for s in gone:
+            order.pop(s, None)
+            table.pop(s, None)
+            if part is not None:
+                for claimed in part.claimed.values():
+                    claimed.discard(s)
         for key, index in self._index.items():
             if key[0] != partition_id:
                 continue
@@ -266,8 +509,10 @@ class NemoDataPlaneClient:
                     del slots[i]
                 evicted.discard(s)
 
-    def live_sample_ids(self, partition_id: str) -> set[str]:
-        """Ids holding a row of at least one field of ``partition_id``.
+    def live_sample_ids(self, partition_id: str, among: list[str] | None = None) -> set[str]:
+        """Ids holding a row of at least one field of ``partition_id`` (only those ``among``).
+
+        ``among`` bounds the work by the ids asked about rather than by the partition's size.
 
         Example:
             >>> from posttrain.reference_impls import RingBuffer
@@ -277,11 +522,18 @@ class NemoDataPlaneClient:
             (['a', 'b'], set())
         """
         self._open()
-        return {s for (p, _), index in self._index.items() if p == partition_id for s in index}
+        with self._lock:
+            indexes = [index for (p, _), index in self._index.items() if p == partition_id]
+            if among is not None:
+                return {s for s in among if any(s in index for index in indexes)}
+            return {s for index in indexes for s in index}
 
     def close(self) -> None:
-        """Release the stores; later calls raise."""
+        """Release the stores; later calls raise (``close`` again does nothing)."""
         self._closed = True
+        self._partitions.clear()
+        self._order.clear()
+        self._tags.clear()
         self._stores.clear()
         self._index.clear()
         self._slots.clear()
@@ -428,12 +680,30 @@ class NemoGroupSlots:
         schema, :class:`DataPlaneFullError`) clears the rows this call wrote, and only those,
         and re-raises; the slot stays reserved and unready.
         """
+        self._known(group_id)
+        self._refuse_live(
+            group_id, self._dp.live_sample_ids(self._partition_id, among=list(sample_ids))
+        )
+        tags = self._tags(group_id, len(sample_ids), tags, start_weight_version)
+        try:
+            meta = self._dp.put_samples(list(sample_ids), self._partition_id, fields, tags)
+        except BaseException:
+            # None of sample_ids was live before the write, so any now live are this call's.
+            self._dp.clear_samples(list(sample_ids), self._partition_id)
+            raise
+        return self._mark(group_id, meta, start_weight_version, end_weight_version)
+
+    def _known(self, group_id: str) -> None:
+        """Refuse a ``group_id`` without a reserved slot."""
         if group_id not in self._group_ids:
             raise ValueError(
                 f"commit called with unknown group_id={group_id!r}; reserve() must precede "
                 "commit() (or the slot was already removed)"
             )
-        taken = sorted(self._dp.live_sample_ids(self._partition_id).intersection(sample_ids))
+
+    def _refuse_live(self, group_id: str, live: set[str]) -> None:
+        """Refuse a commit whose ids already hold rows in the partition, naming them."""
+        taken = sorted(live)
         if taken:
             shown = ", ".join(repr(t) for t in taken[:10]) + (
                 f" and {len(taken) - 10} more" if len(taken) > 10 else ""
@@ -442,38 +712,46 @@ class NemoGroupSlots:
                 f"commit of group_id={group_id!r}: expected sample ids without live rows in "
                 f"partition {self._partition_id!r}, found {shown} already live; nothing written"
             )
+
+    @staticmethod
+    def _tags(
+        group_id: str, n: int, tags: list[dict[str, Any]] | None, start_weight_version: int
+    ) -> list[dict[str, Any]]:
+        """The tags to write: the caller's, else the group id and weight version per row."""
         if tags is None:
-            tags = [{"group_id": group_id, "weight_version": start_weight_version}] * len(
-                sample_ids
-            )
-        try:
-            meta = self._dp.put_samples(list(sample_ids), self._partition_id, fields, tags)
-        except BaseException:
-            # None of sample_ids was live before the write, so any now live are this call's.
-            wrote = self._dp.live_sample_ids(self._partition_id).intersection(sample_ids)
-            if wrote:
-                self._dp.clear_samples(sorted(wrote), self._partition_id)
-            raise
+            return [{"group_id": group_id, "weight_version": start_weight_version}] * n
+        return tags
+
+    def _mark(self, group_id: str, meta: KVBatchMeta, start: int, end: int) -> KVBatchMeta:
         meta.task_name = "train"
         i = self._group_ids.index(group_id)
         self.meta_list[i] = meta
-        self.start_weight_list[i] = start_weight_version
-        self.end_weight_list[i] = end_weight_version
+        self.start_weight_list[i] = start
+        self.end_weight_list[i] = end
         self.ready_list[i] = True
         return meta
 
     def remove_group(self, group_id: str, *, remove_in_dp: bool = False) -> int:
         """Drop the slot of ``group_id`` (``ValueError`` if none is live)."""
+        return self.remove([self._slot_of(group_id)], remove_in_dp=remove_in_dp)
+
+    def _slot_of(self, group_id: str) -> int:
         try:
-            i = self._group_ids.index(group_id)
+            return self._group_ids.index(group_id)
         except ValueError as error:
             raise ValueError(f"unknown group_id={group_id!r}") from error
-        return self.remove([i], remove_in_dp=remove_in_dp)
 
     def remove(self, idxs: list[int], remove_in_dp: bool) -> int:
         """Drop the slots at ``idxs`` (and their rows when ``remove_in_dp``); how many."""
+        ids = self._drop(idxs)
+        if remove_in_dp and ids:
+            self._dp.clear_samples(ids, self._partition_id)
+        return len(set(idxs))
+
+    def _drop(self, idxs: list[int]) -> list[str]:
+        """Delete the slots at ``idxs`` (before any await, as NeMo-RL); their sample ids."""
         if not idxs:
-            return 0
+            return []
         drop = sorted(set(idxs), reverse=True)
         if drop[0] >= len(self.meta_list) or drop[-1] < 0:
             raise IndexError(f"remove: indices out of range: {drop[0]}; size={len(self.meta_list)}")
@@ -491,9 +769,35 @@ class NemoGroupSlots:
                 self._group_ids,
             ):
                 del lst[i]
-        if remove_in_dp and ids:
-            self._dp.clear_samples(ids, self._partition_id)
-        return len(drop)
+        return ids
+
+    def promote_ready_group(self, *, to_target_step: int) -> int | None:
+        """Re-stamp the ready slot of the furthest later target onto ``to_target_step``.
+
+        Returns the target it was taken from, or ``None`` when no later target has a ready
+        slot (``TQReplayBuffer.promote_ready_group``: fills a step's hole with a finished
+        group; the caller repays the lender).
+
+        Example:
+            >>> from posttrain.reference_impls import RingBuffer
+            >>> slots = NemoGroupSlots(NemoDataPlaneClient(RingBuffer, capacity=4), "train")
+            >>> g = slots.reserve(weight_version=0, target_step=3)
+            >>> _ = slots.commit(g, ["a"], TensorDict({"x": torch.ones(1)}, [1]), 0, 0)
+            >>> slots.promote_ready_group(to_target_step=1), slots.target_step_list
+            (3, [1])
+        """
+        later = [
+            (t, i)
+            for i, t in enumerate(self.target_step_list)
+            if t is not None and t > to_target_step and self.ready_list[i]
+        ]
+        if not later:
+            return None
+        # The furthest target; among its slots the first (a strict > keeps the earliest).
+        target = max(t for t, _ in later)
+        i = next(i for t, i in later if t == target)
+        self.target_step_list[i] = to_target_step
+        return target
 
     def count_for_target_step(self, target_step: int) -> int:
         """Slots stamped with ``target_step``."""
@@ -505,3 +809,122 @@ class NemoGroupSlots:
 
     def __len__(self) -> int:
         return len(self.meta_list)
+
+
+class NemoAsyncGroupSlots(NemoGroupSlots):
+    """:class:`NemoGroupSlots` with NeMo-RL's coroutines: ``await commit / remove_group / remove``.
+
+    ``TQReplayBuffer`` (7ea279a) awaits its data-plane calls through ``_call_dp``: a Ray actor
+    method's ``.remote`` is awaited, a coroutine is awaited, a plain call is returned. So does
+    this class, so the client may be :class:`NemoDataPlaneClient` itself or a Ray actor
+    serving it. A slot's list entries are deleted before the first await of ``remove``, as
+    NeMo-RL does, so an index picked by a concurrent selection is not shifted under it.
+
+    Example:
+        >>> import asyncio
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> slots = NemoAsyncGroupSlots(NemoDataPlaneClient(RingBuffer, capacity=4), "train")
+        >>> g = slots.reserve(weight_version=0, target_step=1)
+        >>> meta = asyncio.run(slots.commit(g, ["a"], TensorDict({"x": torch.ones(1)}, [1]), 0, 1))
+        >>> meta.sample_ids, slots.ready_list
+        (['a'], [True])
+        >>> asyncio.run(slots.remove_group(g, remove_in_dp=True)), slots.size()
+        (1, 0)
+    """
+
+    def __init__(self, dp_client: NemoDataPlaneClient, partition_id: str) -> None:
+        super().__init__(dp_client, partition_id)
+        self._commit_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        # Which reservation holds each group_id now: a slot removed and reserved again under
+        # the same id during a commit's write is a different slot, not the one it checked.
+        self._reservation: dict[str, int] = {}
+        self._reservations = 0
+
+    def reserve(
+        self, *, weight_version: int, target_step: int | None = None, group_id: str | None = None
+    ) -> str:
+        """As :meth:`NemoGroupSlots.reserve`."""
+        gid = super().reserve(
+            weight_version=weight_version, target_step=target_step, group_id=group_id
+        )
+        self._reservations += 1
+        self._reservation[gid] = self._reservations
+        return gid
+
+    async def commit(  # type: ignore[override]
+        self,
+        group_id: str,
+        sample_ids: list[str],
+        fields: TensorDictBase,
+        start_weight_version: int,
+        end_weight_version: int,
+        tags: list[dict[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        """As :meth:`NemoGroupSlots.commit`, awaited, and atomic with respect to other commits.
+
+        One commit at a time runs its check, write and mark (an ``asyncio.Lock`` of this
+        object), so two concurrent commits of the same ids cannot both find them free: the
+        second is refused with ``ValueError``. A slot removed while its rows were being written
+        (``remove_group`` does not wait for the lock: NeMo-RL drops slots before any await)
+        gets its rows cleared again and ``ValueError``; no row outlives its slot.
+        """
+        async with self._lock():
+            self._known(group_id)
+            reservation = self._reservation.get(group_id)
+            live = await self._call_dp(
+                "live_sample_ids", partition_id=self._partition_id, among=list(sample_ids)
+            )
+            self._refuse_live(group_id, set(live))
+            tags = self._tags(group_id, len(sample_ids), tags, start_weight_version)
+            try:
+                meta = await self._call_dp(
+                    "put_samples",
+                    sample_ids=list(sample_ids),
+                    partition_id=self._partition_id,
+                    fields=fields,
+                    tags=tags,
+                )
+            except BaseException:
+                await self._clear(sample_ids)
+                raise
+            if group_id not in self._group_ids or self._reservation.get(group_id) != reservation:
+                await self._clear(sample_ids)
+                raise ValueError(
+                    f"commit of group_id={group_id!r}: expected its slot to stay reserved, "
+                    "found it removed while its rows were written; rows cleared"
+                )
+            return self._mark(group_id, meta, start_weight_version, end_weight_version)
+
+    async def _clear(self, sample_ids: list[str]) -> None:
+        # Under the lock none of sample_ids was live before the write: any now live are ours.
+        await self._call_dp(
+            "clear_samples", sample_ids=list(sample_ids), partition_id=self._partition_id
+        )
+
+    def _lock(self) -> asyncio.Lock:
+        """This object's commit lock for the running loop (a lock is bound to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._commit_lock is None or self._commit_lock[0] is not loop:
+            self._commit_lock = (loop, asyncio.Lock())
+        return self._commit_lock[1]
+
+    async def remove_group(self, group_id: str, *, remove_in_dp: bool = False) -> int:  # type: ignore[override]
+        """As :meth:`NemoGroupSlots.remove_group`, awaited."""
+        return await self.remove([self._slot_of(group_id)], remove_in_dp=remove_in_dp)
+
+    async def remove(self, idxs: list[int], remove_in_dp: bool) -> int:  # type: ignore[override]
+        """As :meth:`NemoGroupSlots.remove`, awaited; the slots go before the first await."""
+        ids = self._drop(idxs)
+        if remove_in_dp and ids:
+            await self._call_dp("clear_samples", sample_ids=ids, partition_id=self._partition_id)
+        return len(set(idxs))
+
+    async def _call_dp(self, method_name: str, **kwargs: Any) -> Any:
+        method = getattr(self._dp, method_name)
+        remote = getattr(method, "remote", None)
+        if remote is not None:
+            return await remote(**kwargs)
+        result = method(**kwargs)
+        if asyncio.iscoroutine(result):
+            return await result
+        return result

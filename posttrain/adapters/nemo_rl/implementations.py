@@ -69,4 +69,4 @@ WEIGHT_SYNC_SHARDED = Implementation(
     "ShardAssembler hands a version to posttrain's in-process receiver once every shard of it "
     "arrived.",
 )
-"""The sharded weight sync's declaration (not an entry point: run by tests/test_nemo_weight_sync.py)."""
+"""Entry point ``nemo-rl-sharded-weight-sync``: conforms to the weight-sync suite."""

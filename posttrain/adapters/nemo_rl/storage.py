@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -173,17 +173,12 @@ class NemoReplayBuffer:
             raise ValueError(f"num_prompt_groups: expected >= 1, found {num_prompt_groups}")
         if _int(max_age_steps, "max_age_steps") < 0:
             raise ValueError(f"max_age_steps: expected >= 0, found {max_age_steps}")
-        if not self._entries:
+        left, chosen = take_for_step(
+            self._entries, num_prompt_groups, current_weight_version, max_age_steps
+        )
+        if chosen is None:
+            self._entries = left
             return None
-        min_valid = max(0, current_weight_version - max_age_steps)
-        self._entries = [e for e in self._entries if e.version >= min_valid]
-        valid = [e for e in self._entries if min_valid <= e.version <= current_weight_version]
-        if len(valid) < num_prompt_groups:
-            return None
-        intended = [e for e in valid if e.target == current_weight_version]
-        if len(intended) < num_prompt_groups:
-            return None
-        chosen = intended[:num_prompt_groups]
         # One read and one codec call for every chosen group; groups are row slices.
         rows = self.buffer.read(torch.tensor([i for e in chosen for i in e.indices]))
         data = dict(from_layout(rows, layout=self.layout))
@@ -198,13 +193,14 @@ class NemoReplayBuffer:
             }
             trajectories.append({"batch": batched_data_dict(batch), **e.extras})
             start = stop
-        taken = {id(e) for e in chosen}
-        self._entries = [e for e in self._entries if id(e) not in taken]
+        self._entries = left  # only once the read succeeded: a failed read changes nothing
         self.last_target_weight_already_generated = max(
             self.last_target_weight_already_generated, current_weight_version
         )
-        ages = [current_weight_version - e.version for e in chosen]
-        return {"trajectories": trajectories, "avg_trajectory_age": sum(ages) / len(ages)}
+        return {
+            "trajectories": trajectories,
+            "avg_trajectory_age": mean_age(chosen, current_weight_version),
+        }
 
     def size(self) -> int:
         """Entries (prompt groups) held."""
@@ -324,6 +320,51 @@ class NemoReplayBuffer:
                     f"{where}['offset']: expected >= written - capacity = "
                     f"{written - self.capacity} (older rows were overwritten), found {e.offset}"
                 )
+
+
+_E = TypeVar("_E", bound="_Versioned")
+
+
+class _Versioned(Protocol):
+    version: int
+    target: int
+
+
+def take_for_step(
+    entries: list[_E], n: int, current: int, max_age_steps: int
+) -> tuple[list[_E], list[_E] | None]:
+    """NeMo-RL's sampling rule for one training step: ``(entries left, entries taken)``.
+
+    An entry generated with weights ``version`` for step ``target`` is too old once
+    ``version < max(0, current - max_age_steps)``: it is dropped whatever the answer. The
+    step takes its ``n`` earliest entries with ``target == current`` and ``version <=
+    current``, or none at all (``None``: the trainer stalls until the rest arrive).
+
+    Example:
+        >>> from types import SimpleNamespace as E
+        >>> held = [E(version=0, target=2), E(version=1, target=2), E(version=2, target=3)]
+        >>> left, taken = take_for_step(held, 1, current=2, max_age_steps=1)
+        >>> [(e.version, e.target) for e in left], [(e.version, e.target) for e in taken]
+        ([(2, 3)], [(1, 2)])
+    """
+    floor = max(0, current - max_age_steps)
+    alive = [e for e in entries if e.version >= floor]
+    for_step = [e for e in alive if e.target == current and e.version <= current]
+    if len(for_step) < n:
+        return alive, None
+    taken = {id(e) for e in for_step[:n]}
+    return [e for e in alive if id(e) not in taken], for_step[:n]
+
+
+def mean_age(taken: list[_E], current: int) -> float:
+    """``avg_trajectory_age``: ``current`` less the mean generating version (as a float).
+
+    Example:
+        >>> from types import SimpleNamespace as E
+        >>> mean_age([E(version=1), E(version=2), E(version=2)], 3)
+        1.3333333333333333
+    """
+    return current - sum(e.version for e in taken) / len(taken)
 
 
 class _StateKeyError(PosttrainError, KeyError, ValueError):

@@ -28,7 +28,94 @@ from typing import Any
 import torch
 
 
-class NemoWeightSynchronizer:
+class _RefitSequence:
+    """The sync sequence both synchronizers share: refit-info check, version, staleness.
+
+    A subclass says what the weights are (``_gather``: the payload and its flat name map),
+    how they go out (``_transfer``) and what its ends are (``_ends``, closed by
+    ``shutdown``); the colocated offload/wake calls run around the transfer when asked.
+    """
+
+    version: int
+    kv_scales_sink: Callable[[Mapping[str, float], int], None] | None
+    receiver: Any
+    receive_timeout: float | None
+    colocated: bool = False
+    policy: Any = None
+    policy_generation: Any = None
+
+    def _start(self) -> None:
+        self.version = 0
+        self._stale = True
+        self._refit_info: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+        self._closed = False
+
+    def _gather(self) -> tuple[Any, Mapping[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def _transfer(self, payload: Any, version: int) -> None:
+        raise NotImplementedError
+
+    def _ends(self) -> tuple[Any, ...]:
+        return (self.receiver,)
+
+    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """``{name: (shape, dtype)}`` of the weights, as NeMo-RL's policy workers report it."""
+        return {k: (v.shape, v.dtype) for k, v in self._gather()[1].items()}
+
+    def init_communicator(self) -> None:
+        """Record the refit info every later sync is checked against."""
+        self._refit_info = self.prepare_refit_info()
+
+    @property
+    def is_stale(self) -> bool:
+        """True until a sync succeeds, and again after one fails."""
+        return self._stale
+
+    def sync_weights(
+        self, *, timer: Any = None, kv_scales: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
+        """Send the weights as the next version; metrics for NeMo-RL's ``refit/``."""
+        if self._closed:
+            raise RuntimeError("sync_weights after shutdown()")
+        if self._refit_info is None:
+            raise RuntimeError("call init_communicator() before sync_weights()")
+        _check_kv_scales(kv_scales, self.kv_scales_sink)
+        payload, flat = self._gather()
+        _check_refit_info(flat, self._refit_info)
+        version = self.version + 1
+        start = time.perf_counter()
+        self._stale = True
+        if self.colocated:
+            self.policy.offload_before_refit()
+            self.policy_generation.prepare_for_generation(tags=["weights"])
+        with _timed(timer, "prepare_for_generation/transfer_and_update_weights"):
+            self._transfer(payload, version)
+            # The sender holds this version now: the next sync must send a later one even if
+            # receiving or the kv-scales sink below fails (is_stale stays True then).
+            self.version = version
+            if self.receiver is not None:
+                self.receiver.receive(timeout=self.receive_timeout)
+            if kv_scales is not None and self.kv_scales_sink is not None:
+                self.kv_scales_sink(dict(kv_scales), version)
+        if self.colocated:
+            self.policy.offload_after_refit()
+            self.policy_generation.prepare_for_generation(tags=["kv_cache"])
+        self._stale = False
+        return {"weight_sync_s": time.perf_counter() - start, "weight_version": float(version)}
+
+    def shutdown(self) -> None:
+        """Close the ends where they can be; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for end in self._ends():
+            close = getattr(end, "close", None) or getattr(end, "shutdown", None)
+            if callable(close):
+                close()
+
+
+class NemoWeightSynchronizer(_RefitSequence):
     """A ``WeightSynchronizer``-shaped object that sends ``state()`` through posttrain's contract.
 
     ``state`` returns the trainer's current weights (``policy.state_dict`` usually);
@@ -65,59 +152,17 @@ class NemoWeightSynchronizer:
         self.sender = sender
         self.receiver = receiver
         self.receive_timeout = receive_timeout
-        self.version = 0
-        self._stale = True
-        self._refit_info: dict[str, tuple[torch.Size, torch.dtype]] | None = None
-        self._closed = False
+        self._start()
 
-    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """``{name: (shape, dtype)}`` of the weights, as NeMo-RL's policy workers report it."""
-        return {k: (v.shape, v.dtype) for k, v in self.state().items()}
-
-    def init_communicator(self) -> None:
-        """Record the refit info every later sync is checked against."""
-        self._refit_info = self.prepare_refit_info()
-
-    @property
-    def is_stale(self) -> bool:
-        """True until a sync succeeds, and again after one fails."""
-        return self._stale
-
-    def sync_weights(
-        self, *, timer: Any = None, kv_scales: Mapping[str, float] | None = None
-    ) -> dict[str, float]:
-        """Send the trainer's weights as the next version; metrics for NeMo-RL's ``refit/``."""
-        if self._closed:
-            raise RuntimeError("sync_weights after shutdown()")
-        if self._refit_info is None:
-            raise RuntimeError("call init_communicator() before sync_weights()")
-        _check_kv_scales(kv_scales, self.kv_scales_sink)
+    def _gather(self) -> tuple[Any, Mapping[str, torch.Tensor]]:
         weights = self.state()
-        _check_refit_info(weights, self._refit_info)
-        version = self.version + 1
-        start = time.perf_counter()
-        self._stale = True
-        with _timed(timer, "prepare_for_generation/transfer_and_update_weights"):
-            self.sender.send(weights, version=version)
-            # The sender holds this version now: the next sync must send a later one even if
-            # receiving or the kv-scales sink below fails (is_stale stays True then).
-            self.version = version
-            if self.receiver is not None:
-                self.receiver.receive(timeout=self.receive_timeout)
-            if kv_scales is not None and self.kv_scales_sink is not None:
-                self.kv_scales_sink(dict(kv_scales), version)
-        self._stale = False
-        return {"weight_sync_s": time.perf_counter() - start, "weight_version": float(version)}
+        return weights, weights
 
-    def shutdown(self) -> None:
-        """Close sender and receiver where they can be; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for end in (self.sender, self.receiver):
-            close = getattr(end, "close", None) or getattr(end, "shutdown", None)
-            if callable(close):
-                close()
+    def _transfer(self, payload: Any, version: int) -> None:
+        self.sender.send(payload, version=version)
+
+    def _ends(self) -> tuple[Any, ...]:
+        return (self.sender, self.receiver)
 
 
 @contextlib.contextmanager
@@ -318,7 +363,7 @@ def sharded_weight_sync(model: torch.nn.Module, num_shards: int = 2) -> tuple[Sh
     return ShardedSender(ShardAssembler(inner, num_shards)), receiver
 
 
-class NemoShardedWeightSynchronizer:
+class NemoShardedWeightSynchronizer(_RefitSequence):
     """NeMo-RL's ``WeightSynchronizer`` where each policy worker sends its own shard.
 
     ``workers`` expose ``state_shard()`` (the worker's part of the state dict: NeMo-RL's
@@ -369,66 +414,17 @@ class NemoShardedWeightSynchronizer:
         self.policy_generation = policy_generation
         self.receive_timeout = receive_timeout
         self.kv_scales_sink = kv_scales_sink
-        self.version = 0
-        self._stale = True
-        self._refit_info: dict[str, tuple[torch.Size, torch.dtype]] | None = None
-        self._closed = False
+        self._start()
 
-    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """``{name: (shape, dtype)}`` over every worker's shard."""
-        return {k: (v.shape, v.dtype) for w in self.workers for k, v in w.state_shard().items()}
-
-    def init_communicator(self) -> None:
-        """Record the refit info later syncs are checked against."""
-        self._refit_info = self.prepare_refit_info()
-
-    @property
-    def is_stale(self) -> bool:
-        """True until a sync succeeds, and again after one fails."""
-        return self._stale
-
-    def sync_weights(
-        self, *, timer: Any = None, kv_scales: Mapping[str, float] | None = None
-    ) -> dict[str, float]:
-        """One refit: every worker's shard as the next version (colocated order kept)."""
-        if self._closed:
-            raise RuntimeError("sync_weights after shutdown()")
-        if self._refit_info is None:
-            raise RuntimeError("call init_communicator() before sync_weights()")
-        _check_kv_scales(kv_scales, self.kv_scales_sink)
+    def _gather(self) -> tuple[Any, Mapping[str, torch.Tensor]]:
         shards = [worker.state_shard() for worker in self.workers]
-        _check_refit_info({k: v for s in shards for k, v in s.items()}, self._refit_info)
-        version = self.version + 1
-        start = time.perf_counter()
-        self._stale = True
-        if self.colocated:
-            self.policy.offload_before_refit()
-            self.policy_generation.prepare_for_generation(tags=["weights"])
-        with _timed(timer, "prepare_for_generation/transfer_and_update_weights"):
-            try:
-                for rank, shard in enumerate(shards):
-                    self.assembler.shard_sender(rank).send(shard, version=version)
-            except BaseException:
-                self.assembler._drop(version)
-                raise
-            # The last shard completed the version: the sender holds it, so the next sync
-            # sends a later one even if receiving or the sink below fails.
-            self.version = version
-            if self.receiver is not None:
-                self.receiver.receive(timeout=self.receive_timeout)
-            if kv_scales is not None and self.kv_scales_sink is not None:
-                self.kv_scales_sink(dict(kv_scales), version)
-        if self.colocated:
-            self.policy.offload_after_refit()
-            self.policy_generation.prepare_for_generation(tags=["kv_cache"])
-        self._stale = False
-        return {"weight_sync_s": time.perf_counter() - start, "weight_version": float(version)}
+        return shards, {k: v for shard in shards for k, v in shard.items()}
 
-    def shutdown(self) -> None:
-        """Close the receiver where it can be; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        close = getattr(self.receiver, "close", None) or getattr(self.receiver, "shutdown", None)
-        if callable(close):
-            close()
+    def _transfer(self, payload: Any, version: int) -> None:
+        try:
+            for rank, shard in enumerate(payload):
+                self.assembler.shard_sender(rank).send(shard, version=version)
+        except BaseException:
+            # A partial version must not block the retry (the last shard completes it).
+            self.assembler._drop(version)
+            raise

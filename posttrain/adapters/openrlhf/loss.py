@@ -20,16 +20,13 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.contracts.alignment import token_log_probs
-from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.adapters._layout import token_inputs
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.contracts.validation import check
 
 OPENRLHF_INSTALL = "pip install --no-deps openrlhf==0.11.2"
 OPENRLHF_AGGREGATIONS = {"token_mean": True, "seq_mean_token_mean": False}
 """Contract aggregation -> PolicyLoss's ``token_level_loss`` (OpenRLHF has these two)."""
 
-K = LLM_LAYOUT_V1.key
 _PKG = "_posttrain_openrlhf_models"
 _LOADED: dict[str, types.ModuleType] = {}
 
@@ -121,39 +118,19 @@ class OpenRLHFPolicyLoss(torch.nn.Module):
         ``global_batch_info`` (raw row only): PolicyLoss's own ``batch_num_tokens``,
         ``global_batch_size`` and ``dp_size``, as OpenRLHF's actor passes them; default: none.
         """
-        if self.adapted:
-            check(td, require=("sample_log_probs", "advantage"), context="OpenRLHF PolicyLoss")
-            if global_batch_info is not None:
-                raise TypeError("global_batch_info: the adapted row takes counts=GlobalCounts")
-            if counts is not None and not isinstance(counts, GlobalCounts):
-                raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
-        elif counts is not None:
-            raise TypeError("counts: the raw OpenRLHF row takes no global counts")
-        tokens, att = td.get(K("tokens")), td.get(K("attention_mask"))
-        mask = td.get(K("assistant_mask"))
-        old, adv = td.get(K("sample_log_probs")), td.get(K("advantage"))
-        if adv.ndim == tokens.ndim - 1:
-            adv = adv[..., None].expand_as(old)
-        kwargs: dict[str, Any] = dict(global_batch_info or {})
-        if self.adapted:
-            own = GlobalCounts.of(td)
-            c = counts if counts is not None else own
-            if own.tokens > c.tokens or own.sequences > c.sequences:
-                raise ValueError(
-                    f"counts: this batch alone holds {own.tokens} assistant tokens in "
-                    f"{own.sequences} sequences, more than the global {c}"
-                )
-            mask = mask & att
-            mask = torch.cat([torch.zeros_like(mask[..., :1]), mask[..., 1:]], dim=-1)
-            old = torch.where(mask, old.float(), 0.0)
-            adv = torch.where(mask, adv.float(), 0.0)
-            kwargs = {"dp_size": 1, "batch_num_tokens": c.tokens, "global_batch_size": c.sequences}
-        logits = self.policy(input_ids=tokens, attention_mask=att.long()).logits
-        logp = token_log_probs(logits, tokens)
-        if self.adapted:
-            logp = torch.where(mask, logp, 0.0)
+        x = token_inputs(
+            td,
+            counts,
+            adapted=self.adapted,
+            batch_info=global_batch_info,
+            context="OpenRLHF PolicyLoss",
+        )
         loss, clip_ratio, ppo_kl, _, _ = self.loss(
-            logp, old, adv, action_mask=mask.float(), **kwargs
+            x.log_probs(self.policy),
+            x.old_log_probs,
+            x.advantage,
+            action_mask=x.mask.float(),
+            **x.batch_info,
         )
         out = {"loss_objective": loss.reshape(())}
         if not self.adapted:  # OpenRLHF's micro-batch means, as its actor logs them

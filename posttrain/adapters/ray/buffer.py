@@ -35,14 +35,22 @@ SERVED_METHODS = frozenset(
 )
 """What :meth:`BufferHost.call` dispatches: the buffer contract and its capabilities, nothing else."""
 
+TORCHRL_METHODS = (SERVED_METHODS - {"read"}) | {"__getitem__"}
+"""The same methods under a TorchRL buffer's names (``rb[indices]`` is its read): what the host
+dispatches for a buffer TorchRL's ``RayReplayBuffer`` reaches (see ``posttrain.adapters.ray.hosted``)."""
+
+_NAME_SETS = (SERVED_METHODS, TORCHRL_METHODS)
+
 
 class BufferHost:
     """The actor body: buffers by key, one call at a time.
 
     Ray runs an actor's methods one after another (``max_concurrency=1``), so each ``extend``
     is atomic with respect to every other call, from every process, whatever the hosted
-    buffer's own thread safety. One host may hold many buffers (the conformance rows share
-    one to keep actor start-up, about 2 s on 2 cores, out of every check).
+    buffer's own thread safety. One host may hold many independent buffers: each ``create``
+    builds a new one under its own key, and nothing is shared between keys but the process
+    (the conformance rows share one host to keep actor start-up, 2-3 s on 2 cores, out of
+    every check).
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
@@ -54,34 +62,61 @@ class BufferHost:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[str, Any] = {}
+        self._buffers: dict[str, tuple[Any, frozenset[str]]] = {}
 
-    def create(self, key: str, factory: Callable[..., Any], args: tuple[Any, ...]) -> list[str]:
-        """Build ``factory(*args)`` under ``key``; return which optional methods it has."""
-        rb = factory(*args)
-        self._buffers[key] = rb
+    def create(
+        self,
+        key: str,
+        factory: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        names: frozenset[str] = SERVED_METHODS,
+    ) -> list[str]:
+        """Build ``factory(*args, **kwargs)`` under ``key``; return which optional methods it has.
+
+        ``names`` is what :meth:`call` will dispatch for it: :data:`SERVED_METHODS`, or
+        :data:`TORCHRL_METHODS` for a TorchRL buffer.
+        """
+        known = next((n for n in _NAME_SETS if n == names), None)
+        if known is None:  # the set arrives pickled: compare by value, keep the module's own
+            raise ValueError(
+                f"names: SERVED_METHODS or TORCHRL_METHODS, found {sorted(names)[:10]}"
+            )
+        if key in self._buffers:
+            raise ValueError(f"key {key!r}: this host already holds a buffer under it")
+        rb = factory(*args, **(kwargs or {}))
+        self._buffers[key] = (rb, known)
         optional = ("dumps", "loads", "read", "update_priority")
         return [m for m in optional if callable(getattr(rb, m, None))]
 
-    def call(self, key: str, method: str, args: tuple[Any, ...]) -> Any:
-        """``buffer.method(*args)`` on the buffer under ``key``: the contract's methods only."""
-        if method not in SERVED_METHODS:
+    def call(
+        self,
+        key: str,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """``buffer.method(*args, **kwargs)`` on the buffer under ``key``: the contract's methods only."""
+        rb, names = self._buffers.get(key, (None, SERVED_METHODS | TORCHRL_METHODS))
+        if method not in names:
             raise ValueError(
                 f"method {method!r}: a buffer host serves only the buffer contract's methods "
-                f"({', '.join(sorted(SERVED_METHODS))})"
+                f"({', '.join(sorted(names))})"
             )
-        try:
-            rb = self._buffers[key]
-        except KeyError:
-            raise RuntimeError(f"no buffer {key!r} on this host: it was closed") from None
-        out = getattr(rb, method)(*args)
-        if isinstance(out, TensorDictBase):
+        if rb is None:
+            raise RuntimeError(f"no buffer {key!r} on this host: it was closed")
+        out = getattr(rb, method)(*args, **(kwargs or {}))
+        if names is SERVED_METHODS and isinstance(out, TensorDictBase):
             out = out.apply(_compact)
         return out
 
     def drop(self, key: str) -> None:
         """Forget the buffer under ``key`` (idempotent)."""
         self._buffers.pop(key, None)
+
+    def held(self) -> int:
+        """How many buffers the host holds (those not yet closed or dropped)."""
+        return len(self._buffers)
 
     def pid(self) -> int:
         """The process the host runs in."""

@@ -1,8 +1,10 @@
 """Ray-served buffers as conformance targets (entry points ``ray-served-*``).
 
-The rows share one :class:`~posttrain.adapters.ray.buffer.BufferHost` actor per Ray session:
-a new actor costs about 2 s of start-up on 2 cores, and the buffer suite builds dozens of
-buffers. What is under test, the client-actor path, is the same as with a dedicated actor.
+The rows share one :class:`~posttrain.adapters.ray.buffer.BufferHost` actor per Ray session
+(so do TorchRL's Ray-served rows, through :mod:`posttrain.adapters.ray.hosted`): a new actor
+costs 2-3 s of start-up on 2 cores, and the buffer suite builds ~40 fresh buffers. Each
+factory call still builds a new buffer under its own key, reached only through the handle it
+returns; what is under test, the client-actor path, is the same as with a dedicated actor.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain.adapters._ray import ensure_cluster
-from posttrain.adapters.ray.buffer import BufferHost, RemoteBuffer, serve_buffer
+from posttrain.adapters.ray.buffer import BufferHost, RemoteBuffer, _kill, serve_buffer
 from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import RingBuffer
 
@@ -31,6 +33,18 @@ def shared_host() -> Any:
         _HOSTS.clear()
         _HOSTS[session] = ray.remote(BufferHost).options(num_cpus=0).remote()
     return _HOSTS[session]
+
+
+def close_shared_host() -> None:
+    """Kill the shared host actor, if one was started, with every buffer it still holds.
+
+    The next :func:`shared_host` starts a new one. Example (not run by the doctests):
+        >>> close_shared_host()  # doctest: +SKIP
+    """
+    hosts = list(_HOSTS.values())
+    _HOSTS.clear()
+    for host in hosts:
+        _kill(host)
 
 
 def served_ring_buffer(capacity: int) -> RemoteBuffer:

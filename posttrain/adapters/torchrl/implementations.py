@@ -6,10 +6,7 @@ group so ``make report`` shows TorchRL's rows. Factories import TorchRL lazily.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import tempfile
-import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -120,57 +117,25 @@ def _impl(
     )
 
 
-_SPARES_AHEAD = 2
-"""Actors started ahead of need by the Ray rows' factory (see :func:`_ray_served`)."""
-
-_spares: dict[str, Any] = {"last": None, "pools": {}}
-
-
 def _ray_served(capacity: int, *, adapted: bool) -> Any:
-    """TorchRL's own Ray service: a TensorDictReplayBuffer in an actor (RayReplayBuffer).
+    """TorchRL's own Ray service (``RayReplayBuffer`` around a ``TensorDictReplayBuffer``).
 
-    Every call hands out a new, empty buffer that nothing else holds. An actor's process spends
-    ~2 s importing torch and torchrl before its first answer, and the suite makes a fresh buffer
-    for every check (BUF-003's state machine alone makes several), so the factory keeps actors
-    of the capacity asked for booting in the background: a check then waits for what is left of
-    a boot, not for a whole one. One spare after a first request for a capacity, two while
-    requests repeat it; spares of the two most recent capacities are kept.
+    Every call hands out a new, empty buffer that nothing else holds, in the Ray rows' shared
+    host actor (``posttrain.adapters.ray.hosted``) rather than an actor process of its own: a
+    process spends 2-3 s importing torch and torchrl before its first answer, and the suite
+    makes a fresh buffer for every check (~40). TorchRL's client code is unchanged.
     """
-    from posttrain.adapters._ray import ensure_cluster
+    from posttrain.adapters.ray.hosted import hosted_torchrl_buffer
+    from posttrain.adapters.ray.implementations import shared_host
 
-    ray = ensure_cluster()  # joined, not owned, by TorchRL: its close() never shuts Ray down
-    # A spare belongs to one cluster; after a ray.shutdown() its handle is dead.
-    key = (ray.get_runtime_context().get_job_id(), capacity)
-    pools: dict[Any, collections.deque[Any]] = _spares["pools"]
-    pool = pools.pop(key, None) or collections.deque()
-    rb = pool.popleft() if pool else _new_ray_served(ray, capacity)
-    ahead = _SPARES_AHEAD if _spares["last"] == key else 1
-    while len(pool) < ahead:
-        pool.append(_new_ray_served(ray, capacity))
-    _spares["last"] = key
-    for old in list(pools)[:-1]:  # dropping a spare kills its actor (weakref.finalize below)
-        del pools[old]
-    pools[key] = pool  # most recent last
-    return ValidatedReplayBuffer(rb) if adapted else rb
-
-
-def _new_ray_served(ray: Any, capacity: int) -> Any:
     data = _torchrl()
-    rb = data.TensorDictReplayBuffer(
+    rb = hosted_torchrl_buffer(
+        data.TensorDictReplayBuffer,
+        shared_host(),
         storage=partial(data.LazyTensorStorage, capacity),
         sampler=data.RandomSampler,
-        service_backend="ray",
-        service_backend_options={"remote_config": {"num_cpus": 0}},
     )
-    # The suite never closes what it makes; kill the actor when the buffer is dropped.
-    # TorchRL exposes no public handle, and finalizing on rb.close would keep rb alive.
-    weakref.finalize(rb, _kill_quietly, ray, rb._rb)
-    return rb
-
-
-def _kill_quietly(ray: Any, actor: Any) -> None:
-    with contextlib.suppress(Exception):
-        ray.kill(actor, no_restart=True)
+    return ValidatedReplayBuffer(rb) if adapted else rb
 
 
 def _ray_impl(*, adapted: bool) -> Implementation:
@@ -185,7 +150,8 @@ def _ray_impl(*, adapted: bool) -> Implementation:
         unavailable={
             "priority": "PrioritizedSampler needs torchrl's C++ extension (see prioritized_unavailable())"
         },
-        description="TorchRL's Ray-served replay buffer (one actor per buffer, local Ray cluster)"
+        description="TorchRL's Ray-served replay buffer (RayReplayBuffer; each buffer new, in one "
+        "shared host actor; local Ray cluster)"
         + (", checked by the adapter in each client" if adapted else ""),
         # buffer 1.4: its loads is TorchRL's (prefetch.pkl unpickled, storage replaced first)
         known_failures=frozenset() if adapted else _ATOMICITY | {"BUF-023", "BUF-024"},

@@ -80,17 +80,9 @@ def read_tensorboard(directory: str | os.PathLike[str]) -> dict[str, list[tuple[
         >>> read_tensorboard(d)
         {'loss': [(0, 1.5), (1, 0.5)]}
     """
-    with optional_deps():
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from posttrain.observability.sinks import read_tensorboard as read
 
-    out: dict[str, list[tuple[int, float]]] = {}
-    runs = sorted({p.parent for p in Path(directory).rglob("events.out.tfevents.*")})
-    for run in runs:
-        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, []).extend((int(e.step), float(e.value)) for e in acc.Scalars(tag))
-    return out
+    return read(directory)
 
 
 def wandb_logger(directory: str | os.PathLike[str]) -> Any:

@@ -10,6 +10,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from posttrain._deps import optional_deps
 from posttrain.adapters._hf import word_level_tokenizer
+from posttrain.adapters._layout import global_counts
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.loss import GlobalCounts
 from posttrain.contracts.validation import check
@@ -118,15 +119,7 @@ class ContractLoss(torch.nn.Module):
         """Compute the wrapped loss on ``td`` (never mutated), as a part of the batch ``counts``
         describes (default: ``td`` is the whole batch)."""
         check(td, require=("sample_log_probs", "advantage"), context=type(self.loss).__name__)
-        if counts is not None and not isinstance(counts, GlobalCounts):
-            raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
-        own = GlobalCounts.of(td)
-        c = counts if counts is not None else own
-        if own.tokens > c.tokens or own.sequences > c.sequences:
-            raise ValueError(
-                f"counts: this batch alone holds {own.tokens} assistant tokens in "
-                f"{own.sequences} sequences, more than the global {c}"
-            )
+        own, c = global_counts(td, counts)
         per_token = own.tokens / max(c.tokens, 1)
         per_row = (
             per_token

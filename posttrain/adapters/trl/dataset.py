@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import uuid
 import warnings
 import weakref
@@ -460,17 +461,32 @@ def sft_dataset(
     num_batches: int | None = 1,
     layout: Layout = LLM_LAYOUT_V1,
     typed: bool = False,
+    tokenizer: Any = None,
 ) -> Any:
-    """Rows ``{"input_ids", "labels"}`` for ``SFTTrainer``, as a ``datasets.IterableDataset``.
+    """Rows for ``SFTTrainer``, as a ``datasets.IterableDataset``: assistant-only loss either way.
 
-    Real tokens only, assistant-only labels: each row is cut to its attention mask (TRL's
-    collator makes the attention mask from the row's length and would otherwise train on
-    pads); labels are ``IGNORE_INDEX`` outside the assistant mask, and TRL's collator pads
-    them with ``IGNORE_INDEX`` too. Leave ``SFTConfig(assistant_only_loss=False)``: the labels
-    already are assistant-only (TRL would refuse the rows as "not conversational").
-    ``packing=True`` is refused when the trainer prepares the dataset (it would fill TRL's
-    packing batch, 1,000 rows, from the buffer); ``padding_free=True, max_length=None`` concatenates each
-    batch's rows instead. ``typed=True``: see :meth:`BufferDataset.as_hf_dataset`.
+    Real tokens only: each row is cut to its attention mask (TRL's collator makes the
+    attention mask from the row's length and would otherwise train on pads). Rows:
+
+    - without ``tokenizer``: ``{"input_ids", "labels"}``, labels ``IGNORE_INDEX`` outside the
+      assistant mask. Leave ``SFTConfig(assistant_only_loss=False)``: TRL 1.16 refuses
+      ``True`` for rows that are not conversational.
+    - with ``tokenizer``: ``{"messages", "input_ids", "assistant_masks"}``, the form TRL 1.16
+      prepares for ``assistant_only_loss=True``: ``assistant_masks`` is the buffer's assistant
+      mask, which TRL folds into the labels itself (it does so whatever the flag);
+      ``messages`` are the item's turns decoded with ``tokenizer`` (runs of assistant tokens
+      as ``"assistant"``, the runs between them as ``"user"``), there because TRL reads the
+      first row to decide whether the data is conversational. TRL trains on the stored
+      ``input_ids``, never on a re-tokenized text, and drops ``messages`` before collating.
+      TRL also requires the processing class's chat template to hold ``{% generation %}``
+      markers when ``assistant_only_loss=True`` (it is not used to tokenize these rows).
+
+    Packing: ``SFTConfig(packing=True)`` packs through a batched ``map`` of 1,000 rows, drawn
+    before the first step; any batched map whose batch needs more than one sample call of
+    the buffer is refused (:data:`PACKING_REFUSED`), whatever function it maps.
+    ``padding_free=True, max_length=None`` concatenates each batch's rows instead. With
+    ``num_batches=1`` packing reads the one sample and is allowed. ``typed=True``: see
+    :meth:`BufferDataset.as_hf_dataset`.
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
@@ -479,21 +495,82 @@ def sft_dataset(
         >>> row = next(iter(sft_dataset(rb, 4)))
         >>> len(row["input_ids"]) == len(row["labels"]) <= 8, type(row["labels"]).__name__
         (True, 'ndarray')
+        >>> from posttrain.testing import tiny_causal_lm
+        >>> from posttrain.adapters._hf import word_level_tokenizer
+        >>> tok = word_level_tokenizer(tiny_causal_lm().config)
+        >>> row = next(iter(sft_dataset(rb, 4, tokenizer=tok)))
+        >>> sorted(row), [m["role"] for m in row["messages"]]
+        (['assistant_masks', 'input_ids', 'messages'], ['user', 'assistant'])
     """
-    source = BufferDataset(
-        buffer,
-        batch_size,
-        num_batches=num_batches,
-        columns={"input_ids": layout.key("tokens")},
-        shape="ragged",
-        labels="labels",
-        layout=layout,
-    )
-    out = source.as_hf_dataset(typed=typed)
-    _refuse_packing(out)
+    if tokenizer is None:
+        source = BufferDataset(
+            buffer,
+            batch_size,
+            num_batches=num_batches,
+            columns={"input_ids": layout.key("tokens")},
+            shape="ragged",
+            labels="labels",
+            layout=layout,
+        )
+        out = source.as_hf_dataset(typed=typed)
+    else:
+        source = BufferDataset(
+            buffer,
+            batch_size,
+            num_batches=num_batches,
+            columns={
+                "input_ids": layout.key("tokens"),
+                "assistant_masks": layout.key("assistant_mask"),
+            },
+            shape="ragged",
+            layout=layout,
+        )
+        out = _conversational(source, tokenizer, typed)
+    _refuse_packing(out, source)
     # Old callers wrote ``sft_dataset(...).as_hf_dataset()``: the result already is one.
     out.as_hf_dataset = _already_hf(source)
     return out
+
+
+def _conversational(source: BufferDataset, tokenizer: Any, typed: bool) -> Any:
+    """``source``'s rows with their turns decoded into ``messages`` (see :func:`sft_dataset`)."""
+    with optional_deps():
+        import datasets
+
+    values: Values = "list" if typed else "numpy"
+
+    def rows(source: _Shared) -> Iterator[dict[str, Any]]:
+        with contextlib.closing(source.dataset.rows(values)) as inner:
+            for row in inner:
+                yield {
+                    "messages": _turns(tokenizer, row["input_ids"], row["assistant_masks"]),
+                    **row,
+                }
+
+    features = None
+    if typed:
+        message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+        features = datasets.Features(
+            {"messages": datasets.List(message), **source._features(datasets)}
+        )
+    out = datasets.IterableDataset.from_generator(
+        rows, features=features, gen_kwargs={"source": _Shared(source)}
+    )
+    _warn_on_shuffle(out, source)
+    return out
+
+
+def _turns(tokenizer: Any, ids: Any, assistant: Any) -> list[dict[str, str]]:
+    """Runs of equal assistant-mask value, decoded: ``assistant`` inside the mask, else ``user``."""
+    ids, assistant = list(ids), [bool(a) for a in assistant]
+    turns: list[dict[str, str]] = []
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or assistant[end] != assistant[start]:
+            role = "assistant" if assistant[start] else "user"
+            turns.append({"role": role, "content": str(tokenizer.decode(ids[start:end]))})
+            start = end
+    return turns
 
 
 def _already_hf(source: BufferDataset) -> Callable[..., Any]:
@@ -509,44 +586,67 @@ def _already_hf(source: BufferDataset) -> Callable[..., Any]:
     return as_hf_dataset
 
 
-_PACKING = (
-    "SFTConfig(packing=True) on a replay buffer: TRL packs from batches of "
-    "dataset_batch_size rows (1,000 by default) drawn before the first step, so one step "
-    "samples the buffer far beyond what it trains on (and, with replacement, packs repeats "
-    "of the same item). Use SFTConfig(packing=False, padding_free=True, max_length=None): each "
-    "batch's rows are concatenated without padding and nothing extra is drawn."
+PACKING_REFUSED = (
+    "a batched map of {rows} rows over a replay buffer draws {calls} sample calls of "
+    "{batch} items before it yields a row (TRL's SFTConfig(packing=True) packs through such "
+    "a map: one step of training samples the buffer far beyond what it trains on and, with "
+    "replacement, packs repeats of the same item). Use SFTConfig(packing=False, "
+    "padding_free=True, max_length=None): each batch's rows are concatenated without padding "
+    "and nothing extra is drawn; for a map of your own, pass batch_size<={batch}."
 )
+"""The message of the ``ValueError`` raised by a batched map that over-draws a buffer."""
 
 
 _DERIVING = ("filter", "with_format", "select_columns", "remove_columns", "rename_column",
              "rename_columns", "shuffle", "take", "skip", "cast", "cast_column")  # fmt: skip
 
 
-def _refuse_packing(out: Any) -> Any:
-    """Make ``out``, and every dataset derived from it, refuse TRL's packing map.
+def _refuse_packing(out: Any, source: BufferDataset) -> Any:
+    """Make ``out``, and every dataset derived from it, refuse a batched map that over-draws.
 
-    TRL 1.16's SFTTrainer selects columns, shuffles, calls ``pack_dataset`` (which calls
-    ``with_format("arrow")``) and maps ``_pack_bfd`` or ``_pack_wrapped`` over the result; its
-    other preparation maps pass through.
+    Judged by what the map would do to the buffer, not by the function's name: a batched map
+    reads ``batch_size`` rows (``datasets``' default 1,000; ``None``: the whole stream) before
+    it yields one. TRL 1.16's SFTTrainer with ``packing=True`` selects columns, shuffles and
+    calls ``pack_dataset``, one such map; its other preparation maps are row by row.
     """
     map_ = out.map
+    signature = inspect.signature(map_)
 
-    def map(function: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if getattr(function, "__name__", "").startswith("_pack"):
-            raise ValueError(_PACKING)
-        return _refuse_packing(map_(function, *args, **kwargs))
+    def map(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        if call.arguments.get("batched"):
+            _check_batched_read(source, call.arguments.get("batch_size"))
+        return _refuse_packing(map_(*args, **kwargs), source)
 
     out.map = map
     for name in _DERIVING:
         method = getattr(out, name, None)
         if method is not None:
-            setattr(out, name, _deriving(method))
+            setattr(out, name, _deriving(method, source))
     return out
 
 
-def _deriving(method: Callable[..., Any]) -> Callable[..., Any]:
+def _check_batched_read(source: BufferDataset, rows: int | None) -> None:
+    total = None if source.num_batches is None else source.num_batches * source.batch_size
+    if rows is None or rows <= 0:  # datasets: the whole dataset as one batch
+        rows = total
+    elif total is not None:
+        rows = min(rows, total)
+    calls = None if rows is None else -(-rows // source.batch_size)
+    if calls is None or calls > 1:
+        raise ValueError(
+            PACKING_REFUSED.format(
+                rows="all the" if rows is None else rows,
+                calls="endless" if calls is None else calls,
+                batch=source.batch_size,
+            )
+        )
+
+
+def _deriving(method: Callable[..., Any], source: BufferDataset) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
-        return _refuse_packing(method(*args, **kwargs))
+        return _refuse_packing(method(*args, **kwargs), source)
 
     return call
 
@@ -592,8 +692,12 @@ def prompt_dataset(
     dataset column to reward functions as a keyword argument. Where decoding and
     re-tokenizing cannot give the ids back (BPE merges across the prompt's end), the dataset
     warns once, keeps the first :data:`MISMATCHED_KEPT` such prompts in
-    ``posttrain_mismatched`` and counts them all in ``posttrain_decode_stats["mismatched"]``;
-    pass it to ``CaptureRollouts(prompt_ids=...)`` to generate from the stored ids exactly.
+    ``posttrain_mismatched`` and counts them all in ``posttrain_decode_stats["mismatched"]``
+    (``"evicted"``: prompts dropped from the map below; ``"collided"``: two stored prompts
+    that decode to one text, where the map keeps the later one's ids);
+    pass the dataset to ``CaptureRollouts(prompt_ids=...)`` to generate from the stored ids
+    exactly: it reads ``posttrain_prompt_ids``, the text -> ids map of the latest
+    :data:`PROMPT_IDS_KEPT` such prompts (bounded: an endless stream does not grow it).
 
     Example:
         >>> from posttrain.reference_impls import RingBuffer
@@ -653,14 +757,21 @@ def prompt_dataset(
                     if len(mismatched) < MISMATCHED_KEPT:
                         mismatched.append(ids)
                     decode_stats["mismatched"] += 1
-                texts[text] = ids
+                    # Only these need a map: a text that round-trips gives its ids back
+                    # to anyone who tokenizes it (CaptureRollouts falls back to that).
+                    # Two stored prompts decoding to one text share a key: the later wins
+                    # and CaptureRollouts would give the earlier one its ids. Counted, so a
+                    # user can see it happen.
+                    if texts.get(text, ids) != ids:
+                        decode_stats["collided"] += 1
+                    texts[text] = ids
                 out = {"prompt": text, "prompt_ids": ids}
                 for n in extra:
                     v = row[f"extra:{n}"]
                     out[n] = v.tolist() if isinstance(v, torch.Tensor) else v
                 yield out
 
-    texts: dict[str, list[int]] = {}
+    texts = _Recent(PROMPT_IDS_KEPT, decode_stats)
     # Declared features only without extra columns: their types are the buffer's to say.
     features = (
         None
@@ -680,6 +791,32 @@ def prompt_dataset(
     out.posttrain_decode_stats = decode_stats
     _warn_on_shuffle(out, source)
     return out
+
+
+PROMPT_IDS_KEPT = 4096
+"""How many prompts ``prompt_dataset``'s ``posttrain_prompt_ids`` maps from text to stored ids:
+the latest ones that do not survive decode -> re-tokenize (the others need no map: their text
+tokenizes back into their ids). ``CaptureRollouts`` looks a prompt up when TRL hands it back,
+a generation batch after it was yielded (plus up to ``GRPOConfig(shuffle_dataset=True)``'s
+1,000-row shuffle buffer, where a row stays longer than 4,096 rows with probability
+e^-4.1 = 1.7%); a prompt no longer in the map is tokenized from its text."""
+
+
+class _Recent(collections.OrderedDict[str, list[int]]):
+    """A text -> ids map holding the latest ``limit`` texts written (the oldest go first,
+    counted in ``stats["evicted"]``)."""
+
+    def __init__(self, limit: int, stats: collections.Counter[str] | None = None) -> None:
+        super().__init__()
+        self.limit = limit
+        self.stats = collections.Counter() if stats is None else stats
+
+    def __setitem__(self, key: str, value: list[int]) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        if len(self) > self.limit:
+            self.popitem(last=False)
+            self.stats["evicted"] += 1
 
 
 MISMATCHED_KEPT = 10

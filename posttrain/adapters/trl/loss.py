@@ -29,6 +29,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain._deps import optional_deps
+from posttrain.adapters._layout import global_counts, loss_tokens
+from posttrain.adapters._layout import zero_outside as zero_outside_mask
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.loss import GlobalCounts
@@ -52,10 +54,15 @@ RATIOS = {
     "dr_grpo": "token",
     "dapo": "token",
     "luspo": "sequence",
+    "cispo": "cispo",
 }
-"""TRL loss_type -> the contract's ``ratio`` option (loss 1.4). cispo and vespo weight
-log p by a detached, clamped ratio (cispo's clamp is ``epsilon_high``), sapo gates the ratio
-through a sigmoid: none of the contract's forms, no ``ratio`` declared."""
+"""TRL loss_type -> the contract's ``ratio`` option (loss 1.5). ``GRPOTrainer._compute_loss``
+computes cispo as ``-clamp(coef_1, max=epsilon_high).detach() * advantages *
+per_token_logps``: CISPO's form (``cispo``) with an upper bound only, at ``epsilon_high`` itself
+(5.0 in the rows), which LOSS-021's ratios near 1 never reach; no ``clip`` capability is
+declared, since the contract's bounds are 1 ± ε. sapo gates the ratio through a sigmoid
+(``sigmoid(tau * (coef_1 - 1)) * 4 / tau``) and vespo weights log p by a gamma weight of the
+sequence (``get_gamma_weights``): none of the contract's forms, no ``ratio`` declared."""
 
 GLOBAL_TOKENS = ("dapo", "cispo", "vespo")
 """The loss types that divide by TRL's ``num_items_in_batch`` (the global token count)."""
@@ -155,8 +162,7 @@ def trl_inputs(td: TensorDictBase, *, zero_outside: bool) -> tuple[dict[str, Any
         (['advantages', 'completion_ids', 'completion_mask'], 2)
     """
     tokens, att = td.get(K("tokens")), td.get(K("attention_mask"))
-    asst = td.get(K("assistant_mask")) & att
-    asst = torch.cat([torch.zeros_like(asst[:, :1]), asst[:, 1:]], dim=1)
+    asst = loss_tokens(td.get(K("assistant_mask")), att)
     first = asst.float().argmax(-1)[asst.any(-1)]
     split = max(1, int(first.min())) if first.numel() else tokens.shape[1] - 1
     old, adv = td.get(K("sample_log_probs"), None), td.get(K("advantage"), None)
@@ -171,11 +177,11 @@ def trl_inputs(td: TensorDictBase, *, zero_outside: bool) -> tuple[dict[str, Any
     }
     if old is not None:
         old = old[:, split:]
-        inputs["old_per_token_logps"] = torch.where(mask, old.float(), 0.0) if zero_outside else old
+        inputs["old_per_token_logps"] = zero_outside_mask(mask, old) if zero_outside else old
     if adv is not None:
         if adv.ndim == 2:
             adv = adv[:, split:]
-            adv = torch.where(mask, adv.float(), 0.0) if zero_outside else adv
+            adv = zero_outside_mask(mask, adv) if zero_outside else adv
         inputs["advantages"] = adv
     return inputs, mask
 
@@ -240,8 +246,7 @@ class TRLGRPOLoss(torch.nn.Module):
         """
         if self.adapted:
             check(td, require=("sample_log_probs", "advantage"), context=f"TRL {self.loss_type}")
-            if counts is not None and not isinstance(counts, GlobalCounts):
-                raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
+            own, c = global_counts(td, counts)
         elif counts is not None:
             raise TypeError("counts: the raw TRL row takes no global counts")
         inputs, _ = trl_inputs(td, zero_outside=self.adapted)
@@ -251,13 +256,6 @@ class TRLGRPOLoss(torch.nn.Module):
             inputs["num_items_in_batch"] = torch.tensor(float(num_items_in_batch))
         scale = 1.0
         if self.adapted:
-            own = GlobalCounts.of(td)
-            c = counts if counts is not None else own
-            if own.tokens > c.tokens or own.sequences > c.sequences:
-                raise ValueError(
-                    f"counts: this batch alone holds {own.tokens} assistant tokens in "
-                    f"{own.sequences} sequences, more than the global {c}"
-                )
             if self.loss_type in GLOBAL_TOKENS:
                 inputs["num_items_in_batch"] = torch.tensor(float(c.tokens))
             elif self.loss_type == "bnpo":
@@ -323,7 +321,7 @@ RAW_KNOWN: dict[str, frozenset[str]] = {
     "bnpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
     "dr_grpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
     "dapo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
-    "cispo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
+    "cispo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
     "sapo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "vespo": frozenset({"LOSS-002", "LOSS-004", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "luspo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
@@ -331,8 +329,8 @@ RAW_KNOWN: dict[str, frozenset[str]] = {
 """What each raw row fails, measured with TRL 1.16 (loss type -> requirement ids)."""
 ADAPTED_KNOWN: dict[str, frozenset[str]] = {
     # Measured with TRL 1.16: their loss_objective at ratio 1 is not the aggregation's
-    # weighted sum of -A (LOSS-016's value), whatever the counts.
-    "cispo": frozenset({"LOSS-016"}),
+    # weighted sum of -A (LOSS-016's value), whatever the counts. (cispo declares ratio cispo,
+    # whose value at ratio 1 is the sum of w * -A * log p: it conforms.)
     "sapo": frozenset({"LOSS-016"}),
     "vespo": frozenset({"LOSS-016"}),
 }

@@ -24,7 +24,7 @@ one).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 from tensordict import TensorDictBase
@@ -121,11 +121,33 @@ class _Texts:
         return str(self.tok.decode(completion))
 
 
-def _check_pairs(pairs: str, margin: float) -> None:
+Rows = Callable[[list[_Answer]], Iterable[tuple[Any, ...]]]
+
+
+def _pair_rows(
+    pairs: Pairs, margin: float, row: Callable[[_Answer, _Answer], tuple[Any, ...]]
+) -> Rows:
+    """A group's rows: ``row(better, worse)`` for each pair :func:`_pairs` chooses."""
     if pairs not in ("best_worst", "all"):
         raise ValueError(f"pairs: expected 'best_worst' or 'all', found {pairs!r}")
     if not margin >= 0:
         raise ValueError(f"margin: expected a number >= 0, found {margin!r}")
+    return lambda group: (row(good, bad) for good, bad in _pairs(group, pairs, margin))
+
+
+def _table(
+    buffer: ReplayBufferV1, batch_size: int, layout: Layout, names: tuple[str, ...], rows_of: Rows
+) -> Any:
+    """One walk for every builder: sample once, group, and collect each group's rows by column."""
+    with optional_deps():
+        import datasets
+
+    columns: dict[str, list[Any]] = {n: [] for n in names}
+    for group in _groups(buffer, batch_size, layout):
+        for row in rows_of(group):
+            for n, v in zip(names, row, strict=True):
+                columns[n].append(v)
+    return datasets.Dataset.from_dict(columns)
 
 
 def dpo_dataset(
@@ -159,19 +181,18 @@ def dpo_dataset(
         >>> ds.column_names
         ['prompt', 'chosen', 'rejected', 'margin']
     """
-    _check_pairs(pairs, margin)
-    with optional_deps():
-        import datasets
-
     texts = _Texts(tokenizer)
-    rows: dict[str, list[Any]] = {"prompt": [], "chosen": [], "rejected": [], "margin": []}
-    for group in _groups(buffer, batch_size, layout):
-        for good, bad in _pairs(group, pairs, margin):
-            rows["prompt"].append(texts.prompt(good.prompt))
-            rows["chosen"].append(texts.completion(good.prompt, good.completion))
-            rows["rejected"].append(texts.completion(bad.prompt, bad.completion))
-            rows["margin"].append(good.reward - bad.reward)
-    return datasets.Dataset.from_dict(rows)
+
+    def row(good: _Answer, bad: _Answer) -> tuple[Any, ...]:
+        return (
+            texts.prompt(good.prompt),
+            texts.completion(good.prompt, good.completion),
+            texts.completion(bad.prompt, bad.completion),
+            good.reward - bad.reward,
+        )
+
+    rows_of = _pair_rows(pairs, margin, row)
+    return _table(buffer, batch_size, layout, ("prompt", "chosen", "rejected", "margin"), rows_of)
 
 
 def kto_dataset(
@@ -203,20 +224,19 @@ def kto_dataset(
         >>> ds.column_names
         ['prompt', 'completion', 'label']
     """
-    with optional_deps():
-        import datasets
-
     texts = _Texts(tokenizer)
-    rows: dict[str, list[Any]] = {"prompt": [], "completion": [], "label": []}
-    for group in _groups(buffer, batch_size, layout):
+
+    def labelled(group: list[_Answer]) -> Iterator[tuple[Any, ...]]:
         mean = sum(a.reward for a in group) / len(group)
         for a in group:
-            if a.reward == mean:
-                continue
-            rows["prompt"].append(texts.prompt(a.prompt))
-            rows["completion"].append(texts.completion(a.prompt, a.completion))
-            rows["label"].append(a.reward > mean)
-    return datasets.Dataset.from_dict(rows)
+            if a.reward != mean:
+                yield (
+                    texts.prompt(a.prompt),
+                    texts.completion(a.prompt, a.completion),
+                    a.reward > mean,
+                )
+
+    return _table(buffer, batch_size, layout, ("prompt", "completion", "label"), labelled)
 
 
 def reward_dataset(
@@ -247,17 +267,12 @@ def reward_dataset(
         >>> reward_dataset(rb, 2).column_names
         ['chosen_ids', 'rejected_ids', 'margin']
     """
-    _check_pairs(pairs, margin)
-    with optional_deps():
-        import datasets
 
-    rows: dict[str, list[Any]] = {"chosen_ids": [], "rejected_ids": [], "margin": []}
-    for group in _groups(buffer, batch_size, layout):
-        for good, bad in _pairs(group, pairs, margin):
-            rows["chosen_ids"].append(good.prompt + good.completion)
-            rows["rejected_ids"].append(bad.prompt + bad.completion)
-            rows["margin"].append(good.reward - bad.reward)
-    return datasets.Dataset.from_dict(rows)
+    def row(good: _Answer, bad: _Answer) -> tuple[Any, ...]:
+        return good.prompt + good.completion, bad.prompt + bad.completion, good.reward - bad.reward
+
+    rows_of = _pair_rows(pairs, margin, row)
+    return _table(buffer, batch_size, layout, ("chosen_ids", "rejected_ids", "margin"), rows_of)
 
 
 Trainer = Literal["dpo", "kto", "reward"]

@@ -15,8 +15,8 @@ import contextlib
 import functools
 import inspect
 import math
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import Any, overload
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
@@ -369,14 +369,38 @@ def _await(awaitable: Any) -> Any:
         return pool.submit(asyncio.run, wait()).result()
 
 
+RewardFunc = Callable[..., list[float | None]]
+ContractReward = Callable[[TensorDictBase], TensorDictBase]
+
+
+@overload
 def trl_reward_func(
-    reward: Callable[[TensorDictBase], TensorDictBase],
+    reward: ContractReward,
     tokenizer: Any,
     *,
     layout: Layout = LLM_LAYOUT_V1,
     name: str | None = None,
-) -> Callable[..., list[float | None]]:
-    """A contract reward as an entry of TRL's ``reward_funcs``.
+) -> RewardFunc: ...
+
+
+@overload
+def trl_reward_func(
+    reward: list[ContractReward] | tuple[ContractReward, ...],
+    tokenizer: Any,
+    *,
+    layout: Layout = LLM_LAYOUT_V1,
+    name: None = None,
+) -> list[RewardFunc]: ...
+
+
+def trl_reward_func(
+    reward: ContractReward | list[ContractReward] | tuple[ContractReward, ...],
+    tokenizer: Any,
+    *,
+    layout: Layout = LLM_LAYOUT_V1,
+    name: str | None = None,
+) -> RewardFunc | list[RewardFunc]:
+    """A contract reward as an entry of TRL's ``reward_funcs`` (a list of them: the list).
 
     Each (prompt, completion) pair becomes one item of a ragged LLM-layout batch: prompt ids
     from TRL's ``prompt_ids`` column when the trainer passes one (a ``rollout_func`` or a
@@ -384,11 +408,11 @@ def trl_reward_func(
     mask covers ``completion_ids``. Conversational prompts (lists of messages) go through the
     tokenizer's chat template with a generation prompt, as GRPOTrainer tokenizes them. TRL's
     other keyword arguments (``trainer_state``, ``log_extra``, columns) are accepted and
-    ignored. The name TRL logs is ``name``, else the reward's ``name`` (``hf_reward_model``:
-    the model's name), made unique in this process: two reward models never share a column.
-    Without ``name`` the suffix counts every earlier wrap of that name in the process (the
-    second unnamed wrap of a model is ``<name>_2``, even for another trainer); pass ``name=``
-    for column names that do not depend on what was wrapped before.
+    ignored. The name TRL logs each reward under is ``name``, else the reward's ``name``
+    (``hf_reward_model``: the model's name). Pass the list you hand to ``reward_funcs=`` to
+    get names unique within it: a name already taken earlier in the list gets ``_2``,
+    ``_3`` ... in list order, so two reward models never share a log column and the same list
+    always gets the same names, whatever was wrapped before.
 
     Example:
         >>> from posttrain.testing import tiny_causal_lm
@@ -398,8 +422,25 @@ def trl_reward_func(
         >>> f = trl_reward_func(lengths, tok, name="length")
         >>> f(prompts=["t5 t6"], completions=["t7 t8 t9"], completion_ids=[[7, 8, 9]])
         [3.0]
+        >>> both = trl_reward_func([RewardModule(len, name="rm"), RewardModule(len, name="rm")], tok)
+        >>> [f.__name__ for f in both]
+        ['rm', 'rm_2']
     """
+    if isinstance(reward, list | tuple):
+        if name is not None:
+            raise ValueError("name: a list of rewards takes each reward's own name; pass name=None")
+        funcs = [_reward_func(r, tokenizer, layout, _reward_name(r)) for r in reward]
+        for f, unique in zip(funcs, _unique(f.__name__ for f in funcs), strict=True):
+            f.__name__ = unique
+        return funcs
+    return _reward_func(reward, tokenizer, layout, name or _reward_name(reward))
 
+
+def _reward_name(reward: Any) -> str:
+    return str(getattr(reward, "name", None) or _callable_name(reward))
+
+
+def _reward_func(reward: ContractReward, tokenizer: Any, layout: Layout, name: str) -> RewardFunc:
     def func(
         prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kw: Any
     ) -> list[float | None]:
@@ -435,15 +476,22 @@ def trl_reward_func(
         values: list[float | None] = out.get(layout.key("reward")).tolist()
         return values
 
-    func.__name__ = name or _unique(getattr(reward, "name", None) or _callable_name(reward))
+    func.__name__ = name
     return func
 
 
-_NAMES: collections.Counter[str] = collections.Counter()
-
-
-def _unique(name: str) -> str:
+def _unique(names: Iterable[str]) -> list[str]:
     # TRL logs each reward function under its name: two reward models both called
-    # "RewardModule" would write one column. A name handed out before gets a suffix.
-    _NAMES[name] += 1
-    return name if _NAMES[name] == 1 else f"{name}_{_NAMES[name]}"
+    # "RewardModule" would write one column. A name taken earlier in the list gets a suffix.
+    seen: collections.Counter[str] = collections.Counter()
+    taken: set[str] = set()
+    out = []
+    for name in names:
+        seen[name] += 1
+        unique = name if seen[name] == 1 else f"{name}_{seen[name]}"
+        while unique in taken:  # "rm_2" given by the user, then a second "rm"
+            seen[name] += 1
+            unique = f"{name}_{seen[name]}"
+        taken.add(unique)
+        out.append(unique)
+    return out

@@ -34,8 +34,11 @@ class CaptureRollouts:
     what ``version(trainer)`` returns.
 
     ``metrics`` (an ``posttrain.observability.Accumulator``) receives the catalogue's rollout
-    metrics of every training batch, its generation time and tokens per second (read by
-    ``posttrain.adapters.trl.callback.CatalogueCallback``).
+    metrics of every training batch, its generation time and tokens per second, and the
+    staleness of each micro-batch the optimizer takes (:meth:`consumed`: the ``version`` now
+    minus the one stamped at generation; 0 when every step generates, the lag when TRL reuses
+    a generation). ``posttrain.adapters.trl.callback.CatalogueCallback`` calls
+    :meth:`consumed` and reads ``metrics``.
 
     Items are ragged (one per completion: prompt then completion tokens, attention all true,
     assistant mask on the completion, log-probs of the completion tokens under the sampling
@@ -75,6 +78,8 @@ class CaptureRollouts:
         self.metrics = metrics
         self.groups = 0
         self.calls = 0
+        self.stamped: int | None = None
+        """The ``policy_version`` stamped on the latest training generation."""
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         """Generate one completion per prompt entry; extend the buffer; return TRL's dict."""
@@ -105,10 +110,14 @@ class CaptureRollouts:
         if target is not None:
             target.extend(items)  # before bookkeeping: a refused extend changes nothing here
             self.groups += len(prompts) // g
+        if training:
+            self.stamped = int(items[0].get(self.layout.key("policy_version")))
         if self.metrics is not None and training:
             from posttrain.observability.hooks import rollout_metrics
 
-            rollout_metrics(items, self.metrics, learner_version=self.version(trainer))
+            # No learner version here: against the version it was just stamped with, a batch is
+            # always 0 old. Its lag is counted when the optimizer takes it (consumed).
+            rollout_metrics(items, self.metrics)
             self.metrics.add("time/rollout_s", seconds)
             self.metrics.add("perf/gen_tokens_per_s", sum(len(c) for c in completion_ids), seconds)
         self.calls += 1
@@ -120,11 +129,39 @@ class CaptureRollouts:
             "logprobs": logprobs if self.report_logprobs else None,
         }
 
+    def consumed(self, trainer: Any, n: int) -> None:
+        """The optimizer takes ``n`` sequences of the latest training generation now: add
+        their staleness (``version(trainer)`` minus the version stamped at generation) to
+        ``metrics``. Nothing without ``metrics`` or before a training generation.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from posttrain.observability import Accumulator
+            >>> from posttrain.reference_impls import RingBuffer
+            >>> capture = CaptureRollouts(RingBuffer(8), metrics=Accumulator())
+            >>> capture.stamped = 3  # as a generation at global step 3 leaves it
+            >>> capture.consumed(SimpleNamespace(state=SimpleNamespace(global_step=5)), 4)
+            >>> capture.metrics.values()
+            {'staleness/mean': 2.0, 'staleness/max': 2.0, 'staleness/policy_version': 5.0}
+        """
+        if self.metrics is None or self.stamped is None:
+            return
+        learner = int(self.version(trainer))
+        lag = learner - self.stamped
+        self.metrics.add("staleness/mean", lag * n, n)
+        self.metrics.add("staleness/max", lag)
+        self.metrics.add("staleness/policy_version", learner)
+
     def _prompt_ids(self, tok: Any, prompts: list[Any], chat: dict[str, Any]) -> list[list[int]]:
+        # Per prompt: the stored ids where the map knows the text (prompt_dataset keeps the
+        # texts that do not round-trip), TRL's own tokenization for the others.
         known = [self.texts.get(p) if isinstance(p, str) else None for p in prompts]
-        if all(ids is not None for ids in known):
-            return [list(ids) for ids in known if ids is not None]
-        return _tokenize(tok, prompts, chat)
+        missing = [i for i, ids in enumerate(known) if ids is None]
+        if missing:
+            fresh = _tokenize(tok, [prompts[i] for i in missing], chat)
+            for i, ids in zip(missing, fresh, strict=True):
+                known[i] = ids
+        return [list(ids) for ids in known if ids is not None]
 
     def generate(
         self, trainer: Any, prompt_ids: list[list[int]], g: int | None = None

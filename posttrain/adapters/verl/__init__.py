@@ -1,5 +1,7 @@
 """verl adapters: verl's registered policy losses as loss implementations (verl imported lazily).
 
+:mod:`posttrain.adapters.verl.data` converts a verl ``DataProto`` to the LLM layout and back.
+
 Example:
     >>> from posttrain.adapters.verl import VerlLoss
     >>> VerlLoss.__name__

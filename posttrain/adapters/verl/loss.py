@@ -15,10 +15,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.contracts.alignment import token_log_probs
-from posttrain.contracts.layout import LLM_LAYOUT_V1
+from posttrain.adapters._layout import token_inputs
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.contracts.validation import check
 
 VERL_AGGREGATIONS = {
     "token_mean": "token-mean",
@@ -54,16 +52,18 @@ RATIOS = {
     "clip_cov": "token",
     "kl_cov": "token",
     "bypass_mode": "token",
-    "gspo": "sequence",
+    "gspo": "gspo_token",
     "geo_mean": "sequence",
     "gpg": "none",
     "dro": "none",
+    "cispo": "cispo",
 }
-"""verl loss mode -> the contract's ``ratio`` option its surrogate is (loss 1.4). cispo
-(-A·sg(clip(r))·log p), sapo (a sigmoid gate of r) and dppo_tv/dppo_kl (a truncated,
-detached ratio times log p) are none of the contract's forms: no ``ratio`` is declared."""
-
-K = LLM_LAYOUT_V1.key
+"""verl loss mode -> the contract's ``ratio`` option its surrogate is (loss 1.5).
+``core_algos.compute_policy_loss_gspo`` builds GSPO's token form, log s_t = sg(log s_seq) +
+log_prob - sg(log_prob) (``gspo_token``); ``compute_policy_loss_cispo`` is
+-sg(clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))·A·log_prob (``cispo``). sapo (a
+sigmoid gate of r) and dppo_tv/dppo_kl (a truncated, detached ratio times log p) are none of
+the contract's forms: no ``ratio`` is declared."""
 
 
 def core_algos() -> Any:
@@ -182,48 +182,23 @@ class VerlLoss(torch.nn.Module):
         ``global_batch_info`` (raw row only): verl's own figures, as its trainer sets them
         (``batch_num_tokens``, ``global_batch_size``, ``dp_size``); default: none.
         """
+        x = token_inputs(
+            td,
+            counts,
+            adapted=self.adapted,
+            batch_info=global_batch_info,
+            context=f"verl {self.loss_mode}",
+        )
+        info = x.batch_info
         if self.adapted:
-            check(td, require=("sample_log_probs", "advantage"), context=f"verl {self.loss_mode}")
-            if global_batch_info is not None:
-                raise TypeError("global_batch_info: the adapted row takes counts=GlobalCounts")
-        elif counts is not None:
-            raise TypeError("counts: the raw verl row takes no global counts")
-        tokens, att = td.get(K("tokens")), td.get(K("attention_mask"))
-        mask = td.get(K("assistant_mask"))
-        old, adv = td.get(K("sample_log_probs")), td.get(K("advantage"))
-        if adv.ndim == tokens.ndim - 1:
-            adv = adv[..., None].expand_as(old)
-        info: dict[str, Any] = dict(global_batch_info or {})
-        if self.adapted:
-            if counts is not None and not isinstance(counts, GlobalCounts):
-                raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
-            own = GlobalCounts.of(td)
-            c = counts if counts is not None else own
-            if own.tokens > c.tokens or own.sequences > c.sequences:
-                raise ValueError(
-                    f"counts: this batch alone holds {own.tokens} assistant tokens in "
-                    f"{own.sequences} sequences, more than the global {c}"
-                )
-            mask = mask & att
-            mask = torch.cat([torch.zeros_like(mask[..., :1]), mask[..., 1:]], dim=-1)
-            old = torch.where(mask, old.float(), 0.0)
-            adv = torch.where(mask, adv.float(), 0.0)
-            info = {
-                "dp_size": 1,
-                "batch_num_tokens": c.tokens,
-                "global_batch_size": c.sequences,
-                "loss_scale_factor": self.t_norm,
-            }
-        logits = self.policy(input_ids=tokens, attention_mask=att.long()).logits
-        logp = token_log_probs(logits, tokens)
-        if self.adapted:
-            logp = torch.where(mask, logp, 0.0)
+            info["loss_scale_factor"] = self.t_norm
+        logp = x.log_probs(self.policy)
         config = actor_config(self.loss_mode, self.agg, info, **self.options)
         pg_loss, metrics = self.fn(
-            old_log_prob=old,
+            old_log_prob=x.old_log_probs,
             log_prob=logp,
-            advantages=adv,
-            response_mask=mask,
+            advantages=x.advantage,
+            response_mask=x.mask,
             loss_agg_mode=self.agg,
             config=config,
         )

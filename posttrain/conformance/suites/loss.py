@@ -22,7 +22,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from posttrain._dtypes import dtype_name
-from posttrain.conformance.context import Context, NotApplicable
+from posttrain.conformance.context import ConformanceError, Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import bits_equal, leaves
 from posttrain.conformance.suites._fail import fail as _fail
@@ -139,18 +139,39 @@ def _loss_terms(out: Any) -> dict[str, torch.Tensor]:
     return {str(k): v for k, v in _as_dict(out).items() if str(k).startswith("loss_")}
 
 
-@requirement("LOSS-001")
-def scalar_finite_terms(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    terms = _loss_terms(loss(_batch(policy, ctx)))
-    if "loss_objective" not in terms:
-        raise _fail(f"no 'loss_objective' among the loss terms {sorted(terms)}")
+def _loss_term(out: Any, name: str) -> torch.Tensor:
+    """The loss term ``name`` of a loss's output; fails naming the terms there are.
+
+    >>> float(_loss_term({"loss_nll": torch.tensor(2.0)}, "loss_nll"))
+    2.0
+    """
+    terms = _loss_terms(out)
+    if name not in terms:
+        raise _fail(f"no {name!r} among the loss terms {sorted(terms)}")
+    return terms[name]
+
+
+def _check_scalar_finite_terms(out: Any, name: str) -> None:
+    """Fail unless a loss's output holds the term ``name`` and every ``loss_*`` term is a
+    finite scalar tensor (LOSS-001, NLL-001, DPO-001).
+
+    >>> _check_scalar_finite_terms({"loss_nll": torch.tensor(2.0)}, "loss_nll")
+    """
+    terms = _loss_terms(out)
+    if name not in terms:
+        raise _fail(f"no {name!r} among the loss terms {sorted(terms)}")
     for k, v in terms.items():
         if not isinstance(v, torch.Tensor) or v.shape != torch.Size([]):
             shape = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise _fail(f"{k} has shape {shape}, expected a scalar (shape [])")
         if not torch.isfinite(v):
             raise _fail(f"{k} is {float(v)}, expected a finite value")
+
+
+@requirement("LOSS-001")
+def scalar_finite_terms(ctx: Context) -> None:
+    policy, loss = _setup(ctx)
+    _check_scalar_finite_terms(loss(_batch(policy, ctx)), "loss_objective")
 
 
 @requirement("LOSS-002")
@@ -319,6 +340,15 @@ def _logp_grads(
     return obj.detach(), grad.float()
 
 
+def _term_logp_grads(policy: Any, loss: Any, td: TensorDictBase, term: str) -> torch.Tensor:
+    """:func:`_logp_grads` of the loss term ``term``, its failures speaking of ``term``
+    where they speak of loss_objective (the NLL and DPO suites' terms)."""
+    try:
+        return _logp_grads(policy, loss, td, term=term)[1]
+    except ConformanceError as e:
+        raise _fail(str(e).replace("loss_objective", term)) from None
+
+
 def _probed_call(
     policy: Any, loss: Any, td: TensorDictBase, term: str, *, at_head: bool
 ) -> tuple[torch.Tensor, list[tuple[Any, Any, torch.Tensor, torch.Tensor]]]:
@@ -360,10 +390,7 @@ def _probed_call(
         watched.register_forward_hook(leave, always_call=True),
     ]
     try:
-        terms = _loss_terms(loss(td))
-        if term not in terms:
-            raise _fail(f"no {term!r} among the loss terms {sorted(terms)}")
-        obj = terms[term]
+        obj = _loss_term(loss(td), term)
         if not obj.requires_grad:
             raise _fail(
                 f"{term} of loss(batch) has no gradient (requires_grad False, no grad_fn); "
@@ -565,6 +592,14 @@ def _must_refuse(loss: Any, td: TensorDictBase, key: tuple[str, ...], what: str)
     return f"a batch with {what} was accepted"
 
 
+def _refuse_each(loss: Any, refused: list[tuple[TensorDictBase, tuple[str, ...], str]]) -> None:
+    """Fail at the first (batch, key, what) that ``loss`` does not refuse naming its key."""
+    for td, key, what in refused:
+        problem = _must_refuse(loss, td, key, what)
+        if problem is not None:
+            raise _fail(problem)
+
+
 def _with(td: TensorDictBase, key: tuple[str, ...], value: torch.Tensor) -> TensorDictBase:
     td.set(key, value, inplace=False)
     return td
@@ -582,10 +617,7 @@ def bad_layout_rejected(ctx: Context) -> None:
         (_with(td0.clone(), ASST, asst.long()), ASST, "an int64 assistant mask (0/1)"),
         (_with(td0.clone(), ATT, att.to(torch.uint8)), ATT, "a uint8 attention mask (0/1)"),
     ]
-    for td, key, what in refused:
-        problem = _must_refuse(loss, td, key, what)
-        if problem is not None:
-            raise _fail(problem)
+    _refuse_each(loss, refused)
     # Widened float fields: refused by name, or the outputs of the same values in float32.
     with torch.no_grad():
         for key in (SLP, ADV, RLP):
@@ -728,7 +760,7 @@ def diagnostics_over_assistant_tokens(ctx: Context) -> None:
     shifted.set(SLP, td.get(SLP) - 1.0)  # ratio e on every assistant token: all clipped
     hi = diag(shifted)
     # A declared ratio "none" or "on_policy" has nothing to clip (LOSS-021).
-    clips = _ratio(ctx) in ("token", "sequence")
+    clips = _ratio(ctx) in ("token", "sequence", "gspo_token", "cispo")
     if clips and not math.isclose(hi["clip_fraction"], 1.0, abs_tol=1e-6 * tol):
         raise _fail(
             f"with every assistant token's ratio at e (all clipped), clip_fraction is {hi['clip_fraction']:.6g}; expected 1 (a smaller value means prompt or padding positions are counted)"
@@ -980,9 +1012,10 @@ def global_counts_normalize(ctx: Context) -> None:
     mask, adv = td.get(ASST), td.get(ADV).double()
     n, s = _counts_of(mask)
     every_row = mask.shape[0]
-    # At ratio 1 the surrogate is -A, or -A log pi under a declared ratio "none" (LOSS-021).
+    # At ratio 1 the surrogate is -A, or -A log pi under a declared ratio "none" or "cispo"
+    # (LOSS-021: CISPO's weight sg(clip(1)) is 1).
     rho: Any = 1.0
-    if _ratio(ctx) == "none":
+    if _ratio(ctx) in ("none", "cispo"):
         rho = torch.where(mask, _own_log_probs(policy, td).double(), 0.0)
     cases = [
         ("loss(td), no counts", None, n, s),
@@ -1322,11 +1355,16 @@ def _check_ratio(
     if kind == "token":
         rho = eps.exp()
         grad = -a * rho * w
-    elif kind == "sequence":
+    elif kind in ("sequence", "gspo_token"):
         n = m.sum(-1, keepdim=True).clamp_min(1)
         r = ((eps * m).sum(-1, keepdim=True) / n).exp()
         rho = r.expand_as(m)
-        grad = -r * (w * a * m).sum(-1, keepdim=True) / n * m
+        if kind == "sequence":
+            grad = -r * (w * a * m).sum(-1, keepdim=True) / n * m
+        else:  # sg(ρ)·exp(logp_t - sg(logp_t)): each token's own advantage (verl's gspo)
+            grad = -a * rho * w
+    elif kind == "cispo":  # -A·sg(r)·log pi inside the clip bounds
+        rho, grad = eps.exp() * logp, -a * eps.exp() * w
     elif kind == "on_policy":
         rho, grad = torch.ones_like(m), -a * w
     else:
@@ -1350,8 +1388,10 @@ def _check_ratio(
 
 @requirement("LOSS-022")
 def sequence_ratio_clipped(ctx: Context) -> None:
-    if _ratio(ctx) != "sequence":
-        raise NotApplicable(f"option ratio {_ratio(ctx)!r}: LOSS-014 checks a token ratio's clip")
+    if _ratio(ctx) not in ("sequence", "gspo_token"):
+        raise NotApplicable(
+            f"option ratio {_ratio(ctx)!r}: LOSS-014 and LOSS-023 check a token ratio's clip"
+        )
     eps_low, eps_high, dual = _clip_declaration(ctx)
     lo, hi = 1 - eps_low, 1 + eps_high
     policy, loss = _setup(ctx)
@@ -1387,7 +1427,7 @@ def sequence_ratio_clipped(ctx: Context) -> None:
     bounds = f"clip bounds [{lo:.4g}, {hi:.4g}]{'' if dual is None else f', dual clip {dual:.4g}'}"
     if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
         raise _fail(
-            f"ratio 'sequence', {bounds}: with sequence ratios "
+            f"ratio {_ratio(ctx)!r}, {bounds}: with sequence ratios "
             f"{', '.join(f'{x:.3g}' for x in r[:4].tolist())} and advantages of both signs, "
             f"loss_objective is {float(value):.6g}, expected {want_value:.6g} (Σ w x max(-A ρ, "
             f"-A clip(ρ)), ρ the row's sequence ratio; unclipped it would be "
@@ -1398,7 +1438,59 @@ def sequence_ratio_clipped(ctx: Context) -> None:
         i, p = divmod(int(((got.double() - want).abs() * bad).argmax()), t)
         side = "unclipped" if bool(active[i]) else "clipped"
         raise _fail(
-            f"ratio 'sequence', {bounds}: at sequence ratio {float(r[i]):.4g} with advantage "
+            f"ratio {_ratio(ctx)!r}, {bounds}: at sequence ratio {float(r[i]):.4g} with advantage "
             f"{float(a[i]):+.3g} (row {i}, the {side} term active), d loss_objective / d logp at "
             f"position {p} is {float(got[i, p]):.6g}, expected {float(want[i, p]):.6g}"
+        )
+
+
+@requirement("LOSS-023")
+def cispo_weight_clipped(ctx: Context) -> None:
+    if _ratio(ctx) != "cispo":
+        raise NotApplicable(f"option ratio {_ratio(ctx)!r}: LOSS-014 and LOSS-022 check its clip")
+    eps_low, eps_high, _ = _clip_declaration(ctx)
+    lo, hi = 1 - eps_low, 1 + eps_high
+    policy, loss = _setup(ctx)
+    td = _batch(policy, ctx, seed=23)
+    asst = td.get(ASST)
+    b, t = asst.shape
+    # Token ratios cycle through above the bounds, inside, below (where 1 - ε_low > 0) and
+    # inside again, shifted by one per row, so every row holds clipped and unclipped weights.
+    targets = torch.tensor(
+        [hi * 1.25, (1 + hi) / 2, lo * 0.75 if lo > 0 else (1 + hi) / 2, (lo + 1) / 2],
+        dtype=torch.float64,
+    )
+    r_set = targets[(torch.arange(t)[None, :] + torch.arange(b)[:, None]) % 4]
+    signs = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(b)], dtype=torch.float64)
+    logp = _own_log_probs(policy, td)
+    slp = torch.where(asst, logp - r_set.log().float(), float("nan"))
+    td.set(SLP, slp)
+    td.set(ADV, (signs * td.get(ADV).double().abs()).float())
+    with torch.no_grad():
+        m = asst.double()
+        r = torch.where(asst, (logp.double() - slp.double()).exp(), 1.0)
+        c = r.clamp(lo, hi)
+        a = td.get(ADV).double()[:, None]
+        w = _expected_weights(ctx, asst).double()
+        lp = torch.where(asst, logp.double(), 0.0)
+        want_value = float((-a * c * lp * w * m).sum())
+        want = -a * c * w * m
+    tol = _tol(ctx)
+    value, got = _logp_grads(policy, loss, td, tol)
+    bounds = f"clip bounds [{lo:.4g}, {hi:.4g}]"
+    if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
+        raise _fail(
+            f"ratio 'cispo', {bounds}: with token ratios on both sides of the bounds and "
+            f"advantages of both signs, loss_objective is {float(value):.6g}, expected "
+            f"{want_value:.6g} (Σ w x (-A x sg(clip(r)) x log pi); with the weight unclipped "
+            f"it would be {float((-a * r * lp * w * m).sum()):.6g})"
+        )
+    bad = ~torch.isclose(got.double(), want, atol=1e-6 * tol, rtol=1e-4 * tol)
+    if bool(bad.any()):
+        i, p = divmod(int(((got.double() - want).abs() * bad).argmax()), t)
+        side = "clipped" if bool(c[i, p] != r[i, p]) else "unclipped"
+        raise _fail(
+            f"ratio 'cispo', {bounds}: at token ratio {float(r[i, p]):.4g} (row {i}, position "
+            f"{p}, weight {side}) with advantage {float(a[i, 0]):+.3g}, d loss_objective / d logp "
+            f"is {float(got[i, p]):.6g}, expected -A x clip(r) x w = {float(want[i, p]):.6g}"
         )

@@ -1,0 +1,84 @@
+"""Contract ``dpo_loss`` v1: the direct preference optimization (DPO) loss over the LLM layout."""
+
+from __future__ import annotations
+
+from posttrain.contracts.contract import Capability, Contract, Option
+from posttrain.contracts.loss import GlobalCounts, LossModuleV1, SupportsGlobalCounts
+from posttrain.contracts.requirements import Level, Requirement
+
+_M = Level.MUST
+
+DPO = Contract(
+    id="dpo_loss",
+    title="Preference (DPO) loss",
+    purpose=(
+        "Direct preference optimization (Rafailov et al., the sigmoid loss). A batch in the LLM "
+        "layout holds pairs as consecutive rows: row 2i is pair i's chosen answer, row 2i + 1 "
+        "its rejected one (NeMo-RL's interleaving); `ref_log_probs` holds the reference "
+        "policy's log-probs of the tokens, aligned like the layout's log-probs. The reward of "
+        "an answer is r = Σ_t (log p_t - log p_ref,t) over its assistant tokens (position 0 "
+        "excluded), or the mean over them under option `token_reduction` `mean` (NeMo-RL's "
+        "`preference_average_log_probs`, IPO-style length normalization); log p_t is read from "
+        "the policy's logits at t - 1. `loss_preference` is the mean over pairs of "
+        "-log σ(β·(r_chosen - r_rejected)), β declared in `Implementation.extras['beta']`; the "
+        "reference log-probs are data, never differentiated.\n\n"
+        "A pair counts when its chosen row holds an assistant token (a pair with an empty "
+        "rejected row counts: its rejected reward is 0); a pair that does not count weighs "
+        "nothing. Under capability `global_counts`, `loss(td, counts=GlobalCounts(tokens, "
+        "sequences))` takes the global batch's counts with `sequences` = 2 × the counted pairs "
+        "(NeMo-RL's `global_valid_seqs`, the rows of counted pairs; `GlobalCounts.of` counts "
+        "rows with a token instead and differs when a rejected row is empty), so micro-batches "
+        "of whole pairs, each with the global counts, add up to the whole batch.\n\n"
+        "Metrics (entries not starting with `loss_`): `accuracy`, the share of counted pairs "
+        "with r_chosen > r_rejected (a tie is no win); `rewards_chosen_mean` and "
+        "`rewards_rejected_mean`, the mean r over counted pairs (NeMo-RL's, without β; TRL's "
+        "`rewards/chosen` is β·r). Under `global_counts` each is a sum over the micro-batch's "
+        "pairs divided by the global pair count, so micro-batches' metrics add up too.\n\n"
+        "Other `loss_*` terms may be returned (an SFT term on the chosen answers, NeMo-RL's "
+        "`sft_loss_weight`); the suite reads `loss_preference` for values and gradients. It runs "
+        "in float32 with a tiny real Hugging Face causal LM it supplies and compares with the "
+        "formula computed in float64 within 1e-5 (relative); gradients within 1e-4."
+    ),
+    protocol=LossModuleV1,
+    extra_protocols=(SupportsGlobalCounts, GlobalCounts),
+    version="1.0",
+    factory=(
+        "factory(policy, token_reduction=<declared>) -> LossModuleV1  # policy: an HF-style "
+        "causal LM the suite supplies; β pre-bound and declared in Implementation.extras['beta']; "
+        "capability global_counts: loss(td, counts=GlobalCounts(...)) on micro-batches of whole "
+        "pairs (DPO-007, DPO-008)"
+    ),
+    uses_layout=True,
+    capabilities=(
+        Capability(name="global_counts", text="`loss(td, counts=GlobalCounts(tokens=..., sequences=...))` averages over `counts.sequences / 2` pairs, the global batch's counted pairs (all micro-batches, all data-parallel ranks), the loss and the metrics alike; without `counts` over the batch's own counted pairs."),
+    ),
+    options=(
+        Option(name="token_reduction", values=("sum", "mean"), default="sum", text="How an answer's per-token log-ratios log p - log p_ref become its reward: their sum over its assistant tokens (the DPO paper's, TRL's `sigmoid`) or their mean (NeMo-RL's `preference_average_log_probs`)."),
+    ),
+    requirements=(
+        Requirement(id="DPO-001", level=_M, title="scalar finite terms",
+            text="`loss(td)` MUST return a TensorDict or mapping whose `loss_*` entries are finite scalar tensors, including `loss_preference`."),
+        Requirement(id="DPO-002", level=_M, title="gradients reach the policy",
+            text="`loss_preference` MUST carry a gradient that reaches the policy's parameters (non-zero and finite).", depends_on=("DPO-001",)),
+        Requirement(id="DPO-003", level=_M, title="preference loss value",
+            text="With reference log-probs that differ from the policy's own, `loss_preference` MUST equal the mean over counted pairs of -log σ(β·(r_chosen - r_rejected)), rows 2i chosen and 2i + 1 rejected, r the declared `token_reduction` of log p - log p_ref over the answer's assistant tokens and β the declared `extras['beta']`, computed in float64 from the same policy, within 1e-5 relative.", depends_on=("DPO-001",)),
+        Requirement(id="DPO-004", level=_M, title="gradient through both answers",
+            text="The gradient of `loss_preference` with respect to each assistant token's log-prob MUST be -β·σ(-β·Δ)·c/P on the chosen answer and +β·σ(-β·Δ)·c/P on the rejected one (Δ = r_chosen - r_rejected, P the counted pairs, c = 1 for `sum` and 1/L for `mean`, L the answer's assistant-token count), 0 elsewhere, however the loss calls the policy: both answers' log-probs carry the gradient, the reference's none.", depends_on=("DPO-002",)),
+        Requirement(id="DPO-005", level=_M, title="reward metrics",
+            text="`accuracy` MUST be the share of counted pairs whose r_chosen > r_rejected (a tie, two equal answers, is no win), and `rewards_chosen_mean` and `rewards_rejected_mean` the mean over counted pairs of r_chosen and r_rejected (without β), within 1e-5.", depends_on=("DPO-001",)),
+        Requirement(id="DPO-006", level=_M, title="pairs counted",
+            text="In a batch with a pair whose rejected row holds no assistant token, a pair with no assistant token at all and a pair whose chosen row holds none but whose rejected row does, `loss_preference` and the metrics MUST average over the pairs whose chosen row holds an assistant token (the first counts, its rejected reward 0; the second and third weigh nothing, in the loss and in every metric, and are not counted), never over half the rows holding a token (an `accuracy` above 1) nor over the pairs with a token in either row.", depends_on=("DPO-001",)),
+        Requirement(id="DPO-007", level=_M, title="global counts normalize", capability="global_counts",
+            text="`loss(td, counts=GlobalCounts(tokens=N, sequences=2P))` MUST give the `loss_preference` of DPO-003 averaged over P pairs instead of the batch's own counted pairs, whatever the batch's own counts.", depends_on=("DPO-001",)),
+        Requirement(id="DPO-008", level=_M, title="micro-batches add up", capability="global_counts",
+            text="For any split of a batch into micro-batches of whole pairs (uneven, a single pair, one whose pair has an empty rejected row), each called with the whole batch's counts (its assistant tokens, 2 × its counted pairs), the micro-batches' `loss_*` terms, `accuracy`, `rewards_chosen_mean` and `rewards_rejected_mean` MUST sum to the whole batch's called without counts, and the policy-parameter gradients of their `loss_*` sums to its gradient, within 1e-5 of the largest magnitude.", depends_on=("DPO-002",)),
+        Requirement(id="DPO-009", level=_M, title="bad layout rejected",
+            text="A batch without `ref_log_probs`, or with a mask of a non-bool dtype, MUST raise an error naming the key (reference log-probs are never taken as 0), and a batch of an odd number of rows MUST raise an error (no row is dropped or paired with the next batch's)."),
+    ),
+)  # fmt: skip
+"""The ``dpo_loss`` contract (specs/dpo_loss-v1.md).
+
+Example:
+    >>> DPO.version, DPO.default_options()
+    ('1.0', {'token_reduction': 'sum'})
+"""

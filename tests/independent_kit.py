@@ -1,0 +1,28 @@
+"""The harness the specs-only implementation tests share (tests/test_independent_*.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from posttrain.conformance import Report, Status
+
+
+def kit_params(keys: list[str], defects: dict[str, str]) -> list[Any]:
+    """One pytest param per key, sorted; a known kit defect is a strict xfail naming it."""
+    return [
+        pytest.param(
+            k,
+            marks=[pytest.mark.xfail(strict=True, reason=defects[k])] if k in defects else [],
+            id=k,
+        )
+        for k in sorted(keys)
+    ]
+
+
+def assert_conforms(key: str, rep: Report) -> None:
+    """No FAIL or ERROR in ``rep``, and the report says it conforms."""
+    bad = {r.id: r.message for r in rep.results if r.status in (Status.FAIL, Status.ERROR)}
+    assert not bad, f"{key}: {bad}"
+    assert rep.ok

@@ -1,0 +1,114 @@
+"""Deliberately broken DPO losses: each must fail the suite with its requirement's id.
+
+Each mutant is the reference ``DPOLoss`` with one realistic bug, switched on by name; the
+pair-count one is a bug the reference itself had (pairs as half the rows holding a token:
+an accuracy of 1.33 with an empty rejected row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from posttrain.contracts import LLM_LAYOUT_V1, GlobalCounts, Implementation
+from posttrain.contracts.validation import check
+from posttrain.reference_impls.sft_dpo import DPOLoss, _counts, _dpo_own, _mask_and_log_probs
+from tests.mutants.nll_losses import counted_mutant
+
+__all__ = ["EXTRA_MUTANTS", "MUTANTS"]
+
+K = LLM_LAYOUT_V1.key
+RLP = K("ref_log_probs")
+_BETA = 0.5
+
+
+class BuggyDPO(DPOLoss):
+    """The reference DPO (no SFT term) with one bug (``bug``), everything else as the reference."""
+
+    def __init__(self, policy: Any, *, bug: str, token_reduction: str = "sum") -> None:
+        super().__init__(policy, beta=_BETA, preference_average=token_reduction == "mean")
+        self.bug = bug
+
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        bug = self.bug
+        if bug == "reference_free" and RLP not in td.keys(True):
+            td = td.clone().set(RLP, torch.zeros(td.get(K("tokens")).shape))
+        if bug == "drops_odd_row" and td.batch_size[0] % 2:
+            td = td[: td.batch_size[0] - 1]
+        check(td, self.layout, require=("ref_log_probs",), any_float=True, context="DPOLoss")
+        if td.batch_size[0] % 2:
+            raise ValueError(f"td: expected an even number of rows, found {list(td.batch_size)}")
+        mask, logp = _mask_and_log_probs(self.policy, td, self.layout)
+        own = _dpo_own(mask)
+        if bug == "half_the_rows":
+            own = GlobalCounts(own.tokens, int(mask.any(-1).sum()))
+        if bug == "either_row_counts":
+            own = GlobalCounts(own.tokens, 2 * int((mask[0::2] | mask[1::2]).any(-1).sum()))
+        if bug == "ignores_counts":
+            counts = None
+        c = _counts(mask, counts, own)
+        m = mask.to(logp.dtype)
+        ref = torch.where(mask, td.get(RLP).to(logp.dtype), 0.0)
+        if bug == "reference_added":
+            ref = -ref
+        n_tok = m.sum(-1)
+        if bug == "rejected_detached":
+            logp = torch.cat([logp[0::2, None], logp[1::2, None].detach()], 1).flatten(0, 1)
+        rewards = ((logp - ref) * m).sum(-1)
+        if self.preference_average != (bug == "reduction_flipped"):
+            rewards = rewards / n_tok.clamp_min(1)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        if bug == "swapped":
+            chosen, rejected = rejected, chosen
+        valid = (n_tok[0::2] > 0).to(logp.dtype)
+        if bug == "either_row_counts":
+            valid = ((n_tok[0::2] > 0) | (n_tok[1::2] > 0)).to(logp.dtype)
+        pairs = max(c.sequences, 1) / 2
+        beta = self.beta * self.beta if bug == "beta_twice" else self.beta
+        pref = (-torch.nn.functional.logsigmoid(beta * (chosen - rejected)) * valid).sum() / pairs
+        if bug == "shape_one":
+            pref = pref.reshape(1)
+        if bug == "detached":
+            pref = pref.detach()
+        out: dict[str, torch.Tensor] = {"loss_preference": pref}
+        with torch.no_grad():
+            if bug == "metrics_per_micro_batch":
+                pairs = max(own.sequences, 1) / 2
+            wins = chosen >= rejected if bug == "ties_win" else chosen > rejected
+            scale = self.beta if bug == "rewards_times_beta" else 1.0
+            out["accuracy"] = (wins.to(logp.dtype) * valid).sum() / pairs
+            out["rewards_chosen_mean"] = scale * (chosen * valid).sum() / pairs
+            out["rewards_rejected_mean"] = scale * (rejected * valid).sum() / pairs
+        return TensorDict(out, batch_size=[])
+
+
+def _impl(req: str, bug: str, reduction: str = "sum") -> Implementation:
+    opts = {"token_reduction": reduction}
+    return counted_mutant("dpo_loss", BuggyDPO, req, bug, opts, {"beta": _BETA})
+
+
+MUTANTS: dict[str, Implementation] = {
+    "DPO-001": _impl("DPO-001", "shape_one"),
+    "DPO-002": _impl("DPO-002", "detached"),
+    "DPO-003": _impl("DPO-003", "swapped"),
+    "DPO-004": _impl("DPO-004", "rejected_detached"),
+    "DPO-005": _impl("DPO-005", "ties_win"),
+    "DPO-006": _impl("DPO-006", "half_the_rows"),
+    "DPO-007": _impl("DPO-007", "ignores_counts"),
+    "DPO-008": _impl("DPO-008", "metrics_per_micro_batch"),
+    "DPO-009": _impl("DPO-009", "reference_free"),
+}
+"""Requirement id -> a DPO loss that breaks exactly that requirement."""
+
+EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("DPO-003", _impl("DPO-003", "beta_twice")),
+    ("DPO-003", _impl("DPO-003", "reference_added")),
+    ("DPO-003", _impl("DPO-003", "reduction_flipped")),
+    ("DPO-003", _impl("DPO-003", "reduction_flipped", reduction="mean")),
+    ("DPO-005", _impl("DPO-005", "rewards_times_beta")),
+    ("DPO-006", _impl("DPO-006", "either_row_counts")),
+    ("DPO-009", _impl("DPO-009", "drops_odd_row")),
+]
+"""Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
