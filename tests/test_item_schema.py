@@ -66,7 +66,44 @@ BAD: dict[str, tuple[Callable[[TensorDictBase], None], list[str]]] = {
         ["BUF-012"],
     ),
     "a non-tensor leaf": (lambda x: x.set_non_tensor("advantage", "high"), ["BUF-011"]),
+    "a per-token float leaf that requires grad": (
+        lambda x: x.set(
+            ("next", "ref_log_probs", "full"),
+            x.get(("next", "ref_log_probs", "full")).requires_grad_(),
+        ),
+        ["LAY-005"],
+    ),
+    "a scalar float leaf that requires grad": (
+        lambda x: x.set("advantage", x.get("advantage").requires_grad_()),
+        ["LAY-005"],
+    ),
+    "a leaf on meta": (
+        lambda x: x.set(("tokens", "full"), x.get(("tokens", "full")).to("meta")),
+        ["BUF-011"],
+    ),
+    "a sparse leaf": (
+        lambda x: x.set(("log_probs", "full"), x.get(("log_probs", "full")).to_sparse()),
+        ["BUF-011"],
+    ),
 }
+
+
+def test_the_fast_path_reads_requires_grad_only_where_the_dtype_allows_it() -> None:
+    # The fast path skips requires_grad on integer and bool columns: torch refuses it there
+    # by every route (the attribute, requires_grad_, Parameter, .data).
+    plan = _plan(_schema())
+    skipped = [c[1] for c in plan.cols if not c[4]]
+    assert {torch.int64, torch.bool} <= set(skipped)
+    for dtype in skipped:
+        t = torch.zeros(3, dtype=dtype)
+        with pytest.raises(RuntimeError, match="floating point"):
+            t.requires_grad_()
+        with pytest.raises(RuntimeError, match="floating point"):
+            torch.nn.Parameter(t)
+        f = torch.zeros(3, requires_grad=True)
+        with pytest.raises(RuntimeError, match="floating point"):
+            f.data = t
+    assert all(c[1].is_floating_point for c in plan.cols if c[4])
 
 
 @pytest.mark.parametrize("name", list(BAD))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain._dtypes import DTYPES, dtype_name
-from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_column, leaf_items
+from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_items
 from posttrain.contracts.validation import ContractViolation, Violation
 
 RAGGED = -1
@@ -458,42 +459,60 @@ class ItemSchema:
 
 _FIXED, _SAME_AS_TOKENS, _RAGGED_FIRST, _SCALAR = 0, 1, 2, 3
 
+_ENTRIES = attrgetter("_tensordict")
+_DTYPE = attrgetter("dtype")
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_IS_META = attrgetter("is_meta")
+_LAYOUT = attrgetter("layout")
+_SHAPE = attrgetter("shape")
+_DIM = torch.Tensor.dim
+
 
 @dataclass(frozen=True)
 class _StackPlan:
     """The every-step check of a lazy stack of plain TensorDicts, column by column.
 
-    Reading each column of all items at once (one comprehension per key, then one per
-    attribute) costs about a third of a walk item by item, and the stack is exactly what
-    the schema says when every comparison holds. Any miss, or anything unusual (a subclass,
-    a nested tensor, a non-tensor leaf), returns False and the full check explains it.
+    Reading each column of all items at once (one ``map`` per key, then one per attribute)
+    costs about a third of a walk item by item, and the stack is exactly what the schema says
+    when every comparison holds. Any miss, or anything unusual (a subclass, a nested tensor, a
+    non-tensor leaf), returns False and the full check explains it.
+
+    Where the time goes: just after a TorchRL extend the items' metadata is out of the
+    caches, and each attribute that lives on another cache line of a tensor costs a miss per
+    leaf. ``requires_grad`` is the dearest (its own line) and is only read where the dtype
+    can require grad at all: torch refuses ``requires_grad`` on integer and bool tensors,
+    so a column whose dtype is checked first cannot hold one. Each sub-TensorDict's entries
+    are fetched once, and its children read from them, rather than walking every key's path
+    from the root.
     """
 
     nodes: tuple[tuple[tuple[str, ...], int], ...]  # (path of a sub-TensorDict, its entries)
-    cols: tuple[tuple[tuple[str, ...], torch.dtype, int, Any], ...]  # tokens first
+    cols: tuple[tuple[tuple[str, ...], torch.dtype, int, Any, bool], ...]  # tokens first
 
     @classmethod
     def of(
         cls, columns: dict[tuple[str, ...], Column], tok: tuple[str, ...] | None
     ) -> _StackPlan | None:
+        # Parents enter before their children (k[:i] for rising i): the walk relies on it.
         children: dict[tuple[str, ...], set[str]] = {(): set()}
         for k in columns:
             for i in range(len(k)):
                 children.setdefault(k[:i], set()).add(k[i])
-        cols: list[tuple[tuple[str, ...], torch.dtype, int, Any]] = []
+        cols: list[tuple[tuple[str, ...], torch.dtype, int, Any, bool]] = []
         for k, c in sorted(columns.items(), key=lambda kc: kc[0] != tok):
+            grad = c.dtype.is_floating_point or c.dtype.is_complex
             if not c.shape:
-                cols.append((k, c.dtype, _SCALAR, None))
+                cols.append((k, c.dtype, _SCALAR, None, grad))
             elif RAGGED not in c.shape:
-                cols.append((k, c.dtype, _FIXED, torch.Size(c.shape)))
+                cols.append((k, c.dtype, _FIXED, torch.Size(c.shape), grad))
             elif RAGGED in c.shape[1:]:
                 return None  # a ragged inner dim: rare, left to the full check
             elif tok is not None and k != tok and c.shape == columns[tok].shape:
-                cols.append((k, c.dtype, _SAME_AS_TOKENS, None))
+                cols.append((k, c.dtype, _SAME_AS_TOKENS, None, grad))
             elif tok is not None and k != tok:
                 return None  # tied to the tokens' length with other inner dims: full check
             else:
-                cols.append((k, c.dtype, _RAGGED_FIRST, torch.Size(c.shape[1:])))
+                cols.append((k, c.dtype, _RAGGED_FIRST, torch.Size(c.shape[1:]), grad))
         return cls(tuple((p, len(ch)) for p, ch in children.items()), tuple(cols))
 
     def matches(self, data: LazyStackedTensorDict) -> bool:
@@ -502,25 +521,36 @@ class _StackPlan:
         tds = data.tensordicts
         n = len(tds)
         try:
+            entries: dict[tuple[str, ...], list[Any]] = {}
             for path, count in self.nodes:
-                nodes = _gather(tds, path)
-                if {type(x) for x in nodes} != _PLAIN or [len(x._tensordict) for x in nodes].count(
-                    count
-                ) != n:
+                nodes = list(map(itemgetter(path[-1]), entries[path[:-1]])) if path else tds
+                # list.count compares by identity first: cheaper than building a set.
+                if list(map(type, nodes)).count(TensorDict) != n:
                     return False
+                found = list(map(_ENTRIES, nodes))
+                if list(map(len, found)).count(count) != n:
+                    return False
+                entries[path] = found
             tok_shapes: list[torch.Size] = []
-            for key, dtype, kind, want in self.cols:
-                col = _gather(tds, key)
-                if {type(p) for p in col} != _TENSOR or {p.dtype for p in col} != {dtype}:
+            for key, dtype, kind, want, grad in self.cols:
+                col = list(map(itemgetter(key[-1]), entries[key[:-1]]))
+                if (
+                    list(map(type, col)).count(torch.Tensor) != n
+                    or list(map(_DTYPE, col)).count(dtype) != n
+                ):
                     return False
-                # ~10 us a column of 64 items: what a leaf must be whatever the schema.
-                if any(p.requires_grad or p.is_meta or p.layout is not _STRIDED for p in col):
+                # What a leaf must be whatever the schema.
+                if (
+                    (grad and any(map(_REQUIRES_GRAD, col)))
+                    or any(map(_IS_META, col))
+                    or list(map(_LAYOUT, col)).count(_STRIDED) != n
+                ):
                     return False
-                if kind == _SCALAR:  # ndim is read ~2x faster than shape
-                    if {p.ndim for p in col} != {0}:
+                if kind == _SCALAR:
+                    if any(map(_DIM, col)):  # the method is read faster than shape or ndim
                         return False
                     continue
-                shapes = [p.shape for p in col]  # raises RuntimeError for a nested tensor
+                shapes = list(map(_SHAPE, col))  # raises RuntimeError for a nested tensor
                 if kind == _FIXED:
                     if shapes.count(want) != n:
                         return False
@@ -531,17 +561,9 @@ class _StackPlan:
                     return False
                 if not tok_shapes:
                     tok_shapes = shapes  # the first column is the tokens' where there are any
-        except (KeyError, AttributeError, RuntimeError):
+        except (KeyError, AttributeError, RuntimeError, TypeError):
             return False
         return n > 0
-
-
-_PLAIN = {TensorDict}
-_TENSOR = {torch.Tensor}
-
-
-def _gather(tds: list[Any], path: tuple[str, ...]) -> list[Any]:
-    return leaf_column(tds, path) if path else tds
 
 
 def _shape_fits(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
