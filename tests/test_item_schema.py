@@ -65,6 +65,12 @@ BAD: dict[str, tuple[Callable[[TensorDictBase], None], list[str]]] = {
         ),
         ["BUF-012"],
     ),
+    "a mask made [1, T]: as many elements as the tokens": (
+        lambda x: x.set(
+            ("masks", "all_attention_mask"), x.get(("masks", "all_attention_mask")).unsqueeze(0)
+        ),
+        ["BUF-012"],
+    ),
     "a non-tensor leaf": (lambda x: x.set_non_tensor("advantage", "high"), ["BUF-011"]),
     "a per-token float leaf that requires grad": (
         lambda x: x.set(

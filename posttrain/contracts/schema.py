@@ -466,6 +466,7 @@ _IS_META = attrgetter("is_meta")
 _LAYOUT = attrgetter("layout")
 _SHAPE = attrgetter("shape")
 _DIM = torch.Tensor.dim
+_NUMEL = torch.Tensor.numel
 
 
 @dataclass(frozen=True)
@@ -532,6 +533,7 @@ class _StackPlan:
                     return False
                 entries[path] = found
             tok_shapes: list[torch.Size] = []
+            tok_lens: list[int] = []
             for key, dtype, kind, want, grad in self.cols:
                 col = list(map(itemgetter(key[-1]), entries[key[:-1]]))
                 if (
@@ -550,6 +552,17 @@ class _StackPlan:
                     if any(map(_DIM, col)):  # the method is read faster than shape or ndim
                         return False
                     continue
+                if (kind == _RAGGED_FIRST and not want) or (kind == _SAME_AS_TOKENS and tok_lens):
+                    # 1-D per-token columns: dim() and numel() are read ~2x faster than shape
+                    # (no torch.Size built), and numel is the length where dim is 1.
+                    if list(map(_DIM, col)).count(1) != n:
+                        return False
+                    lens = list(map(_NUMEL, col))
+                    if kind == _SAME_AS_TOKENS and lens != tok_lens:
+                        return False
+                    if not tok_lens and not tok_shapes:
+                        tok_lens = lens  # the first column is the tokens' where there are any
+                    continue
                 shapes = list(map(_SHAPE, col))  # raises RuntimeError for a nested tensor
                 if kind == _FIXED:
                     if shapes.count(want) != n:
@@ -559,7 +572,7 @@ class _StackPlan:
                         return False
                 elif set(map(len, shapes)) != {len(want) + 1} or {s[1:] for s in shapes} != {want}:
                     return False
-                if not tok_shapes:
+                if not tok_shapes and not tok_lens:
                     tok_shapes = shapes  # the first column is the tokens' where there are any
         except (KeyError, AttributeError, RuntimeError, TypeError):
             return False
