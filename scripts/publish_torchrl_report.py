@@ -49,8 +49,9 @@ def main(out_dir: Path) -> tuple[Path, int]:
         "TensorboardLogger and WandbLogger (offline); InferenceServer (thread backend) serving greedy generation through the "
         'generation contract; the Ray-served ReplayBuffer (service_backend="ray") and '
         "RayWeightSyncScheme across processes on a local Ray cluster, and "
-        "DistributedWeightSyncScheme (gloo) with the receiver in a spawned process. SFTLoss is outside the loss contract (no advantage, no behaviour "
-        "log-probs: a supervised loss), so it has no row; see docs/torchrl.md.",
+        "DistributedWeightSyncScheme (gloo) with the receiver in its own process. SFTLoss is "
+        "outside the policy-gradient loss contract (no advantage, no behaviour log-probs): its "
+        "rows are under the nll_loss contract (docs/loss.md).",
         "",
     ]
     matrix = render_markdown(reports).splitlines()

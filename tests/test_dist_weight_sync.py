@@ -1,5 +1,5 @@
 """TorchRL's DistributedWeightSyncScheme (gloo, loopback) across processes: raw and adapted
-through the weight-sync suite, the receiving model in a spawned process."""
+through the weight-sync suite, the receiving model in its own process."""
 
 from __future__ import annotations
 

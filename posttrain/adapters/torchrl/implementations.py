@@ -359,7 +359,7 @@ def _cross_process_weight_sync(
 _DIST = (
     dist_weight_sync_pair,
     'DistributedWeightSyncScheme(backend="gloo")',
-    "The receiving model in a spawned process on torch.distributed's default group (gloo, "
+    "The receiving model in its own process on torch.distributed's default group (gloo, "
     "loopback); the version kept beside the transport, reported once the receiver "
     "acknowledged; ",
     ".",
