@@ -409,6 +409,44 @@ def test_adapter_list_storage_failing_part_way_puts_back_its_items() -> None:
     assert _contents(rb, model) is None
 
 
+def test_adapter_with_a_rank_writer_does_not_unwind_a_failed_write() -> None:
+    # TensorDictMaxValueWriter places items by rank and keeps a heap of its own: a cursor
+    # cannot put that back, so the adapter leaves a failed write as TorchRL left it, exactly as
+    # a raw twin shows, rather than moving a cursor that did not move.
+    pytest.importorskip("torchrl")
+    from torchrl.data import LazyTensorStorage, TensorDictMaxValueWriter, TensorDictReplayBuffer
+
+    from posttrain.adapters.torchrl import ValidatedReplayBuffer
+
+    def make() -> Any:
+        return TensorDictReplayBuffer(
+            storage=LazyTensorStorage(CAP), writer=TensorDictMaxValueWriter(rank_key="id")
+        )
+
+    raw, adapted = make(), ValidatedReplayBuffer(make())
+    for ids in ([3, 1, 4], [1, 5, 9]):
+        raw.extend(_good(ids, False))
+        adapted.extend(_good(ids, False))
+
+    def state(rb: Any) -> tuple[Any, ...]:
+        w = rb._writer
+        return (w._cursor, w._write_count, sorted(w._current_top_values), len(rb))
+
+    for target, rb in ((raw, raw), (adapted, adapted.rb)):
+        st = rb._storage
+        real = st.set
+
+        def fails_after_moving(cursor: Any, data: Any, st: Any = st, **kw: Any) -> None:
+            st._set_last_cursor(cursor)
+            raise RuntimeError("injected failure in the middle of a write")
+
+        st.set = fails_after_moving
+        with pytest.raises(RuntimeError, match="injected"):
+            target.extend(_good([7, 8], False))
+        st.set = real
+    assert state(adapted.rb) == state(raw)
+
+
 def test_adapter_plain_batch_failing_in_torchrl_puts_back_cursor_count_and_length() -> None:
     # The plain path takes no copy of the rows (see ValidatedReplayBuffer.extend): what a
     # failure there puts back is the write position and the length.

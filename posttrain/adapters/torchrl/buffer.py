@@ -72,6 +72,8 @@ class ValidatedReplayBuffer:
         self._plain: tuple[ItemSchema, list[Any]] | None = None
         self._lock = threading.Lock()
         self._copy_in = copy and _keeps_references(rb)
+        # What undoes a failed write reads the write position as a round-robin cursor.
+        self._undoable = _round_robin(rb)
 
     def extend(self, data: TensorDictBase, /) -> torch.Tensor:
         """Check ``data`` against the stored schema, then extend the wrapped buffer.
@@ -84,7 +86,10 @@ class ValidatedReplayBuffer:
         (references, free to keep) always, a tensor storage's from a copy taken before a
         batch that is not plain (:meth:`ItemSchema.checked`); a plain batch's copies into
         storage of its own dtypes and shapes cannot fail part-way, and copying the rows it
-        overwrites would cost ~20% of the extend.
+        overwrites would cost ~20% of the extend. That undo reads TorchRL's round-robin writers
+        (the default); with another writer (``TensorDictMaxValueWriter`` places items by rank)
+        a write that fails inside TorchRL is not put back, while every refusal above still
+        leaves the buffer unchanged.
         """
         with self._lock:
             if self._schema is None:
@@ -110,10 +115,14 @@ class ValidatedReplayBuffer:
             if self._copy_in:  # a list storage keeps the caller's rows: copy them (BUF-006)
                 data = data.clone()
             rb = self.rb
+            if not self._undoable:  # another writer places items its own way: see extend
+                idx: torch.Tensor = rb.extend(data)
+                self._schema = schema
+                return idx
             mark = _scalar_mark(rb) if plain else None
             if mark is not None:  # the hot path: scalars only (see _scalar_mark)
                 try:
-                    idx: torch.Tensor = rb.extend(data)
+                    idx = rb.extend(data)
                 except BaseException:
                     _scalar_unwind(mark, int(data.batch_size[0]))
                     raise
@@ -463,6 +472,23 @@ class _Undo:
 def _device_of(inner: Any) -> torch.device:
     d = getattr(inner, "device", None)
     return torch.device("cpu") if d is None else torch.device(d)
+
+
+def _round_robin(rb: Any) -> bool:
+    """Whether ``rb`` writes with TorchRL's round-robin writers (the default), or has no local
+    writer (a served buffer). Another writer, such as ``TensorDictMaxValueWriter``, places
+    items by rank and keeps state of its own, which a cursor cannot put back."""
+    w = getattr(rb, "_writer", None)
+    if w is None:
+        return True
+    try:
+        from torchrl.data.replay_buffers.writers import (
+            RoundRobinWriter,
+            TensorDictRoundRobinWriter,
+        )
+    except ImportError:  # pragma: no cover - only without the extra
+        return False
+    return type(w) in (RoundRobinWriter, TensorDictRoundRobinWriter)
 
 
 def _keeps_references(rb: Any) -> bool:
