@@ -26,3 +26,12 @@ def assert_conforms(key: str, rep: Report) -> None:
     bad = {r.id: r.message for r in rep.results if r.status in (Status.FAIL, Status.ERROR)}
     assert not bad, f"{key}: {bad}"
     assert rep.ok
+
+
+def assert_fails_its_requirement(key: str, expected: str, rep: Report) -> None:
+    """``expected`` is FAIL in ``rep`` on its own account (not blocked by another row), and the
+    report does not conform."""
+    row = {r.id: r for r in rep.results}[expected]
+    assert row.status is Status.FAIL, f"{key}: {expected} is {row.status.value}: {row.message}"
+    assert "blocked by" not in row.message[:40], row.message
+    assert not rep.ok
