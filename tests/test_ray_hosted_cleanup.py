@@ -1,5 +1,6 @@
-"""A hosted TorchRL buffer whose ``RayReplayBuffer`` fails after the host built it is dropped
-from the host (TorchRL's own cleanup can only ``ray.kill`` an actor). No Ray cluster: the
+"""A hosted TorchRL buffer whose ``RayReplayBuffer`` fails after the host built it, or whose
+create times out, is dropped from the host (TorchRL's own cleanup can only ``ray.kill`` an
+actor). No Ray cluster: the
 host, the cluster join and TorchRL's class are stand-ins."""
 
 from __future__ import annotations
@@ -44,6 +45,23 @@ def test_a_failed_client_drops_the_buffer_built_in_the_host(
     monkeypatch.setattr(hosted, "ray_get", lambda ref, timeout: None)
     monkeypatch.setattr(torchrl.data, "RayReplayBuffer", _FailingRayReplayBuffer)
     with pytest.raises(RuntimeError, match="client start failed"):
+        hosted.hosted_torchrl_buffer(object, host)
+    (created, key), dropped = host.log[0], host.log[1:]
+    assert created == "create"
+    assert dropped == [("drop", key)]
+
+
+def test_a_create_that_times_out_is_followed_by_a_drop_of_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    host = _Host()
+    monkeypatch.setattr(hosted, "ensure_cluster", lambda: None)
+
+    def times_out(ref: Any, timeout: Any) -> None:
+        raise TimeoutError("no answer in 30 s")
+
+    monkeypatch.setattr(hosted, "ray_get", times_out)
+    with pytest.raises(TimeoutError):
         hosted.hosted_torchrl_buffer(object, host)
     (created, key), dropped = host.log[0], host.log[1:]
     assert created == "create"

@@ -76,7 +76,15 @@ class _Placement:
 
     def remote(self, *args: Any, **kwargs: Any) -> ActorStandIn:
         key = uuid.uuid4().hex
-        ray_get(self.host.create.remote(key, self.cls, args, kwargs, TORCHRL_METHODS), self.timeout)
+        try:
+            ray_get(
+                self.host.create.remote(key, self.cls, args, kwargs, TORCHRL_METHODS), self.timeout
+            )
+        except BaseException:
+            # A create that timed out may still run: the host runs its calls one after another,
+            # so a drop queued now runs after it and frees what it built (drop is idempotent).
+            _drop(self.host, key)
+            raise
         self.placed = ActorStandIn(self.host, key)
         return self.placed
 
