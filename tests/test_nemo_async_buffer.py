@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from posttrain.adapters.nemo_rl.async_buffer import (
+    CHUNK_KEY,
     NemoAsyncReplayBuffer,
     PayloadError,
     decode_payload,
@@ -313,6 +314,49 @@ def test_fragmented_free_items_are_compacted_and_no_group_is_lost() -> None:
     for got, want in zip(rest["trajectories"][:2], (small[1], small[3]), strict=True):
         assert torch.equal(got["batch"]["x"], want["batch"]["x"])
     same(rest["trajectories"][2], big)
+
+
+class _FailsOnRow(RingBuffer):
+    """A ring whose extend fails, changing nothing, when the batch holds ``row``."""
+
+    row: torch.Tensor | None = None
+
+    def extend(self, data: Any, /) -> torch.Tensor:
+        row = self.row
+        if row is not None and bool((data[CHUNK_KEY] == row).all(1).any()):
+            raise RuntimeError("injected: the backing buffer refused the write")
+        return super().extend(data)
+
+
+def test_a_compaction_whose_write_fails_leaves_every_group_intact() -> None:
+    # Live groups at items 1 and 3, write position 3: compaction moves the first onto the
+    # second's old row before the second moves. Should the write carrying the second fail,
+    # both must still read back as themselves.
+    ring = _FailsOnRow(4)
+    rb = NemoAsyncReplayBuffer(8, buffer=ring, chunk_bytes=1024)
+
+    def one(i: int) -> dict[str, Any]:
+        return {"batch": {"x": torch.tensor([i])}, "timestamp": float(i)}
+
+    for i, target in enumerate((1, 9, 1, 9)):
+        assert rb.add(one(i), 1, target) == "success"
+    assert rb.sample(2, current_weight_version=1, max_age_steps=50) is not None
+    for i, cur in ((10, 2), (11, 3)):  # each added then sampled: the position moves to 3
+        assert rb.add(one(i), cur, cur) == "success"
+        assert rb.sample(1, current_weight_version=cur, max_age_steps=50) is not None
+    assert [e.indices for e in rb._entries] == [[1], [3]]
+    assert rb._written % 4 == 3
+    third = encode_payload(one(3))
+    ring.row = torch.zeros(1024, dtype=torch.uint8)
+    ring.row[: third.numel()] = third
+    big = collector_group(0)
+    with pytest.raises(RuntimeError, match="injected"):
+        rb.add(big, 9, 9)  # 2 live + 2 new items fit, but no two free items lie in a row
+    ring.row = None
+    assert rb.size() == 2
+    out = rb.sample(2, current_weight_version=9, max_age_steps=50)
+    assert out is not None
+    assert [int(t["batch"]["x"]) for t in out["trajectories"]] == [1, 3]
 
 
 def test_compaction_keeps_fifo_order_over_many_out_of_order_samples() -> None:

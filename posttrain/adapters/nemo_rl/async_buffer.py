@@ -365,20 +365,26 @@ class NemoAsyncReplayBuffer:
     def _compact_and_store(self, td: TensorDict) -> list[int]:
         """Rewrite every live entry back to back from the write position, then ``td``.
 
-        Called when live + k <= capacity but no k free items lie in a row. All payloads are
-        read before the first write (a rewrite lands on rows of entries not yet moved), so
-        the live items end up in one run, in FIFO order, followed by k free items: the
-        write that follows them fits. Costs one read and one write of every live item.
+        Called when live + k <= capacity but no k free items lie in a row. Every payload is
+        read first and everything goes in one extend of at most ``capacity`` items: a moved
+        entry may land on rows of one not yet moved, so item-by-item writes that failed
+        part-way would leave an entry pointing at another's bytes, while the backing buffer's
+        one write is all or nothing. The live items end up in one run, in FIFO order, followed
+        by ``td``. Costs one read and one write of every live item.
         """
         cap = self.capacity
         assert cap is not None
-        payloads = [self._payload(e) for e in self._entries]
-        for e, p in zip(self._entries, payloads, strict=True):
-            chunks = self._chunks(p)
-            n = int(chunks.batch_size[0])
-            e.indices = self._extend(chunks, [(self._written + j) % cap for j in range(n)])
-        k = int(td.batch_size[0])
-        return self._extend(td, [(self._written + j) % cap for j in range(k)])
+        parts = [self._chunks(self._payload(e)) for e in self._entries]
+        sizes = [int(part.batch_size[0]) for part in parts]
+        total = sum(sizes) + int(td.batch_size[0])
+        got = self._extend(
+            torch.cat([*parts, td], 0), [(self._written + j) % cap for j in range(total)]
+        )
+        at = 0
+        for e, n in zip(self._entries, sizes, strict=True):
+            e.indices = got[at : at + n]
+            at += n
+        return got[at:]
 
     # -- NeMo-RL's interface -------------------------------------------------------------------
     def add(
