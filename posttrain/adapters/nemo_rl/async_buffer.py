@@ -32,7 +32,7 @@ to back first (compaction), so a group that fits in the free items is never refu
 Checkpoints: ``save_to_path`` writes ``torch.save`` of plain tensors, lists and ints to a
 temporary file beside ``path``, fsyncs it and renames it into place (a crash leaves the
 previous file or the new one); ``load_from_path`` reads it with ``weights_only=True``
-(NeMo-RL loads its pickle with ``weights_only=False``).
+(NeMo-RL's own load unpickles the file, which can run code).
 """
 
 from __future__ import annotations
