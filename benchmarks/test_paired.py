@@ -61,6 +61,22 @@ def _medians(
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+def _medians_of_extends(
+    rows: dict[str, Callable[[Any], Any]], batch: Callable[[], Any], calls: int, blocks: int = 5
+) -> dict[str, float]:
+    """Like :func:`_medians` for extends that each get ``batch()``, made outside the timer."""
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    names = list(rows)
+    for _ in range(blocks):
+        for i in range(calls):
+            for name in names if i % 2 == 0 else reversed(names):
+                data = batch()
+                t0 = time.perf_counter()
+                rows[name](data)
+                times[name].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
 def _paired(device: str, out: dict[str, float]) -> None:
     torch.set_num_threads(1)
     batch = llm_batch(B, T).to(device)
@@ -99,44 +115,12 @@ def _paired(device: str, out: dict[str, float]) -> None:
                 )
         if group:
             groups.append(group)
-    ragged_group: dict[str, Callable[[], Any]] = {}
-    if device == "cpu":
-        # Ragged items (TorchRL's LazyStackStorage): ~50x slower per call, so fewer calls.
-        ragged = _batch(B, T, True, device)
-        stacks = {
-            name: make(device, cap) for name, make in RAGGED.items() if not name.endswith(ADAPTED)
-        }
-        _wrap_raw(stacks, ragged=True)
-        ragged_group = {f"extend {name}": partial(rb.extend, ragged) for name, rb in stacks.items()}
-        raw_stack = stacks["torchrl LazyStackStorage"]
-        # What the contract asks of a list storage done with TorchRL's own calls: the buffer
-        # must not share the caller's tensors (BUF-006), so copy, then extend.
-        ragged_group["clone + extend torchrl LazyStackStorage"] = lambda: raw_stack.extend(
-            ragged.clone()
-        )
-        shared = ValidatedReplayBuffer(raw_stack, ragged=True, copy=False)
-        ragged_group["extend torchrl LazyStackStorage + adapter(copy=False)"] = partial(
-            shared.extend, ragged
-        )
-        for call in ragged_group.values():
-            call()
     # Validation and the schema check read metadata on the host: no device work to wait for.
     host_only = {"validate", "schema check"}
     groups = [{k: f if k in host_only else synced(f, device) for k, f in g.items()} for g in groups]
     med = _medians(groups, ROUNDS // 5)
     if device == "cpu":
-        rag = _medians([ragged_group], ROUNDS // 10)
-        raw_stack_s = rag["extend torchrl LazyStackStorage"]
-        out["ragged adapter / raw TorchRL clone + extend time"] = (
-            rag["extend torchrl LazyStackStorage + adapter"]
-            / rag["clone + extend torchrl LazyStackStorage"]
-        )
-        out["ragged adapter(copy=False) / raw TorchRL extend time"] = (
-            rag["extend torchrl LazyStackStorage + adapter(copy=False)"] / raw_stack_s
-        )
-        out["ragged adapter / raw TorchRL extend time"] = (
-            rag["extend torchrl LazyStackStorage + adapter"] / raw_stack_s
-        )
+        _ragged(out)
     # The absolute figures behind the ratios: a ratio moves with either side.
     out["memcpy GB/s (its own blocks)"] = n / med["memcpy"] / 1e9
     out["extend posttrain.RingBuffer us"] = med["extend posttrain.RingBuffer"] * 1e6
@@ -161,6 +145,49 @@ def _paired(device: str, out: dict[str, float]) -> None:
     if raw_extend:
         out["validate / TorchRL extend time"] = med["validate"] / raw_extend
         out["schema check / TorchRL extend time"] = med["schema check"] / raw_extend
+
+
+RAW_STACK = "extend torchrl LazyStackStorage"
+SHARED = "extend torchrl LazyStackStorage + adapter(copy=False)"
+
+
+def _ragged(out: dict[str, float]) -> None:
+    """Ragged items (TorchRL's LazyStackStorage): ~30x slower per call, so fewer calls.
+
+    As in training, every extend gets a batch made just before it (a clone of one ragged
+    batch, outside the timer: new TensorDicts and tensors, as a rollout step hands over),
+    and the items it overwrites are freed inside the extend. Extending one batch object
+    again and again is measured too: its items' metadata is then out of the caches at every
+    call (the other rows ran in between), which the adapter's check reads and TorchRL's
+    extend does not.
+    """
+    base = _batch(B, T, True, "cpu")
+    cap = _capacity(B, T)
+    stacks = {name: make("cpu", cap) for name, make in RAGGED.items() if not name.endswith(ADAPTED)}
+    _wrap_raw(stacks, ragged=True)
+    rows: dict[str, Callable[[Any], Any]] = {f"extend {n}": rb.extend for n, rb in stacks.items()}
+    raw_stack = stacks["torchrl LazyStackStorage"]
+    # What the contract asks of a list storage done with TorchRL's own calls: the buffer
+    # must not share the caller's tensors (BUF-006), so copy, then extend.
+    rows["clone + extend torchrl LazyStackStorage"] = lambda b: raw_stack.extend(b.clone())
+    rows[SHARED] = ValidatedReplayBuffer(raw_stack, ragged=True, copy=False).extend
+    for extend in rows.values():
+        extend(base.clone())
+    rag = _medians_of_extends(rows, base.clone, ROUNDS // 10)
+    again = _medians_of_extends(
+        {k: rows[k] for k in (RAW_STACK, SHARED)}, lambda: base, ROUNDS // 10
+    )
+    raw_s = rag[RAW_STACK]
+    out["ragged adapter / raw TorchRL clone + extend time"] = (
+        rag[RAW_STACK + ADAPTED] / rag["clone + extend torchrl LazyStackStorage"]
+    )
+    out["ragged adapter(copy=False) / raw TorchRL extend time"] = rag[SHARED] / raw_s
+    out["ragged adapter / raw TorchRL extend time"] = rag[RAW_STACK + ADAPTED] / raw_s
+    out["ragged adapter(copy=False) / raw TorchRL extend time, one batch re-extended"] = (
+        again[SHARED] / again[RAW_STACK]
+    )
+    out["ragged raw TorchRL extend us"] = raw_s * 1e6
+    out["ragged raw TorchRL extend us, one batch re-extended"] = again[RAW_STACK] * 1e6
 
 
 def _repeated(device: str) -> None:
