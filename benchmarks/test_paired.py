@@ -46,8 +46,13 @@ def _wrap_raw(bufs: dict[str, Any], *, ragged: bool) -> None:
 
 
 def _medians(
-    groups: list[dict[str, Callable[[], Any]]], calls: int, blocks: int = 5
+    groups: list[dict[str, Callable[..., Any]]],
+    calls: int,
+    blocks: int = 5,
+    make_arg: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
+    """Median time of each callable; with ``make_arg``, each call gets ``make_arg()``, made
+    outside the timer."""
     times: dict[str, list[float]] = {k: [] for g in groups for k in g}
     for _ in range(blocks):
         for group in groups:
@@ -55,25 +60,10 @@ def _medians(
             n = max(2, calls // 10) if "memcpy" in group else calls
             for i in range(n):
                 for name in names if i % 2 == 0 else reversed(names):
+                    args = () if make_arg is None else (make_arg(),)
                     t0 = time.perf_counter()
-                    group[name]()
+                    group[name](*args)
                     times[name].append(time.perf_counter() - t0)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-
-
-def _medians_of_extends(
-    rows: dict[str, Callable[[Any], Any]], batch: Callable[[], Any], calls: int, blocks: int = 5
-) -> dict[str, float]:
-    """Like :func:`_medians` for extends that each get ``batch()``, made outside the timer."""
-    times: dict[str, list[float]] = {k: [] for k in rows}
-    names = list(rows)
-    for _ in range(blocks):
-        for i in range(calls):
-            for name in names if i % 2 == 0 else reversed(names):
-                data = batch()
-                t0 = time.perf_counter()
-                rows[name](data)
-                times[name].append(time.perf_counter() - t0)
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
@@ -155,11 +145,13 @@ def _ragged(out: dict[str, float]) -> None:
     """Ragged items (TorchRL's LazyStackStorage): ~30x slower per call, so fewer calls.
 
     As in training, every extend gets a batch made just before it (a clone of one ragged
-    batch, outside the timer: new TensorDicts and tensors, as a rollout step hands over),
-    and the items it overwrites are freed inside the extend. Extending one batch object
-    again and again is measured too: its items' metadata is then out of the caches at every
-    call (the other rows ran in between), which the adapter's check reads and TorchRL's
-    extend does not.
+    batch, outside the timer: new TensorDicts and tensors, as a rollout step hands over).
+    The headline rows write into a full buffer (its steady state), so each extend frees the
+    items it overwrites. Two other cases are printed beside them: a buffer still filling
+    (nothing freed, every batch in memory not touched before), and one batch object
+    extended again and again (its metadata out of the caches at every call: the other rows
+    ran in between). The adapter's check reads every leaf's metadata, which TorchRL's extend
+    does not, so it is the part that moves with where that metadata sits.
     """
     base = _batch(B, T, True, "cpu")
     cap = _capacity(B, T)
@@ -171,11 +163,25 @@ def _ragged(out: dict[str, float]) -> None:
     # must not share the caller's tensors (BUF-006), so copy, then extend.
     rows["clone + extend torchrl LazyStackStorage"] = lambda b: raw_stack.extend(b.clone())
     rows[SHARED] = ValidatedReplayBuffer(raw_stack, ragged=True, copy=False).extend
-    for extend in rows.values():
-        extend(base.clone())
-    rag = _medians_of_extends(rows, base.clone, ROUNDS // 10)
-    again = _medians_of_extends(
-        {k: rows[k] for k in (RAW_STACK, SHARED)}, lambda: base, ROUNDS // 10
+    for _ in range(-(-cap // B)):  # full from the first timed call
+        raw_stack.extend(base.clone())
+    rag = _medians([rows], ROUNDS // 10, make_arg=base.clone)
+    again = _medians(
+        [{k: rows[k] for k in (RAW_STACK, SHARED)}], ROUNDS // 10, make_arg=lambda: base
+    )
+    # Room for every batch of the measurement: nothing is overwritten, nothing freed.
+    calls = ROUNDS // 20
+    filling = RAGGED["torchrl LazyStackStorage"]("cpu", (2 * calls * 5 + 1) * B)
+    filling.extend(base.clone())
+    fill = _medians(
+        [
+            {
+                RAW_STACK: filling.extend,
+                SHARED: ValidatedReplayBuffer(filling, ragged=True, copy=False).extend,
+            }
+        ],
+        calls,
+        make_arg=base.clone,
     )
     raw_s = rag[RAW_STACK]
     out["ragged adapter / raw TorchRL clone + extend time"] = (
@@ -186,8 +192,12 @@ def _ragged(out: dict[str, float]) -> None:
     out["ragged adapter(copy=False) / raw TorchRL extend time, one batch re-extended"] = (
         again[SHARED] / again[RAW_STACK]
     )
+    out["ragged adapter(copy=False) / raw TorchRL extend time, buffer filling"] = (
+        fill[SHARED] / fill[RAW_STACK]
+    )
     out["ragged raw TorchRL extend us"] = raw_s * 1e6
     out["ragged raw TorchRL extend us, one batch re-extended"] = again[RAW_STACK] * 1e6
+    out["ragged raw TorchRL extend us, buffer filling"] = fill[RAW_STACK] * 1e6
 
 
 def _repeated(device: str) -> None:
