@@ -43,7 +43,7 @@ class ValidatedReplayBuffer:
     or into a sample, would change stored items. Over such a storage the adapter copies the
     batch before the write and every sample and read (the contract's promise). A caller that
     hands its batches over for good and never writes into a sample can pass ``copy=False``:
-    the buffer then shares those tensors with its callers, as TorchRL's does (~2.4 ms saved
+    the buffer then shares those tensors with its callers, as TorchRL's does (~3 ms saved
     per extend of 64 ragged items, see docs/benchmarks.md). Tensor storages always write into
     memory of their own, whatever ``copy`` says.
 
