@@ -7,6 +7,7 @@ Example:
     'OpenRLHFPolicyLoss'
 """
 
-from posttrain.adapters.openrlhf.loss import OpenRLHFPolicyLoss, openrlhf_loss_module
-
-__all__ = ["OpenRLHFPolicyLoss", "openrlhf_loss_module"]
+# Not a public package (docs/api.md): no ``__all__``; the names below are re-exported for the
+# field matrix's rows and for OpenRLHF users who want them.
+from posttrain.adapters.openrlhf.loss import OpenRLHFPolicyLoss as OpenRLHFPolicyLoss
+from posttrain.adapters.openrlhf.loss import openrlhf_loss_module as openrlhf_loss_module

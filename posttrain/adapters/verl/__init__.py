@@ -8,6 +8,7 @@ Example:
     'VerlLoss'
 """
 
-from posttrain.adapters.verl.loss import VERL_AGGREGATIONS, VerlLoss
-
-__all__ = ["VERL_AGGREGATIONS", "VerlLoss"]
+# Not a public package (docs/api.md): no ``__all__``; the names below are re-exported for the
+# field matrix's rows and for verl users who want them.
+from posttrain.adapters.verl.loss import VERL_AGGREGATIONS as VERL_AGGREGATIONS
+from posttrain.adapters.verl.loss import VerlLoss as VerlLoss
