@@ -28,7 +28,10 @@ DPO = Contract(
         "sequences))` takes the global batch's counts with `sequences` = 2 × the counted pairs "
         "(NeMo-RL's `global_valid_seqs`, the rows of counted pairs; `GlobalCounts.of` counts "
         "rows with a token instead and differs when a rejected row is empty), so micro-batches "
-        "of whole pairs, each with the global counts, add up to the whole batch.\n\n"
+        "of whole pairs, each with the global counts, add up to the whole batch. "
+        "`loss_preference` and the metrics do not depend on `counts.tokens` (they average over "
+        "pairs; another `loss_*` term, such as an SFT term, may use it). A batch without a "
+        "counted pair has nothing to average over and is not checked.\n\n"
         "Metrics (entries not starting with `loss_`): `accuracy`, the share of counted pairs "
         "with r_chosen > r_rejected (a tie is no win); `rewards_chosen_mean` and "
         "`rewards_rejected_mean`, the mean r over counted pairs (NeMo-RL's, without β; TRL's "
@@ -61,11 +64,11 @@ DPO = Contract(
         Requirement(id="DPO-002", level=_M, title="gradients reach the policy",
             text="`loss_preference` MUST carry a gradient that reaches the policy's parameters (non-zero and finite).", depends_on=("DPO-001",)),
         Requirement(id="DPO-003", level=_M, title="preference loss value",
-            text="With reference log-probs that differ from the policy's own, `loss_preference` MUST equal the mean over counted pairs of -log σ(β·(r_chosen - r_rejected)), rows 2i chosen and 2i + 1 rejected, r the declared `token_reduction` of log p - log p_ref over the answer's assistant tokens and β the declared `extras['beta']`, computed in float64 from the same policy, within 1e-5 relative.", depends_on=("DPO-001",)),
+            text="With reference log-probs that differ from the policy's own, `loss_preference` MUST equal the mean over counted pairs of -log σ(β·(r_chosen - r_rejected)), rows 2i chosen and 2i + 1 rejected, r the declared `token_reduction` of log p - log p_ref over the answer's assistant tokens and β the declared `extras['beta']`, computed in float64 from the same policy, within 1e-5 relative (1e-6 absolute).", depends_on=("DPO-001",)),
         Requirement(id="DPO-004", level=_M, title="gradient through both answers",
             text="The gradient of `loss_preference` with respect to each assistant token's log-prob MUST be -β·σ(-β·Δ)·c/P on the chosen answer and +β·σ(-β·Δ)·c/P on the rejected one (Δ = r_chosen - r_rejected, P the counted pairs, c = 1 for `sum` and 1/L for `mean`, L the answer's assistant-token count), 0 elsewhere, however the loss calls the policy: both answers' log-probs carry the gradient, the reference's none.", depends_on=("DPO-002",)),
         Requirement(id="DPO-005", level=_M, title="reward metrics",
-            text="`accuracy` MUST be the share of counted pairs whose r_chosen > r_rejected (a tie, two equal answers, is no win), and `rewards_chosen_mean` and `rewards_rejected_mean` the mean over counted pairs of r_chosen and r_rejected (without β), within 1e-5.", depends_on=("DPO-001",)),
+            text="`accuracy` MUST be the share of counted pairs whose r_chosen > r_rejected (a tie, two equal answers, is no win), and `rewards_chosen_mean` and `rewards_rejected_mean` the mean over counted pairs of r_chosen and r_rejected (without β), within 1e-5 relative (1e-6 absolute).", depends_on=("DPO-001",)),
         Requirement(id="DPO-006", level=_M, title="pairs counted",
             text="In a batch with a pair whose rejected row holds no assistant token, a pair with no assistant token at all and a pair whose chosen row holds none but whose rejected row does, `loss_preference` and the metrics MUST average over the pairs whose chosen row holds an assistant token (the first counts, its rejected reward 0; the second and third weigh nothing, in the loss and in every metric, and are not counted), never over half the rows holding a token (an `accuracy` above 1) nor over the pairs with a token in either row.", depends_on=("DPO-001",)),
         Requirement(id="DPO-007", level=_M, title="global counts normalize", capability="global_counts",
