@@ -14,11 +14,13 @@ def check(
     *,
     seed: int = 0,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    depth: int = 1,
 ) -> Report:
     """Run ``contract``'s suite against ``target``; return the report (it never raises on FAIL).
 
     ``target`` is ``module:attr``, an entry-point name or the :class:`Implementation` itself
     (its rows' repro commands then name the module attribute that holds it, if one does).
+    ``depth`` multiplies the generated inputs and random call sequences each check tries.
 
     Example:
         >>> rep = check("buffer", "posttrain.reference_impls:RING_BUFFER")
@@ -33,4 +35,4 @@ def check(
         raise ValueError(
             f"target {name or impl.name!r} implements {impl.contract!r}, not {contract!r}"
         )
-    return run(impl, target=name, seed=seed, timeout_s=timeout_s)
+    return run(impl, target=name, seed=seed, timeout_s=timeout_s, depth=depth)

@@ -46,6 +46,8 @@ class Context:
 
     impl: Implementation
     seed: int = 0
+    depth: int = 1
+    """How many times the default number of generated inputs and call sequences to try."""
     options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -46,6 +46,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--conformance-seed", type=int, default=0, help="seed for the suites' data (default 0)"
     )
     g.addoption(
+        "--conformance-depth",
+        type=int,
+        default=1,
+        metavar="N",
+        help="explore N times as many generated inputs and random call sequences per "
+        "requirement (default 1; deterministic under --conformance-seed)",
+    )
+    g.addoption(
         "--conformance-timeout",
         type=float,
         default=None,
@@ -167,6 +175,9 @@ class _Conformance:
         except KeyError as e:
             raise pytest.UsageError(str(e.args[0])) from None
         seed = config.getoption("conformance_seed")
+        depth = config.getoption("conformance_depth")
+        if depth < 1:
+            raise pytest.UsageError(f"--conformance-depth: expected an int >= 1, found {depth}")
         timeout = config.getoption("conformance_timeout")
         timeout_s = DEFAULT_TIMEOUT_S if timeout is None else (timeout or None)
         # Like `python -m`, a target module beside the invocation directory is importable.
@@ -186,7 +197,9 @@ class _Conformance:
                     f"target {t!r} implements {impl.contract!r}, which --conformance does not name"
                 )
             try:
-                self.sessions.append(Session(impl, target=t, seed=seed, timeout_s=timeout_s))
+                self.sessions.append(
+                    Session(impl, target=t, seed=seed, timeout_s=timeout_s, depth=depth)
+                )
             except DeclarationError as e:
                 raise pytest.UsageError(str(e)) from None
         contracts = contracts or [s.contract.id for s in self.sessions]

@@ -85,12 +85,14 @@ class Session:
         target: str = "",
         seed: int = 0,
         timeout_s: float | None = None,
+        depth: int = 1,
     ) -> None:
         self.impl = impl
         found = target or target_of(impl)
         self.target = found or impl.name
         self.target_resolvable = bool(found)
         self.seed = seed
+        self.depth = depth
         self.timeout_s = timeout_s
         self.contract: Contract = get_contract(impl.contract)
         self.checks = checks_for(impl.contract)
@@ -130,7 +132,9 @@ class Session:
         if self.target_resolvable:
             return (
                 f"pytest -p no:cacheprovider --conformance={self.contract.id} "
-                f"--conformance-impl={self.target} --conformance-seed={self.seed} -k {req.id}"
+                f"--conformance-impl={self.target} --conformance-seed={self.seed} "
+                + (f"--conformance-depth={self.depth} " if self.depth != 1 else "")
+                + f"-k {req.id}"
             )
         return (
             f"no command: no module attribute holds this Implementation ({self.impl.name}); "
@@ -188,7 +192,7 @@ class Session:
         # Every check starts from the same global RNG state, so a rerun of one requirement
         # (pytest -k) draws what it drew inside the whole run.
         _seed_everything(self.seed)
-        ctx = Context(self.impl, seed=self.seed)
+        ctx = Context(self.impl, seed=self.seed, depth=self.depth)
         outcome: list[BaseException | None] = []
 
         def body() -> None:
@@ -266,20 +270,22 @@ def run(
     target: str = "",
     seed: int = 0,
     timeout_s: float | None = None,
+    depth: int = 1,
 ) -> Report:
     """Run the whole suite of ``impl``'s contract; return the report.
 
     With ``timeout_s``, each requirement's check runs in a thread of its own for at most that
     many seconds (a hang is FAIL "no answer in N s"); ``None`` (the default here) runs every
     check in the calling thread, unbounded. The pytest plugin and ``check()`` bound each check
-    at :data:`DEFAULT_TIMEOUT_S`.
+    at :data:`DEFAULT_TIMEOUT_S`. ``depth`` multiplies how many generated inputs and random call
+    sequences each check explores (1: the default run, deterministic under ``seed``).
 
     Example:
         >>> from posttrain.reference_impls import RING_BUFFER
         >>> run(RING_BUFFER).ok
         True
     """
-    s = Session(impl, target=target, seed=seed, timeout_s=timeout_s)
+    s = Session(impl, target=target, seed=seed, timeout_s=timeout_s, depth=depth)
     for _ in s:
         pass
     return s.report()
