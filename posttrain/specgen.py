@@ -40,6 +40,15 @@ def _requirements_md(reqs: tuple[Requirement, ...]) -> list[str]:
         out.append(
             f'| <a id="{r.id}"></a>**{r.id}** | {r.level.value} | {when} | {since} | {_cell(r.text)} |'
         )
+    tried = [r for r in reqs if r.domain]
+    if tried:
+        out += [
+            "",
+            "Inputs each check draws from (generated under the run's seed; boundaries are always "
+            "tried; `--conformance-depth N` tries N times as many):",
+            "",
+        ]
+        out += [f"- **{r.id}**: {_cell(r.domain)}" for r in tried]
     deps = [r for r in reqs if r.depends_on]
     if deps:
         out += [
@@ -130,8 +139,8 @@ def render_markdown(c: Contract) -> str:
 def _table_caps(caps: tuple[Capability, ...]) -> list[str]:
     if not caps:
         return ["None."]
-    return ["| capability | meaning |", "|---|---|"] + [
-        f"| `{x.name}` | {_cell(x.text)} |" for x in caps
+    return ["| capability | meaning | when not declared |", "|---|---|---|"] + [
+        f"| `{x.name}` | {_cell(x.text)} | {_cell(x.undeclared) or '-'} |" for x in caps
     ]
 
 

@@ -40,6 +40,13 @@ class Capability(BaseModel):
         default=(),
         description="Methods an implementation declaring it must have, checked before a run.",
     )
+    undeclared: str = Field(
+        default="",
+        description=(
+            "What is checked when the capability is not declared: a capability chooses which "
+            "variant of a behaviour the spec defines is checked, never whether."
+        ),
+    )
 
 
 class Option(BaseModel):

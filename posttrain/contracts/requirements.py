@@ -56,6 +56,13 @@ class Requirement(BaseModel):
         default=None, description="(option, value) it is restricted to, if any."
     )
     depends_on: tuple[str, ...] = Field(default=(), description="Foundational requirements.")
+    domain: str = Field(
+        default="",
+        description=(
+            "The inputs its check draws from: the domain the spec allows for each input, with "
+            "the boundaries tried explicitly, so an implementer reads what will be tried."
+        ),
+    )
 
     @field_validator("id")
     @classmethod
