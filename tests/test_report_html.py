@@ -21,6 +21,7 @@ from posttrain.conformance.html_report import failure_kind, render, verdict_of
 from posttrain.conformance.outcome import Report, Result, Status
 from posttrain.conformance.runner import run
 from posttrain.conformance.target import resolve
+from posttrain.contracts.registry import get_contract
 from tests.mutants import buffers
 
 # Mutants bound to names here, so each row's repro command (module:attr) reruns it.
@@ -174,7 +175,45 @@ def test_a_failure_shows_its_message_repro_and_spec_link(page: Any) -> None:
     assert f"--conformance-impl={_HERE}:BROKEN" in pytest_repro
     check = page.locator(f"[data-row='detail'][data-impl='{_HERE}:BROKEN'] .repro-check")
     assert check.inner_text() == f"posttrain check buffer {_HERE}:BROKEN"
-    assert box.locator("a").get_attribute("href") == "../specs/buffer-v1.md#BUF-009"
+    assert box.locator("a").get_attribute("href") == "#req-BUF-009"
+    # The requirement's own sentence, from the contract object, where the failure cites it.
+    text = get_contract("buffer").requirement("BUF-009").text
+    assert box.locator(".req-text").inner_text() == text
+    assert page.locator("#req-BUF-009 .req-text").inner_text() == text
+
+
+def test_every_link_resolves_on_the_page_itself(page: Any) -> None:
+    hrefs: list[str] = page.eval_on_selector_all(
+        "a[href]", "els => els.map(e => e.getAttribute('href'))"
+    )
+    assert hrefs
+    outside = [h for h in hrefs if not h.startswith("#")]
+    assert outside == [], f"expected only links to anchors of the page, found {outside[:5]}"
+    missing = [h for h in set(hrefs) if page.locator(f"[id='{h[1:]}']").count() != 1]
+    assert missing == [], f"expected each link's anchor once on the page, found none for {missing}"
+    # Every requirement the matrix cites has its text on the page.
+    for contract in ("buffer", "loss"):
+        for req in get_contract(contract).requirements:
+            assert page.locator(f"#req-{req.id} .req-text").inner_text() == req.text
+
+
+@pytest.mark.parametrize("width", [700, 1280])
+def test_the_page_fits_the_window(page: Any, width: int) -> None:
+    page.set_viewport_size({"width": width, "height": 900})
+    overflow = page.evaluate(
+        "() => [document.documentElement.scrollWidth, document.documentElement.clientWidth]"
+    )
+    assert overflow[0] <= overflow[1], (
+        f"expected no sideways scroll at {width} px, found {overflow}"
+    )
+    right = page.eval_on_selector("#summary", "e => e.getBoundingClientRect().right")
+    assert right <= width, (
+        f"expected the verdict table inside {width} px, found its right at {right}"
+    )
+    # What the summary must show stays visible at both widths.
+    for cell in ("td.name", "td.verdict", "td.ids"):
+        assert page.is_visible(f"#summary tr[data-impl='{_HERE}:BROKEN'] {cell}")
+    page.set_viewport_size({"width": 1280, "height": 720})
 
 
 def test_blocked_and_should_failures_look_different_from_must_failures(page: Any) -> None:
@@ -188,6 +227,9 @@ def test_blocked_and_should_failures_look_different_from_must_failures(page: Any
     blocked = background(f"{row} .failure[data-req='BUF-002']")
     should = background(f"[data-impl='{_HERE}:SHOULD_DECLARED'] .failure[data-req='BUF-015']")
     assert len({must, blocked, should}) == 3
+    assert page.inner_text(f"{row} .failure[data-req='BUF-002'] .tag >> nth=1") == "blocked"
+    cell = f"td[data-col='{_HERE}:AS_DECLARED'].k-blocked"
+    assert page.locator(cell).first.inner_text() == "blocked"
 
 
 def test_every_message_is_escaped() -> None:

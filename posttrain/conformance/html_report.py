@@ -1,6 +1,9 @@
 """The conformance matrix as one self-contained HTML page (``reports/conformance.html``).
 
-Inline CSS and JavaScript only, nothing fetched: the page works opened from disk, offline.
+Inline CSS and JavaScript only, nothing fetched: the page works opened from disk, offline,
+moved or mailed. Each requirement's text comes from the contract objects and sits on the page
+(section "Requirements"); every link is to an anchor of the page itself. The page fits a
+700 px wide window: wide tables scroll inside their own box.
 Every string that comes from an implementation under test (names, messages) is escaped.
 """
 
@@ -10,7 +13,8 @@ import datetime
 import html
 from collections.abc import Mapping
 
-from posttrain.conformance.outcome import Report, Result, Status
+from posttrain.conformance.outcome import Report, Result, Status, retry_note
+from posttrain.contracts.registry import CONTRACTS
 
 VERDICTS: dict[str, str] = {
     "conforms": "every requirement holds",
@@ -62,11 +66,33 @@ def failure_kind(r: Result) -> str:
     return "error" if r.status is Status.ERROR else "must"
 
 
-def _label(r: Result) -> str:
+def cell_label(r: Result) -> str:
+    """What a row's cell says, in every format: ``PASS``, ``n/a``, ``blocked``, ``ERROR``,
+    ``FAIL`` (a MUST), ``FAIL (SHOULD)`` or ``ERROR (SHOULD)``.
+
+    Example:
+        >>> cell_label(Result("BUF-016", "MUST", "t", Status.FAIL, "BUF-016: blocked by BUF-009"))
+        'blocked'
+    """
     k = failure_kind(r)
     if k == "should":
         return f"{r.status.value} (SHOULD)"
     return _LABEL[k]
+
+
+def left_out_sentence(names: list[str]) -> str:
+    """The line a report of the in-process rows carries about the rows it leaves out.
+
+    Example:
+        >>> left_out_sentence(["ray-served-reference-buffer"])
+        '1 row that starts Ray or torch.distributed is not here: `make report-distributed` runs it (ray-served-reference-buffer).'
+    """
+    one = len(names) == 1
+    return (
+        f"{len(names)} row{'' if one else 's'} that start{'s' if one else ''} Ray or "
+        f"torch.distributed {'is' if one else 'are'} not here: `make report-distributed` runs "
+        f"{'it' if one else 'them'} ({', '.join(names)})."
+    )
 
 
 _LABEL = {
@@ -86,7 +112,8 @@ table{border-collapse:collapse;margin:.6em 0}
 td,th{border:1px solid #bbb;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}
 code,pre{font-family:ui-monospace,monospace;font-size:.9em}
-pre{white-space:pre-wrap;margin:.2em 0;background:#f7f7f7;padding:4px 6px}
+pre{white-space:pre-wrap;overflow-wrap:anywhere;margin:.2em 0;background:#f7f7f7;padding:4px 6px}
+code{overflow-wrap:anywhere}
 .filters{position:sticky;top:0;background:#fff;padding:.5em 0;border-bottom:1px solid #ddd;z-index:1}
 .filters label{margin-right:1.5em}
 .hidden{display:none}
@@ -107,7 +134,11 @@ td.k-error{background:#f7cba0;font-weight:600}
 .failure.k-error{background:#fdf0e4}
 .matrix th[data-col]{writing-mode:vertical-rl;transform:rotate(180deg);white-space:nowrap;font-size:.85em;font-weight:500;text-align:left}
 .matrix td[data-col]{white-space:nowrap;font-size:.9em}
-.scroll{overflow-x:auto}
+.scroll{overflow-x:auto;max-width:100%}
+.req{margin:.4em 0;padding:.2em .6em;border-left:3px solid #bbb}
+.req:target{background:#fff7c0}
+.req-text{margin:.2em 0 .3em;color:#333}
+.retry{font-size:.8em;padding:0 5px;border:1px dashed #7a1212;border-radius:4px;margin-left:.4em}
 .unexpected{border:2px solid #7a1212;padding:0 1em;background:#fff4f4}
 .unexpected.none{border-color:#7bb276;background:#f4fbf3}
 .unexpected h2{margin-top:.5em;border:0}
@@ -116,10 +147,18 @@ td.k-error{background:#f7cba0;font-weight:600}
 .failure.k-blocked{border-left-color:#999;margin:.15em 0;padding:.1em .6em;font-size:.9em}
 .failure.k-error{border-left-color:#e07b00}
 #summary{font-size:.92em} #summary th{white-space:nowrap}
-#summary td.name{width:20em} #summary td.name small{overflow-wrap:anywhere}
+#summary td.name{width:20em;overflow-wrap:anywhere}
 #summary td.verdict,#summary td:nth-child(2){white-space:nowrap}
 td.ids{width:13em} .id{white-space:nowrap}
 .tag{font-size:.8em;padding:0 5px;border:1px solid #999;border-radius:4px;margin-left:.4em}
+/* Narrow windows: the counts columns go (the failed ids stay), long cells wrap. */
+@media (max-width:900px){
+ body{margin:.6em;overflow-wrap:anywhere}
+ #summary th:nth-child(n+6),#summary td:nth-child(n+6){display:none}
+ #summary td.name{width:auto} #summary td.ids{width:auto}
+ #summary td.verdict,#summary td:nth-child(2){white-space:normal}
+ .filters label{margin-right:.6em;display:inline-block}
+}
 """
 
 _JS = """
@@ -204,17 +243,36 @@ def _ids(ids: list[str], limit: int = 10) -> str:
     return " ".join(f"<span class='id'>{_e(i)}</span>" for i in ids[:limit]) + more
 
 
-def _spec_href(r: Result, spec_base: str) -> str:
-    return spec_base + r.spec if r.spec else ""
+def _req_anchor(rid: str) -> str:
+    return "req-" + "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in rid)
 
 
-def _contracts_table(reports: Mapping[str, Report], spec_base: str) -> list[str]:
+def requirement_text(contract: str, rid: str) -> str:
+    """The normative sentence of requirement ``rid`` of ``contract``, or ``""`` if unknown.
+
+    Example:
+        >>> requirement_text("buffer", "BUF-013").startswith("`sample")
+        True
+    """
+    c = CONTRACTS.get(contract)
+    if c is None:
+        return ""
+    try:
+        return c.requirement(rid).text
+    except KeyError:
+        return ""
+
+
+def _contracts_table(reports: Mapping[str, Report]) -> list[str]:
     contracts: dict[str, set[str]] = {}
     for rep in reports.values():
         contracts.setdefault(str(rep.run.get("contract", "?")), set()).add(
             str(rep.run.get("contract_version", "?"))
         )
-    out = ["<table id='contracts'><tr><th>contract</th><th>version</th><th>spec</th></tr>"]
+    out = [
+        "<table id='contracts'><tr><th>contract</th><th>version</th>"
+        "<th>requirements</th><th>spec file</th></tr>"
+    ]
     for c, versions in contracts.items():
         spec = next(
             (
@@ -226,12 +284,42 @@ def _contracts_table(reports: Mapping[str, Report], spec_base: str) -> list[str]
             ),
             "",
         )
-        link = f"<a href='{_e(spec_base + spec)}'>{_e(spec)}</a>" if spec else ""
+        # The spec file is named, not linked: `posttrain specs DIR` writes it from any install.
         out.append(
             f"<tr data-row='contract' data-contract='{_e(c)}'><td>{_e(c)}</td>"
-            f"<td>{_e(', '.join(sorted(versions)))}</td><td>{link}</td></tr>"
+            f"<td>{_e(', '.join(sorted(versions)))}</td>"
+            f"<td><a href='#{_e(_contract_anchor(c))}'>on this page</a></td>"
+            f"<td><code>{_e(spec)}</code></td></tr>"
         )
     out.append("</table>")
+    return out
+
+
+def _contract_anchor(contract: str) -> str:
+    return "contract-" + "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in contract)
+
+
+def _requirements(reports: Mapping[str, Report]) -> list[str]:
+    """Each cited requirement's sentence, by contract: what every link on the page points to."""
+    by_contract: dict[str, dict[str, Result]] = {}
+    for rep in reports.values():
+        rows = by_contract.setdefault(str(rep.run.get("contract", "?")), {})
+        for r in rep.results:
+            rows.setdefault(r.id, r)
+    out = ["<h2>Requirements</h2>"]
+    for contract, rows in by_contract.items():
+        out.append(
+            f"<section id='{_e(_contract_anchor(contract))}' data-section='requirements' "
+            f"data-contract='{_e(contract)}'><h3>{_e(contract)}</h3>"
+        )
+        for rid, r in rows.items():
+            text = requirement_text(contract, rid) or r.title
+            out.append(
+                f"<div class='req' id='{_e(_req_anchor(rid))}' data-row='requirement' "
+                f"data-contract='{_e(contract)}'><b>{_e(rid)}</b> <small>{_e(r.level)}</small> "
+                f"{_e(r.title)}<p class='req-text'>{_e(text)}</p></div>"
+            )
+        out.append("</section>")
     return out
 
 
@@ -249,13 +337,18 @@ def _summary(reports: Mapping[str, Report], frameworks: Mapping[str, str]) -> li
             f"<td class='name'><a href='#{_anchor(name)}'>{_e(name)}</a><br><small>{_e(rep.run.get('implementation', ''))}</small></td>"
             f"<td>{_e(rep.run.get('contract', '?'))} v{_e(rep.run.get('contract_version', '?'))}</td>"
             f"<td>{_e(fw)}</td>"
-            f"<td class='verdict'><span class='v {_VERDICT_CLASS[v]}'>{_e(v)}</span></td>"
+            f"<td class='verdict'><span class='v {_VERDICT_CLASS[v]}'>{_e(v)}</span>{_retry_tag(rep)}</td>"
             f"<td class='ids'>{_ids(sorted(rep.failed_ids()))}</td>"
             f"<td>{c['PASS']}</td><td>{c['FAIL']}</td><td>{c['ERROR']}</td><td>{c['NOT_APPLICABLE']}</td>"
             f"<td>{_e(rep.run.get('duration_s', ''))}</td></tr>"
         )
     out.append("</table>")
     return out
+
+
+def _retry_tag(rep: Report) -> str:
+    note = retry_note(rep)
+    return f"<span class='retry' title='{_e(note)}'>retried</span>" if note else ""
 
 
 def _unexpected(reports: Mapping[str, Report], frameworks: Mapping[str, str]) -> list[str]:
@@ -281,9 +374,7 @@ def _unexpected(reports: Mapping[str, Report], frameworks: Mapping[str, str]) ->
     return out
 
 
-def _matrix(
-    reports: Mapping[str, Report], frameworks: Mapping[str, str], spec_base: str
-) -> list[str]:
+def _matrix(reports: Mapping[str, Report], frameworks: Mapping[str, str]) -> list[str]:
     by_contract: dict[str, list[str]] = {}
     for name, rep in reports.items():
         by_contract.setdefault(str(rep.run.get("contract", "?")), []).append(name)
@@ -301,11 +392,11 @@ def _matrix(
             for rid, r in by_id[n].items():
                 ids.setdefault(rid, r)
         for rid, head in ids.items():
-            href = _spec_href(head, spec_base)
-            label = f"<a href='{_e(href)}'>{_e(rid)}</a>" if href else _e(rid)
+            text = requirement_text(contract, rid)
             out.append(
                 f"<tr data-row='matrix' data-contract='{_e(contract)}'>"
-                f"<td>{label} <small>{_e(head.level)}</small> {_e(head.title)}</td>"
+                f"<td title='{_e(text)}'><a href='#{_e(_req_anchor(rid))}'>{_e(rid)}</a> "
+                f"<small>{_e(head.level)}</small> {_e(head.title)}</td>"
             )
             for n in names:
                 cell = by_id[n].get(rid)
@@ -314,16 +405,14 @@ def _matrix(
                     continue
                 k = failure_kind(cell)
                 out.append(
-                    f"<td data-col='{_e(n)}' class='k-{k}' title='{_e(cell.message)}'>{_e(_label(cell))}</td>"
+                    f"<td data-col='{_e(n)}' class='k-{k}' title='{_e(cell.message)}'>{_e(cell_label(cell))}</td>"
                 )
             out.append("</tr>")
         out.append("</table></div></section>")
     return out
 
 
-def _details(
-    reports: Mapping[str, Report], frameworks: Mapping[str, str], spec_base: str
-) -> list[str]:
+def _details(reports: Mapping[str, Report], frameworks: Mapping[str, str]) -> list[str]:
     out = ["<h2>Failures by implementation</h2>"]
     for name, rep in reports.items():
         fw = frameworks.get(name, "?")
@@ -340,14 +429,16 @@ def _details(
             f"{_e(', '.join(sorted(known)) or 'none')}; seed {_e(rep.run.get('seed', '?'))}</p>"
             f"<p>Rerun: <code class='repro-check'>posttrain check {_e(contract)} {_e(name)}</code></p>"
         )
+        note = retry_note(rep)
+        if note:
+            out.append(f"<p class='retry-note'><span class='retry'>retried</span> {_e(note)}</p>")
         if not bad:
             out.append("<p>No failures.</p></div>")
             continue
         for r in bad:
             k = failure_kind(r)
-            href = _spec_href(r, spec_base)
-            link = f"<a href='{_e(href)}'>{_e(r.id)}</a>" if href else _e(r.id)
-            tags = f"<span class='tag'>{_e(r.level)}</span><span class='tag'>{_e(_label(r))}</span>"
+            link = f"<a href='#{_e(_req_anchor(r.id))}'>{_e(r.id)}</a>"
+            tags = f"<span class='tag'>{_e(r.level)}</span><span class='tag'>{_e(cell_label(r))}</span>"
             if r.id in known:
                 tags += "<span class='tag'>declared</span>"
             pytest_line = (
@@ -362,7 +453,11 @@ def _details(
                 # Not run: one line, the failed foundation says the rest.
                 out.append(f"{head} <span class='message'>{_e(r.message)}</span></div>")
                 continue
-            out.append(f"{head}<pre class='message'>{_e(r.message)}</pre>{pytest_line}</div>")
+            text = requirement_text(contract, r.id)
+            quote = f"<p class='req-text'>{_e(text)}</p>" if text else ""
+            out.append(
+                f"{head}{quote}<pre class='message'>{_e(r.message)}</pre>{pytest_line}</div>"
+            )
         out.append("</div>")
     return out
 
@@ -376,14 +471,14 @@ def render(
     reports: Mapping[str, Report],
     frameworks: Mapping[str, str] | None = None,
     *,
-    spec_base: str = "../",
     title: str = "posttrain conformance report",
+    left_out: list[str] | None = None,
 ) -> str:
     """The whole page: unexpected rows on top, filters, verdicts, requirement matrix, failures.
 
     ``reports`` by implementation name (an entry-point name or ``module:attr``: it goes into
-    each repro command); ``frameworks`` by the same names; ``spec_base`` is prefixed to each
-    row's ``specs/<contract>-v<major>.md#<id>`` link (``"../"`` from ``reports/``).
+    each repro command); ``frameworks`` by the same names; ``left_out`` names the rows another
+    command runs (:func:`left_out_sentence`).
 
     Example:
         >>> row = Result("BUF-013", "MUST", "empty sample raises", Status.FAIL, "BUF-013: <no error>")
@@ -409,6 +504,7 @@ def render(
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
         f"<p class='meta' id='versions'>Generated {_e(now)} · {_versions(reports)}</p>",
+        f"<p id='left-out'>{_e(left_out_sentence(left_out))}</p>" if left_out else "",
         *_unexpected(reports, frameworks),
         "<div class='filters'>",
         _select("f-contract", "contract", contracts),
@@ -421,9 +517,10 @@ def render(
         "SHOULD that failed (never blocking); blocked: not run because a requirement it "
         "depends on failed; ERROR: the check raised unexpectedly.</p></details>",
         "<h2>Contracts</h2>",
-        *_contracts_table(reports, spec_base),
-        *_matrix(reports, frameworks, spec_base),
-        *_details(reports, frameworks, spec_base),
+        *_contracts_table(reports),
+        *_matrix(reports, frameworks),
+        *_details(reports, frameworks),
+        *_requirements(reports),
         f"<script>{_JS}</script></body></html>\n",
     ]
     return "\n".join(parts)

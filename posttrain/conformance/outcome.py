@@ -199,6 +199,26 @@ class Report:
         return "\n".join(lines) + "\n"
 
 
+def retry_note(rep: Report) -> str:
+    """``""``, or how a row that ran twice fared the first time (every format shows it).
+
+    Example:
+        >>> rep = Report(run={"attempts": [{"verdict": "unexpected", "surprises": ["WS-004 failed"]},
+        ...                                {"verdict": "conforms", "surprises": []}]})
+        >>> retry_note(rep)
+        'retried: attempt 1 of 2 was unexpected (WS-004 failed)'
+    """
+    attempts = rep.run.get("attempts") or []
+    if len(attempts) < 2:
+        return ""
+    parts = [
+        f"attempt {i} of {len(attempts)} was {a['verdict']}"
+        + (f" ({'; '.join(a['surprises'])})" if a.get("surprises") else "")
+        for i, a in enumerate(attempts[:-1], start=1)
+    ]
+    return "retried: " + ", ".join(parts)
+
+
 def reports_json(reports: list[Report]) -> str:
     """A JSON report file: ``{"format": ..., "reports": [...]}``, one shape for any number of runs.
 
