@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import errno
+import math
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from posttrain._checkpoint import CheckpointError, reseal, verify_dir
 from posttrain.adapters.nemo_rl import from_layout
 from posttrain.adapters.nemo_rl.batching import flatten_message_logs
-from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
+from posttrain.adapters.nemo_rl.storage import STATE_FILE, NemoReplayBuffer
 from posttrain.reference_impls import RingBuffer
 from posttrain.testing import llm_batch
 
@@ -300,3 +306,201 @@ def test_a_group_larger_than_the_capacity_raises_instead_of_full(at_max_size: bo
         assert out is not None
         _same(dict(out["trajectories"][0]["batch"]), _group(0))
     assert nemo.add({"batch": _group(2, n=4), "i": 2}, 0, 0) == "success"  # a group that fits
+
+
+def _odd_values_group() -> dict[str, torch.Tensor]:
+    """A group whose log-probs hold NaN and both infinities, without prev_logprobs."""
+    group = _group(7)
+    del group["prev_logprobs"]
+    lp = group["generation_logprobs"].clone()
+    lp[0, 1], lp[0, 2], lp[1, 0] = float("nan"), float("-inf"), float("inf")
+    group["generation_logprobs"] = lp
+    ref = lp.clone()
+    ref[1, 3] = float("nan")
+    group["reference_policy_logprobs"] = ref
+    return group
+
+
+def _bits_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert list(a) == list(b)  # the same keys, in the same order: nothing derived added
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert a[k].shape == b[k].shape, k
+        x, y = a[k].contiguous(), b[k].contiguous()
+        if x.is_floating_point():
+            x, y = (
+                x.view(torch.int32 if x.dtype == torch.float32 else torch.int64),
+                y.view(torch.int32 if y.dtype == torch.float32 else torch.int64),
+            )
+        assert torch.equal(x, y), k
+
+
+@pytest.mark.parametrize("backing", ["ring", "torchrl"])
+def test_nan_and_infinite_log_probs_come_back_bit_exactly(backing: str) -> None:
+    group = _odd_values_group()
+    buffer = RingBuffer(16) if backing == "ring" else _torchrl(16)
+    nemo = NemoReplayBuffer(buffer, max_size=4, capacity=16)
+    assert nemo.add({"batch": group}, 0, 1) == "success"
+    out = nemo.sample(1, current_weight_version=1, max_age_steps=1)
+    assert out is not None
+    _bits_equal(dict(out["trajectories"][0]["batch"]), group)
+
+
+def _two_entries() -> NemoReplayBuffer:
+    nemo = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    assert nemo.add({"batch": _group(0, n=2), "i": 0}, 0, 1) == "success"
+    assert nemo.add({"batch": _group(1, n=3), "i": 1}, 0, 1) == "success"
+    return nemo
+
+
+def test_a_state_whose_indices_do_not_match_its_offsets_is_refused() -> None:
+    good = _two_entries().state_dict()
+    a, b = good["trajectories"]
+    assert (a["indices"], a["offset"], b["indices"], b["offset"]) == ([0, 1], 0, [2, 3, 4], 2)
+    cases: list[tuple[dict[str, Any], str]] = [
+        # the two entries' rows swapped (2 + 3 rows over the same 5 items)
+        (
+            {**good, "trajectories": [{**a, "indices": [3, 4]}, {**b, "indices": [0, 1, 2]}]},
+            "state['trajectories'][1]['indices']: expected [5, 6, 7]",
+        ),
+        # an offset that does not match its rows (one more item written, between the two)
+        (
+            {**good, "written": 6, "trajectories": [a, {**b, "offset": 3}]},
+            "state['trajectories'][1]['indices']: expected [3, 4, 5]",
+        ),
+        # entries out of the order they were written in
+        ({**good, "trajectories": [b, a]}, "state['trajectories'][1]['offset']: expected >= 5"),
+    ]
+    for state, message in cases:
+        dst = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+        dst.add({"batch": _group(5), "i": 5}, 0, 1)
+        rows = dst.buffer.state_dict()["rows"].clone()
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dst.load_state_dict(state)
+        assert dst.size() == 1
+        assert torch.equal(dst.buffer.state_dict()["rows"], rows)
+    copy = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    copy.load_state_dict(good)  # the state as written still loads
+    out = copy.sample(2, current_weight_version=1, max_age_steps=1)
+    assert out is not None
+    _same(dict(out["trajectories"][1]["batch"]), _group(1, n=3))
+
+
+def test_a_ring_larger_than_the_capacity_restores_its_upper_rows() -> None:
+    nemo = NemoReplayBuffer(RingBuffer(16), max_size=8, capacity=8)
+    for i in range(5):  # 10 items written: the ring's rows 8 and 9 hold the last group
+        nemo.add({"batch": _group(i), "i": i}, 0, 1)
+        if i < 4:
+            assert nemo.sample(1, 1, 1) is not None
+    copy = NemoReplayBuffer(RingBuffer(16), max_size=8, capacity=8)
+    copy.load_state_dict(nemo.state_dict())
+    out = copy.sample(1, 1, 1)
+    assert out is not None
+    _same(dict(out["trajectories"][0]["batch"]), _group(4))
+
+
+def test_checkpoint_directory_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    nemo = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    odd = _odd_values_group()
+    nemo.add({"batch": odd, "timestamp": 2.5, "m": {"x": float("nan")}}, 0, 1)
+    other = {k: v for k, v in _group(1).items() if k != "prev_logprobs"}  # the same schema
+    assert nemo.add({"batch": other, "timestamp": 3.0}, 1, 2) == "success"
+    path = tmp_path / "replay_buffer"
+    assert nemo.save_to_path(path) == 2
+    assert sorted(os.listdir(path)) == ["manifest.json", STATE_FILE]
+    verify_dir(path)
+    copy = NemoReplayBuffer(RingBuffer(16), max_size=1, capacity=16)
+    assert copy.load_from_path(path) == {"num_trajectories": 2}
+    out = copy.sample(1, 1, 1)
+    assert out is not None
+    got = out["trajectories"][0]
+    _bits_equal(dict(got["batch"]), odd)
+    assert got["timestamp"] == 2.5
+    assert math.isnan(got["m"]["x"])
+
+
+def _held(nemo: NemoReplayBuffer) -> tuple[int, torch.Tensor]:
+    return nemo.size(), nemo.buffer.state_dict()["rows"].clone()
+
+
+def test_a_checkpoint_with_one_flipped_byte_is_refused_and_nothing_changes(
+    tmp_path: Path,
+) -> None:
+    src = _two_entries()
+    path = tmp_path / "replay_buffer"
+    src.save_to_path(path)
+    data = bytearray((path / STATE_FILE).read_bytes())
+    at = len(data) // 2  # somewhere in the stored rows
+    data[at] ^= 0x01
+    (path / STATE_FILE).write_bytes(bytes(data))
+    dst = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    dst.add({"batch": _group(9), "i": 9}, 0, 1)
+    before = _held(dst)
+    with pytest.raises(CheckpointError, match="SHA-256 differs"):
+        dst.load_from_path(path)
+    assert dst.size() == before[0]
+    assert torch.equal(_held(dst)[1], before[1])
+
+
+def test_every_failed_save_or_load_is_a_checkpoint_error_in_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nemo = _two_entries()
+    # nothing there
+    with pytest.raises(CheckpointError, match="no checkpoint directory there") as missing:
+        nemo.load_from_path(tmp_path / "absent")
+    # nothing to chain: the error is itself a FileNotFoundError, or chains one
+    assert isinstance(missing.value, FileNotFoundError) or isinstance(
+        missing.value.__cause__, FileNotFoundError
+    )
+    # a file (NeMo-RL's own format is a torch.save file)
+    torch.save(nemo.state_dict(), tmp_path / "replay_buffer.pt")
+    with pytest.raises(CheckpointError, match="a file, not a checkpoint directory"):
+        nemo.load_from_path(tmp_path / "replay_buffer.pt")
+    # a directory without a manifest
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(CheckpointError, match=r"no manifest\.json"):
+        nemo.load_from_path(tmp_path / "plain")
+    # the disk fills up while writing: the previous checkpoint stays, whole
+    path = tmp_path / "ckpt"
+    nemo.save_to_path(path)
+    before = (path / STATE_FILE).read_bytes()
+
+    def full(*a: Any, **k: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointError, match=r"disk full|No space left on device") as failed:
+        nemo.save_to_path(path)
+    monkeypatch.undo()
+    assert isinstance(failed.value.__cause__, OSError)
+    assert (path / STATE_FILE).read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "plain", "replay_buffer.pt"]
+    # a parent that is a file
+    with pytest.raises(CheckpointError) as blocked:
+        nemo.save_to_path(tmp_path / "replay_buffer.pt" / "ckpt")
+    assert isinstance(blocked.value.__cause__, OSError)
+    # extras the codec cannot encode: refused at save, nothing written
+    nemo.add({"batch": _group(3), "f": object()}, 0, 1)
+    with pytest.raises(CheckpointError, match=r"cannot encode object"):
+        nemo.save_to_path(tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_resealed_checkpoint_with_a_bad_state_is_refused_whole(tmp_path: Path) -> None:
+    src = _two_entries()
+    path = tmp_path / "replay_buffer"
+    src.save_to_path(path)
+    raw = torch.load(path / STATE_FILE, weights_only=True)
+    a, b = raw["state"]["trajectories"]
+    raw["state"]["trajectories"] = [{**a, "indices": [3, 4]}, {**b, "indices": [0, 1, 2]}]
+    torch.save(raw, path / STATE_FILE)
+    assert reseal(path)
+    dst = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    dst.add({"batch": _group(9), "i": 9}, 0, 1)
+    before = _held(dst)
+    with pytest.raises(CheckpointError, match=r"\['indices'\]: expected \[5, 6, 7\]") as bad:
+        dst.load_from_path(path)
+    assert "buffer unchanged" in str(bad.value)
+    assert dst.size() == before[0]
+    assert torch.equal(_held(dst)[1], before[1])

@@ -6,11 +6,16 @@ since v0.4) holds one entry per prompt group: the trajectory, the weight version
 generated it and the weight version it is meant to train. :class:`NemoReplayBuffer` keeps that
 bookkeeping and stores the data in a posttrain/TorchRL buffer in the LLM layout, so a NeMo-RL
 loop can move its storage onto TorchRL (memmap, shared memory, a Ray-served buffer) unchanged.
+
+Checkpoints (:meth:`NemoReplayBuffer.save_to_path` / :meth:`~NemoReplayBuffer.load_from_path`)
+are posttrain checkpoint directories (``posttrain._checkpoint``): one file of tensors and
+plain data, sealed by a manifest of its size and SHA-256 and verified before anything is read.
 """
 
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -18,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from posttrain._args import positive_int
+from posttrain._checkpoint import CheckpointError, load_verified, save_state
 from posttrain.adapters.nemo_rl.train_data import batched_data_dict, from_layout, to_layout
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.errors import PosttrainError
@@ -31,6 +37,14 @@ class _Entry:
     version: int
     target: int
     extras: dict[str, Any] = field(default_factory=dict)
+    keys: list[str] | None = None  # the batch's keys as added, in order (None: every key)
+
+
+STATE_FILE = "nemo_replay_buffer.pt"
+"""The one file of a :meth:`NemoReplayBuffer.save_to_path` checkpoint directory."""
+
+CHECKPOINT_FORMAT = "posttrain-nemo-replay-buffer/1"
+"""Written into that file; a file of another format is refused by name."""
 
 
 class NemoReplayBuffer:
@@ -40,7 +54,8 @@ class NemoReplayBuffer:
     ``RingBuffer``; TorchRL's behind ``ValidatedReplayBuffer``, ragged storage when groups
     differ in length). ``trajectory["batch"]`` is NeMo-RL train data of one prompt group
     (``input_ids``, ``input_lengths``, masks, log-probs, advantages ...); it is stored as
-    LLM-layout items and given back bit-exactly, dtypes included; the trajectory's other keys
+    LLM-layout items and given back bit-exactly: the same keys in the same order, dtypes, and
+    every value, NaN and infinite log-probs included; the trajectory's other keys
     (``rollout_metrics``, ``timestamp``) stay here. ``capacity`` is the backing buffer's
     capacity in items: an ``add`` whose FIFO write would overwrite an entry not yet sampled
     answers ``"full"``, as one beyond ``max_size`` entries does, and changes nothing; a group
@@ -97,6 +112,7 @@ class NemoReplayBuffer:
         self.buffer = buffer
         self.max_size = max_size
         self.capacity = known if capacity is None else capacity
+        self._ring = known  # the backing ring's size, where it tells (>= capacity)
         self.layout = layout
         self._entries: list[_Entry] = []
         self._written = 0
@@ -159,6 +175,7 @@ class NemoReplayBuffer:
                 version=int(weight_version),
                 target=int(target_weight_version),
                 extras={k: v for k, v in trajectory.items() if k != "batch"},
+                keys=[str(k) for k in _batch_keys(trajectory["batch"])],
             )
         )
         return "success"
@@ -181,7 +198,9 @@ class NemoReplayBuffer:
             return None
         # One read and one codec call for every chosen group; groups are row slices.
         rows = self.buffer.read(torch.tensor([i for e in chosen for i in e.indices]))
-        data = dict(from_layout(rows, layout=self.layout))
+        # The stored values as they were added: from_layout's NaN -> 0 is for TorchRL's NaN
+        # padding, which data that came in through to_layout does not have.
+        data = dict(from_layout(rows, layout=self.layout, nan_to_zero=False))
         trajectories = []
         start = 0
         for e in chosen:
@@ -190,7 +209,10 @@ class NemoReplayBuffer:
             batch = {
                 k: v[start:stop, : e.width] if v.ndim == 2 and v.shape[1] == wide else v[start:stop]
                 for k, v in data.items()
+                if e.keys is None or k in e.keys
             }
+            if e.keys is not None:  # the keys as added, in that order (no derived extras)
+                batch = {k: batch[k] for k in e.keys}
             trajectories.append({"batch": batched_data_dict(batch), **e.extras})
             start = stop
         self._entries = left  # only once the read succeeded: a failed read changes nothing
@@ -214,7 +236,13 @@ class NemoReplayBuffer:
         """NeMo-RL's keys (``trajectories`` as storage indices) plus the backing buffer's state."""
         return {
             "trajectories": [
-                {"indices": e.indices, "offset": e.offset, "width": e.width, "extras": e.extras}
+                {
+                    "indices": e.indices,
+                    "offset": e.offset,
+                    "width": e.width,
+                    "extras": e.extras,
+                    "keys": e.keys,
+                }
                 for e in self._entries
             ],
             "trajectory_versions": [e.version for e in self._entries],
@@ -230,8 +258,11 @@ class NemoReplayBuffer:
 
         Every key is checked before anything is assigned or the backing buffer's state is
         loaded (that comes last): entries' storage indices distinct, within the capacity and
-        owned by one entry each, their offsets within the items written, no more entries than
-        ``max_size``. A bad state raises ``ValueError`` (also a ``KeyError`` for a missing key
+        owned by one entry each, their offsets within the items written and in the order they
+        were written, no more entries than ``max_size``; where the backing ring's size is
+        known, each entry's indices must be the ring positions its offset gives (the same
+        shift for every entry), so indices swapped between entries or offsets that do not
+        match their rows are refused rather than sampled as another group's items. A bad state raises ``ValueError`` (also a ``KeyError`` for a missing key
         and a ``TypeError`` for a wrong type) naming the key, what was expected and what was
         found, and leaves this buffer as it was; so does a backing buffer's refusal, and a
         backing state holding fewer items than the entries point at (its previous state is
@@ -286,17 +317,118 @@ class NemoReplayBuffer:
         self.last_target_weight_already_generated = last
         self.max_size = max_size
 
+    def save_to_path(self, path: str | os.PathLike[str]) -> int:
+        """Write this buffer to the checkpoint directory ``path``; return the entries held.
+
+        One file, ``nemo_replay_buffer.pt`` (:meth:`state_dict`, the backing buffer's state
+        included, each entry's extras encoded without pickle), sealed by a manifest of its
+        size and SHA-256 and swapped in whole: a crash or an error leaves the previous
+        checkpoint at ``path`` or the new one. Any failure raises ``CheckpointError`` saying
+        what happened, the OS error chained; extras the codec cannot encode are refused here,
+        not at load.
+
+        Example:
+            >>> import tempfile
+            >>> from pathlib import Path
+            >>> from posttrain.reference_impls import RingBuffer
+            >>> from posttrain.testing import llm_batch
+            >>> nemo = NemoReplayBuffer(RingBuffer(8), max_size=2)
+            >>> group = dict(from_layout(llm_batch(2, 6)))
+            >>> nemo.add({"batch": group, "timestamp": 1.5}, 0, 1)
+            'success'
+            >>> path = Path(tempfile.mkdtemp()) / "replay_buffer"
+            >>> nemo.save_to_path(path)
+            1
+            >>> copy = NemoReplayBuffer(RingBuffer(8), max_size=2)
+            >>> copy.load_from_path(path), copy.sample(1, 1, 1)["trajectories"][0]["timestamp"]
+            ({'num_trajectories': 1}, 1.5)
+        """
+        from posttrain.adapters.nemo_rl.async_buffer import PayloadError, encode_payload
+
+        state = self.state_dict()
+        try:
+            for t in state["trajectories"]:
+                t["extras"] = encode_payload(t["extras"])
+        except PayloadError as e:
+            raise CheckpointError(f"{path}: nothing written: {e}") from e
+        try:
+            save_state(path, STATE_FILE, {"format": CHECKPOINT_FORMAT, "state": state})
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise CheckpointError(
+                f"{path}: the replay buffer checkpoint could not be written ({_os_error(e)}); "
+                "what was there before is unchanged"
+            ) from e
+        return len(state["trajectories"])
+
+    def load_from_path(self, path: str | os.PathLike[str]) -> dict[str, int]:
+        """Restore what :meth:`save_to_path` wrote, or refuse it with this buffer unchanged.
+
+        The manifest is verified before anything is read (a missing, extra, truncated or
+        altered file is refused by name), the file is read with ``weights_only=True`` and the
+        state checked whole by :meth:`load_state_dict`. Every refusal is a ``CheckpointError``
+        (a ``ValueError``) saying why, the OS error chained where there was one. Returns
+        ``{"num_trajectories": n}``.
+        """
+        from posttrain.adapters.nemo_rl.async_buffer import PayloadError, decode_payload
+
+        raw = _load_checkpoint(path, STATE_FILE)
+        if not isinstance(raw, Mapping) or raw.get("format") != CHECKPOINT_FORMAT:
+            found = raw.get("format") if isinstance(raw, Mapping) else type(raw).__name__
+            raise CheckpointError(
+                f"{path}: {STATE_FILE}: expected format {CHECKPOINT_FORMAT!r}, found {found!r}"
+            )
+        state = raw.get("state")
+        try:
+            if not isinstance(state, Mapping) or not isinstance(
+                state.get("trajectories"), list | tuple
+            ):
+                raise ValueError(
+                    f"expected a state with a 'trajectories' list, found {state!r:.100}"
+                )
+            trajectories = []
+            for n, t in enumerate(state["trajectories"]):
+                if not isinstance(t, Mapping) or not isinstance(t.get("extras"), torch.Tensor):
+                    raise ValueError(
+                        f"state['trajectories'][{n}]['extras']: expected an encoded payload, "
+                        f"found {t!r:.100}"
+                    )
+                extras = decode_payload(t["extras"])
+                if not isinstance(extras, dict):
+                    raise ValueError(
+                        f"state['trajectories'][{n}]['extras']: expected a dict, found "
+                        f"{type(extras).__name__}"
+                    )
+                trajectories.append({**t, "extras": extras})
+            self.load_state_dict({**state, "trajectories": trajectories})
+        except (ValueError, TypeError, KeyError, PayloadError) as e:
+            raise CheckpointError(f"{path}: {e} (buffer unchanged)") from e
+        return {"num_trajectories": len(trajectories)}
+
     def _check_entries(self, entries: list[_Entry], written: int) -> None:
         if written < 0:
             raise ValueError(f"state['written']: expected >= 0, found {written}")
         owner: dict[int, int] = {}
+        # With the ring's size known, add writes FIFO: an entry's rows are the ring positions
+        # after its offset, shifted by one constant (where the ring stood when this facade
+        # began). Rows that break that are another entry's (swapped indices) or nobody's.
+        shift: tuple[int, int] | None = None
+        end = 0  # where the previous entry's items ended, in items written
         for n, e in enumerate(entries):
             where = f"state['trajectories'][{n}]"
+            if e.offset < end:
+                raise ValueError(
+                    f"{where}['offset']: expected >= {end} (entries are held in the order they "
+                    f"were written, each after the previous one's {len(entries[n - 1].indices)} "
+                    f"items), found {e.offset}"
+                )
+            end = e.offset + len(e.indices)
             if not e.indices or len(set(e.indices)) != len(e.indices):
                 raise ValueError(
                     f"{where}['indices']: expected distinct storage indices, found {e.indices}"
                 )
-            hi = self.capacity
+            hi = self._ring if self._ring is not None else self.capacity
             out = [i for i in e.indices if i < 0 or (hi is not None and i >= hi)]
             if out:
                 span = f"[0, {hi})" if hi is not None else ">= 0"
@@ -320,6 +452,17 @@ class NemoReplayBuffer:
                     f"{where}['offset']: expected >= written - capacity = "
                     f"{written - self.capacity} (older rows were overwritten), found {e.offset}"
                 )
+            if self._ring is not None:
+                cap = self._ring
+                if shift is None:
+                    shift = (n, (e.indices[0] - e.offset) % cap)
+                want = [(e.offset + shift[1] + j) % cap for j in range(len(e.indices))]
+                if e.indices != want:
+                    raise ValueError(
+                        f"{where}['indices']: expected {want} (the ring positions of items "
+                        f"{e.offset}..{e.offset + len(e.indices) - 1} written, as entry "
+                        f"{shift[0]}'s offset and indices place them), found {e.indices}"
+                    )
 
 
 _E = TypeVar("_E", bound="_Versioned")
@@ -407,6 +550,18 @@ def _entry(t: Any, version: Any, target: Any, n: int) -> _Entry:
         )
     if not isinstance(t["extras"], Mapping):
         raise _StateTypeError(f"{where}['extras']: expected a dict, found {t['extras']!r}")
+    keys = t.get("keys")
+    if keys is not None and (
+        not isinstance(keys, list | tuple)
+        or not keys
+        or not all(isinstance(k, str) for k in keys)
+        or len(set(keys)) != len(keys)
+        or "input_ids" not in keys
+    ):
+        raise _StateTypeError(
+            f"{where}['keys']: expected None or distinct key names including 'input_ids', "
+            f"found {keys!r:.200}"
+        )
     return _Entry(
         [_int(i, f"{where}['indices'][{j}]") for j, i in enumerate(t["indices"])],
         _int(t["offset"], f"{where}['offset']"),
@@ -414,7 +569,38 @@ def _entry(t: Any, version: Any, target: Any, n: int) -> _Entry:
         _int(version, f"state['trajectory_versions'][{n}]"),
         _int(target, f"state['target_weight_versions'][{n}]"),
         dict(t["extras"]),
+        None if keys is None else list(keys),
     )
+
+
+def _batch_keys(batch: Any) -> list[Any]:
+    """The keys of a dict or of a ``BatchedDataDict`` (a ``UserDict``), in order."""
+    inner = getattr(batch, "data", None)
+    return list((inner if isinstance(inner, dict) else batch).keys())
+
+
+def _os_error(e: OSError) -> str:
+    """An OS error in words: ``'No space left on device'`` rather than its repr."""
+    return e.strerror or str(e) or type(e).__name__
+
+
+def _load_checkpoint(path: str | os.PathLike[str], name: str) -> Any:
+    """``load_verified(path, name)``, every failure a ``CheckpointError`` with the OS error
+    chained (a missing path, a file where a directory should be, an unreadable file)."""
+    if os.path.isfile(path):
+        raise CheckpointError(
+            f"{path}: a file, not a checkpoint directory (posttrain writes replay buffer "
+            "checkpoints as a directory with a manifest; a file written by another version "
+            "or by NeMo-RL's own save_to_path is not read, as it could run code)"
+        )
+    try:
+        return load_verified(path, name)
+    except CheckpointError:
+        raise
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: no checkpoint directory there") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: could not be read ({_os_error(e)})") from e
 
 
 def _int(value: Any, where: str) -> int:

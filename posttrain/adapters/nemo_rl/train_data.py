@@ -184,11 +184,18 @@ def _right_aligned(td: TensorDictBase, layout: Layout) -> TensorDictBase:
 
 
 def from_layout(
-    td: TensorDictBase, *, pad_token_id: int | None = None, layout: Layout = LLM_LAYOUT_V1
+    td: TensorDictBase,
+    *,
+    pad_token_id: int | None = None,
+    layout: Layout = LLM_LAYOUT_V1,
+    nan_to_zero: bool = True,
 ) -> Any:
     """An LLM-layout batch (dense, left/right padded, or ragged) as NeMo-RL ``train_data``.
 
-    Right-padded (re-packed if needed); NaN log-probs become 0 (NeMo-RL's padding value);
+    Right-padded (re-packed if needed); NaN log-probs become 0 (NeMo-RL's padding value;
+    TorchRL pads with NaN) and, with it, infinite ones the float32 extremes (``torch.nan_to_num``);
+    ``nan_to_zero=False`` gives the log-probs back as stored, bit for bit (NeMo-RL data that
+    came in through :func:`to_layout`, as a replay buffer stores it);
     ``prev_logprobs`` is ``("nemo", "prev_logprobs")`` when present, else the behaviour
     log-probs (on-policy data: the policy before the update is the one that sampled);
     ``sample_mask`` is ``("nemo", "sample_mask")`` or ones; a [B] advantage is expanded to
@@ -239,10 +246,10 @@ def from_layout(
     }
     sample = td.get(k("sample_log_probs"), None)
     if sample is not None:
-        out["generation_logprobs"] = torch.nan_to_num(sample.float(), nan=0.0)
+        out["generation_logprobs"] = _logprobs(sample, nan_to_zero)
     ref = td.get(k("ref_log_probs"), None)
     if ref is not None:
-        out["reference_policy_logprobs"] = torch.nan_to_num(ref.float(), nan=0.0)
+        out["reference_policy_logprobs"] = _logprobs(ref, nan_to_zero)
     adv = td.get(k("advantage"), None)
     if adv is not None:
         out["advantages"] = adv[:, None].expand(b, s).contiguous() if adv.ndim == 1 else adv
@@ -257,3 +264,7 @@ def from_layout(
         out["prev_logprobs"] = out["generation_logprobs"]
     out.setdefault("sample_mask", torch.ones(b, dtype=torch.float32))
     return batched_data_dict(out)
+
+
+def _logprobs(v: torch.Tensor, nan_to_zero: bool) -> torch.Tensor:
+    return torch.nan_to_num(v.float(), nan=0.0) if nan_to_zero else v.float()
