@@ -1,5 +1,6 @@
 # posttrain: two commands do all the set-up on a fresh machine with Python 3.11:
-#   make report   # create .venv, install, run the conformance matrix of every bundled implementation
+#   make report   # create .venv, install, run the conformance matrix of the bundled implementations
+#                 # (the in-process rows; make report-distributed runs the Ray and torch.distributed ones)
 #   make test     # create/reuse .venv, run lint, mypy --strict, the typing tests and the whole pytest suite
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -8,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest report specs specs-check bench fuzz gpu-wheels torchrl-report losses-report matrix clean
+.PHONY: install test lint typecheck pytest report report-distributed specs specs-check bench fuzz gpu-wheels torchrl-report losses-report matrix clean
 
 install: $(STAMP)
 
@@ -38,8 +39,16 @@ pytest: $(STAMP)
 
 test: lint typecheck specs-check pytest
 
+# Every row that starts neither Ray nor torch.distributed, in one worker process per core
+# (JOBS=N to choose), merged into reports/conformance.{md,html,json}.
 report: $(STAMP)
-	$(BIN)/posttrain report --out reports
+	$(BIN)/posttrain report --rows in-process --out reports $(if $(JOBS),--jobs $(JOBS))
+
+# The rows that start Ray or torch.distributed, one at a time, each in a fresh process; per-check
+# timeouts from the measured start-up of such a process; a row whose failures differ from its
+# declaration runs once more, shown as retried: reports/distributed/conformance.{md,html,json}.
+report-distributed: $(STAMP)
+	$(BIN)/posttrain report --rows distributed --out reports/distributed
 
 specs: $(STAMP)
 	$(BIN)/python -m posttrain.specgen specs
