@@ -143,3 +143,217 @@ def test_the_console_script_and_python_m_both_run_the_command() -> None:
     assert done.returncode == 0
     assert "check" in done.stdout
     assert "report" in done.stdout
+
+
+HEAVY = ("torch", "tensordict", "torchrl", "ray", "transformers", "trl", "numpy")
+"""Top-level packages that take seconds to import: none of them before a check runs."""
+
+SCRIPT = Path(sys.executable).parent / "posttrain"
+
+
+def _heavy_imported_by(code: str) -> list[str]:
+    probe = (
+        f"import sys\n{code}\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return list(json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"')))
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from posttrain.cli import main; main(['list'])",
+        "from posttrain.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+        "from posttrain.cli import main\ntry:\n    main(['check', 'bufer', 'x'])\n"
+        "except SystemExit:\n    pass",
+        "from posttrain.cli import main\ntry:\n    main(['check', 'buffer', 'no-such-impl'])\n"
+        "except SystemExit:\n    pass",
+        "from posttrain.cli import main\ntry:\n    main(['check', 'loss', 'reference-buffer'])\n"
+        "except SystemExit:\n    pass",
+        "import posttrain.conformance",
+    ],
+    ids=["list", "help", "unknown-contract", "unknown-impl", "wrong-contract", "import-kit"],
+)
+def test_the_command_answers_without_importing_torch_or_a_framework(code: str) -> None:
+    assert _heavy_imported_by(code) == []
+
+
+def test_every_public_name_of_the_kit_is_still_importable() -> None:
+    import posttrain.conformance as kit
+
+    for name in kit.__all__:
+        assert getattr(kit, name) is not None, name
+    from posttrain.conformance import Report, check
+
+    assert callable(check)
+    assert Report.__name__ == "Report"
+    assert set(kit.__all__) <= set(dir(kit))
+
+
+def test_list_reads_what_the_registry_holds() -> None:
+    """posttrain._listing reads contracts from source and contracts of entry points from an
+    index: both must say what importing the registry and loading every entry point says."""
+    from posttrain import _listing
+    from posttrain._listing_index import CONTRACT_OF
+    from posttrain.conformance.matrix import framework_of, implementations
+    from posttrain.contracts.registry import CONTRACTS
+
+    assert list(_listing.contracts()) == [(c.id, c.version, c.title) for c in CONTRACTS.values()]
+    impls = implementations()
+    eps = _listing.entry_points()
+    stale = {
+        ep.value: (CONTRACT_OF.get(ep.value), impls[name].contract)
+        for name, ep in eps.items()
+        if ep.value.startswith("posttrain.") and CONTRACT_OF.get(ep.value) != impls[name].contract
+    }
+    assert stale == {}, (
+        f"posttrain/_listing_index.py is out of date ({stale}): run python -m posttrain._listing"
+    )
+    rows = {r.name: r for r in _listing.implementation_rows()}
+    assert {n: (r.contract, r.framework) for n, r in rows.items()} == {
+        n: (i.contract, framework_of(n)) for n, i in impls.items()
+    }
+
+
+def test_an_entry_point_the_index_does_not_know_is_loaded() -> None:
+    from importlib import metadata
+
+    from posttrain import _listing
+
+    ep = metadata.EntryPoint(
+        "mine", "posttrain.reference_impls:RING_BUFFER", _listing.ENTRY_POINT_GROUP
+    )
+    ep_unknown = metadata.EntryPoint("mine", "tests.test_cli:BROKEN", _listing.ENTRY_POINT_GROUP)
+    assert _listing.contract_of(ep) == "buffer"
+    assert _listing.contract_of(ep_unknown) == "buffer"
+    assert _listing.framework_of("mine", "tests.test_cli:BROKEN") == "tests"
+
+
+_LOCAL_BUFFER = """
+import logging
+import sys
+
+from posttrain.reference_impls import RingBuffer
+
+# A library that logs INFO through a handler of its own, as TorchRL and Ray do.
+_log = logging.getLogger("chatty_library")
+_log.setLevel(logging.INFO)
+_log.addHandler(logging.StreamHandler(sys.stdout))
+_log.propagate = False
+
+
+def make_buffer(capacity):
+    _log.info("chatty_library: INFO line")
+    return RingBuffer(capacity)
+"""
+
+
+def test_check_imports_a_module_from_the_current_folder_and_is_quiet_unless_verbose(
+    tmp_path: Path,
+) -> None:
+    assert SCRIPT.is_file(), f"expected the console script at {SCRIPT} (pip install -e .)"
+    (tmp_path / "mybuf.py").write_text(_LOCAL_BUFFER)
+    done = subprocess.run(
+        [str(SCRIPT), "check", "buffer", "mybuf:make_buffer"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("mybuf:make_buffer against buffer v1.")
+    assert done.stdout.rstrip().endswith("verdict: conforms")
+    assert "chatty_library" not in done.stdout + done.stderr
+    loud = subprocess.run(
+        [str(SCRIPT), "-v", "check", "buffer", "mybuf:make_buffer"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert loud.returncode == 0, loud.stdout + loud.stderr
+    assert "chatty_library: INFO line" in loud.stdout
+
+
+def test_quiet_logs_hides_info_and_restores_everything() -> None:
+    import logging
+    import os
+
+    from posttrain.cli import quiet_logs
+
+    before = (logging.root.manager.disable, os.environ.get("POSTTRAIN_QUIET"))
+    with quiet_logs(verbose=False):
+        assert not logging.getLogger("ray").isEnabledFor(logging.INFO)
+        assert logging.getLogger("ray").isEnabledFor(logging.WARNING)
+        assert os.environ["POSTTRAIN_QUIET"] == "1"
+        assert os.environ["RL_LOGGING_LEVEL"] in ("WARNING", os.environ.get("RL_LOGGING_LEVEL"))
+    assert (logging.root.manager.disable, os.environ.get("POSTTRAIN_QUIET")) == before
+
+
+@pytest.mark.parametrize("command", [[], ["check"], ["list"], ["report"], ["specs"], ["plot"]])
+def test_help_is_plain_text(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main([*command, "--help"])
+    except SystemExit as e:
+        code = int(e.code or 0)
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "usage: posttrain" in out
+    for markup in ("``", "::", ":func:", ":class:", ":mod:", ":data:"):
+        assert markup not in out, f"{markup!r} in the help of {command}:\n{out}"
+    assert "-v, --verbose" in out
+
+
+def test_messages_reach_every_report_format_without_terminal_escapes() -> None:
+    import torch
+    from tensordict import TensorDictBase
+
+    from posttrain.conformance.matrix import render_html, render_markdown
+    from posttrain.conformance.outcome import reports_json
+    from posttrain.conformance.runner import run
+    from posttrain.contracts import Implementation
+    from posttrain.reference_impls import RingBuffer
+
+    class Coloured(RingBuffer):
+        def extend(self, data: TensorDictBase, /) -> torch.Tensor:
+            raise ValueError("\x1b[31mno room\x1b[0m for \x1b]8;;http://x\x07this\x1b]8;;\x07")
+
+    rep = run(Implementation("buffer", Coloured, name="coloured"))
+    messages = [r.message for r in rep.results if r.message]
+    assert any("no room for this" in m for m in messages), messages
+    for text in (
+        *messages,
+        render_markdown({"coloured": rep}),
+        render_html({"coloured": rep}),
+        reports_json([rep]),
+    ):
+        assert "\x1b" not in text
+        assert "[31m" not in text
+        assert "\\u001b" not in text
+
+
+def test_a_ray_task_error_keeps_the_remote_type_and_text() -> None:
+    ray_exceptions = pytest.importorskip("ray.exceptions")
+    from posttrain.conformance.runner import clean_message, remote_cause
+
+    cause = KeyError("no key ('tokens', 'full')")
+    try:
+        raise cause
+    except KeyError:
+        import traceback
+
+        trace = traceback.format_exc()
+    wrapped = ray_exceptions.RayTaskError(
+        "BufferHost.call", trace, cause, proctitle="ray::BufferHost.call"
+    ).as_instanceof_cause()
+    assert remote_cause(wrapped) is cause
+    message = clean_message(f"raised {type(wrapped).__name__}: {wrapped}")
+    assert message.startswith("raised KeyError: \"no key ('tokens', 'full')\"")
+    assert "BufferHost.call()" in message
+    assert "\x1b" not in message
+    assert "RayTaskError" not in message
+    assert "File " not in message

@@ -12,20 +12,26 @@ Example:
     True
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from posttrain._deprecated import deprecated_attr
-from posttrain.conformance.api import check
-from posttrain.conformance.context import ConformanceError, Context, NotApplicable
-from posttrain.conformance.outcome import Report, Result, Status
-from posttrain.conformance.registry import requirement
-from posttrain.conformance.target import TargetError, discover
 
-if TYPE_CHECKING:  # the deprecated names below, typed for code that still uses them
+if TYPE_CHECKING:  # the lazy names below and the deprecated ones (_MOVED), for type checkers
+    from posttrain.conformance.api import check as check
+    from posttrain.conformance.context import ConformanceError as ConformanceError
+    from posttrain.conformance.context import Context as Context
+    from posttrain.conformance.context import NotApplicable as NotApplicable
+    from posttrain.conformance.outcome import Report as Report
+    from posttrain.conformance.outcome import Result as Result
+    from posttrain.conformance.outcome import Status as Status
     from posttrain.conformance.registry import checks_for as checks_for
+    from posttrain.conformance.registry import requirement as requirement
     from posttrain.conformance.runner import Session as Session
     from posttrain.conformance.runner import run as run
     from posttrain.conformance.target import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+    from posttrain.conformance.target import TargetError as TargetError
+    from posttrain.conformance.target import discover as discover
     from posttrain.conformance.target import resolve as resolve
     from posttrain.contracts.implementation import Implementation as Implementation
 
@@ -64,5 +70,30 @@ _MOVED = {
 }
 
 
+# Imported on first use: ``import posttrain.conformance`` (the pytest plugin, the command line)
+# costs nothing until a name is read; ``check`` and the suites pull in torch.
+_LAZY = {
+    "check": "posttrain.conformance.api",
+    "ConformanceError": "posttrain.conformance.context",
+    "Context": "posttrain.conformance.context",
+    "NotApplicable": "posttrain.conformance.context",
+    "Report": "posttrain.conformance.outcome",
+    "Result": "posttrain.conformance.outcome",
+    "Status": "posttrain.conformance.outcome",
+    "requirement": "posttrain.conformance.registry",
+    "TargetError": "posttrain.conformance.target",
+    "discover": "posttrain.conformance.target",
+}
+
+
 def __getattr__(name: str) -> Any:
-    return deprecated_attr(__name__, name, _MOVED)
+    home = _LAZY.get(name)
+    if home is None:
+        return deprecated_attr(__name__, name, _MOVED)
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import platform
 import random
+import re
 import sys
 import threading
 import time
@@ -182,6 +183,7 @@ class Session:
             res.status, res.message = Status.ERROR, f"{req.id}: the suite has no check for it"
         else:
             res.status, res.message = self._call(req, check)
+        res.message = clean_message(res.message)
         if res.status in (Status.FAIL, Status.ERROR):
             res.message = _shorten(res.message) + f" (see {res.spec})"
         res.duration_s = round(time.perf_counter() - start, 4)
@@ -225,8 +227,11 @@ class Session:
             return Status.FAIL, f"{req.id}: {err}"
         if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit: the user's, not ours
             raise err
+        cause = remote_cause(err)
+        remote = f"in {_remote_task(err)}, " if cause is not err else ""
         return Status.ERROR, (
-            f"{req.id}: raised {type(err).__name__}: {err} ({self._where(err.__traceback__)})"
+            f"{req.id}: raised {type(cause).__name__}: {cause} "
+            f"({remote}{self._where(err.__traceback__)})"
         )
 
     def _where(self, tb: TracebackType | None) -> str:
@@ -373,6 +378,68 @@ def _show(filename: str) -> str:
         return str(Path(filename).resolve().relative_to(Path.cwd()))
     except ValueError:
         return filename
+
+
+# CSI (colours, cursor), OSC (titles, links) and two-character escapes; then what other control
+# characters remain, bar tab and newline.
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+# Ray's rendering of a task error: "ray::Actor.method() (pid=..., ip=...)", the remote traceback
+# (indented lines), then "Type: message", which is what the caller needs.
+_RAY_TRACE = re.compile(
+    r"(?P<task>ray::[\w.<>]+\(\))[ \t]*\(pid=[^\n]*(?:\n[ \t][^\n]*)*\n[A-Za-z_][\w.]*: "
+)
+_RAY_TYPE = re.compile(r"\bRayTaskError\((?P<type>[A-Za-z_][\w.]*)\)")
+
+
+def clean_message(message: str) -> str:
+    r"""``message`` as reports show it: no terminal escapes or control characters, and a Ray
+    task error's rendering reduced to the remote error's own type and text.
+
+    Example:
+        >>> ray_text = "\x1b[36mray::Host.call()\x1b[39m (pid=7)\n  File 'h.py'\nKeyError: 'x'"
+        >>> clean_message("raised RayTaskError(KeyError): " + ray_text)
+        "raised KeyError: 'x' (in ray::Host.call())"
+        >>> clean_message("\x1b[31mred\x1b[0m")
+        'red'
+    """
+    text = _CONTROL.sub("", _ANSI.sub("", message))
+    m = _RAY_TRACE.search(text)
+    if m is not None:
+        # The remote error's text runs to the end of the rendering: where it came from goes last.
+        text = f"{text[: m.start()]}{text[m.end() :]} (in {m['task']})"
+    return _RAY_TYPE.sub(lambda t: t["type"], text)
+
+
+def remote_cause(error: BaseException) -> BaseException:
+    """The error a remote call raised, for an error Ray re-raised in the caller; else ``error``.
+
+    Ray wraps an exception raised in an actor or task in ``RayTaskError`` (its ``cause`` is the
+    original; its text is the remote traceback, coloured). A message built from the cause keeps
+    the remote error's own type and text. Ray is never imported here.
+
+    Example:
+        >>> e = ValueError("bad key")
+        >>> remote_cause(e) is e
+        True
+    """
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    task_error = getattr(ray_exceptions, "RayTaskError", None)
+    seen: set[int] = set()
+    while (
+        task_error is not None
+        and isinstance(error, task_error)
+        and isinstance(getattr(error, "cause", None), BaseException)
+        and id(error) not in seen
+    ):
+        seen.add(id(error))
+        error = error.cause
+    return error
+
+
+def _remote_task(error: BaseException) -> str:
+    found = re.search(r"ray::[\w.<>]+\(\)", _ANSI.sub("", str(error)))
+    return found.group(0) if found else "a Ray task"
 
 
 def _shorten(message: str) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from importlib import metadata
 
 from posttrain.contracts.implementation import Implementation
@@ -29,7 +31,17 @@ def _load_attr(target: str) -> object:
     try:
         obj: object = importlib.import_module(module_name)
     except ImportError as e:
-        raise TargetError(f"cannot import module {module_name!r} for target {target!r}: {e}") from e
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and e.name == module_name.split(".")[0]:
+            hint = (
+                f" (searched {os.getcwd()} and the installed packages)"
+                if os.getcwd() in sys.path or "" in sys.path
+                else " (the current folder is not searched from here: run pytest or "
+                "'posttrain check' from the folder that holds it, or install it)"
+            )
+        raise TargetError(
+            f"cannot import module {module_name!r} for target {target!r}: {e}{hint}"
+        ) from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
