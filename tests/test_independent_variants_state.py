@@ -1,0 +1,182 @@
+"""The conformance kit's reach on buffer, weight_sync, metrics and generation, tested from outside.
+
+Every variant in ``tests/independent/{buffer,weight_sync,metrics,generation}_variants.py`` was
+written from the specs alone, without the suites, the mutants or the reference
+implementations: a correct design with exactly one bug, of a kind real systems have shipped and
+not yet among the kit's mutants or the other independent variants. Each must FAIL, on its own
+account, the requirement its docstring names (a failed SHOULD fails no report, so for a SHOULD
+the row alone is asserted), and its ``demo_*`` function shows without the kit that the bug is
+real. The correct designs written beside them must conform.
+
+A variant runs only its requirement and that requirement's foundations (the rows that could
+block it), in catalogue order, with the kit's seed: the row is the one a whole run reports,
+at a fraction of the time. A variant the kit does not fail is a strict xfail in
+``KIT_DEFECTS`` whose reason says what the kit missed: the file passes today and records the
+kit's reach; an entry goes once the kit catches the bug.
+
+Tally when written: 31 variants, 13 failed on their own requirement (buffer 2 of 8,
+weight_sync 3 of 7, metrics 5 of 8, generation 3 of 8); 6 more are caught only under another
+id or as ERROR; 12 pass the kit.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from posttrain.conformance import Report, Status
+from posttrain.conformance.runner import Session, run
+from posttrain.contracts import Contract, Implementation, get_contract
+from posttrain.contracts.requirements import Level
+from tests.independent import (
+    buffer_variants,
+    generation_variants,
+    metrics_variants,
+    weight_sync_variants,
+)
+from tests.independent_kit import assert_conforms, assert_fails_its_requirement, kit_params
+
+_TIMEOUT_S = 20.0  # per requirement: a hang is a failed row, never a stalled run
+
+MODULES: dict[str, ModuleType] = {
+    "buffer": buffer_variants,
+    "weight_sync": weight_sync_variants,
+    "metrics": metrics_variants,
+    "generation": generation_variants,
+}
+BASES: dict[str, Implementation] = {
+    f"{c}/{k}": impl for c, m in MODULES.items() for k, impl in m.BASES.items()
+}
+BUGGY: dict[str, tuple[str, Implementation]] = {
+    f"{c}/{k}": v for c, m in MODULES.items() for k, v in m.VARIANTS.items()
+}
+
+# Variants the kit does not fail on the requirement their bug breaks: what the kit missed.
+KIT_DEFECTS: dict[str, str] = {
+    # Caught, but not as a FAIL of the requirement whose sentence the bug breaks.
+    "buffer/randint_high_exclusive": (
+        "BUF-007 is only 'blocked by BUF-006': the kit reads the contents by sampling, so an "
+        "item never drawn fails BUF-006, whose sentence this buffer keeps."
+    ),
+    "buffer/oversize_returns_survivors": (
+        "BUF-001 never extends more items than the capacity: the short index tensor is "
+        "reported under BUF-003/006/014/018/022 instead."
+    ),
+    "weight_sync/all_buffers": (
+        "A valid state_dict() send refused (the kit's non-persistent buffer demanded) is "
+        "reported as ERROR of WS-001, not FAIL."
+    ),
+    "generation/squeezed_prompt": (
+        "A valid one-token request whose future raises TypeError is reported as ERROR of "
+        "GEN-001, not FAIL."
+    ),
+    "generation/budget_off_by_one": (
+        "GEN-001 never runs max_new_tokens=1 (R = 0); the short responses fail only "
+        "GEN-002/005/006/007, against a full-budget greedy decode."
+    ),
+    "generation/mask_from_pad_id": (
+        "GEN-004's prompts never hold the pad id 0 (GEN-006's do, and fail there), so "
+        "log-probs with that token masked out pass GEN-004."
+    ),
+    # Not caught at all.
+    "buffer/empty_first_extend_fixes_schema": (
+        "BUF-015 never extends an empty batch into a fresh buffer before a first real batch "
+        "of other dtypes."
+    ),
+    "buffer/key_order_schema": (
+        "No check writes the stored keys in another insertion order, so refusing a "
+        "reordered batch passes."
+    ),
+    "buffer/negative_read_wraps": (
+        "BUF-022 never reads a negative index, so read(-1) returning the last slot passes."
+    ),
+    "buffer/sample_zero_fails": "BUF-004 never calls sample(0).",
+    "weight_sync/delta_skip": (
+        "WS-001 never sends -0.0 over a +0.0 the receiver holds, so skipping tensors that "
+        "compare equal passes."
+    ),
+    "weight_sync/lexicographic_newest": (
+        "WS-002's several sends before one receive() never cross a digit boundary (9, 10), "
+        "so choosing the newest by its text passes."
+    ),
+    "weight_sync/millisecond_latency": (
+        "WS-007 does not bound last_sync_s by the sync's wall time: milliseconds pass."
+    ),
+    "metrics/last_step": (
+        "MET-007 never logs a value without a step after a step lower than the name's "
+        "highest, so 'last step + 1' passes."
+    ),
+    "metrics/outer_len_count": (
+        "MET-008 logs only 1-D values, so counting len(values) rather than every value passes."
+    ),
+    "metrics/nfc_texts": (
+        "MET-009's texts hold no decomposed character, so NFC-normalising them passes."
+    ),
+    "generation/none_timeout_zero": (
+        "GEN-008 never calls shutdown(timeout=None) with requests pending on a drain server."
+    ),
+    "generation/cancel_kills_worker": (
+        "No check cancels a future from the caller's side, so a worker that dies on "
+        "set_result of a cancelled future passes."
+    ),
+}
+
+
+def _closure(contract: Contract, rid: str) -> set[str]:
+    """``rid`` and every requirement it depends on, transitively."""
+    seen: set[str] = set()
+    todo = [rid]
+    while todo:
+        r = todo.pop()
+        if r not in seen:
+            seen.add(r)
+            todo.extend(contract.requirement(r).depends_on)
+    return seen
+
+
+@functools.cache
+def _report(key: str) -> Report:
+    if key in BASES:
+        return run(BASES[key], timeout_s=_TIMEOUT_S)
+    expected, impl = BUGGY[key]
+    s = Session(impl, timeout_s=_TIMEOUT_S)
+    wanted = _closure(s.contract, expected)
+    for req in s.requirements():
+        if req.id in wanted:
+            s.run_one(req)
+    return s.report()
+
+
+def _params(keys: list[str]) -> list[Any]:
+    return kit_params(keys, KIT_DEFECTS)
+
+
+@pytest.mark.parametrize("key", _params(list(BASES)))
+def test_base_design_conforms(key: str) -> None:
+    assert_conforms(key, _report(key))
+
+
+@pytest.mark.parametrize("key", _params(list(BUGGY)))
+def test_variant_fails_its_requirement(key: str) -> None:
+    expected, impl = BUGGY[key]
+    rep = _report(key)
+    if get_contract(impl.contract).requirement(expected).level is Level.SHOULD:
+        row = {r.id: r for r in rep.results}[expected]
+        assert row.status is Status.FAIL, f"{key}: {expected} is {row.status.value}"
+        assert not row.blocked, row.message
+        return
+    assert_fails_its_requirement(key, expected, rep)
+
+
+@pytest.mark.parametrize("key", sorted(BUGGY))
+def test_variant_bug_is_real_without_the_kit(key: str) -> None:
+    contract, name = key.split("/", 1)
+    assert MODULES[contract].DEMOS[name]() is True
+
+
+def test_every_variant_has_a_demo() -> None:
+    for m in MODULES.values():
+        assert set(m.DEMOS) == set(m.VARIANTS)
