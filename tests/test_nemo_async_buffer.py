@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -10,8 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from posttrain._checkpoint import CheckpointError, reseal, verify_dir
 from posttrain.adapters.nemo_rl.async_buffer import (
     CHUNK_KEY,
+    STATE_FILE,
     NemoAsyncReplayBuffer,
     PayloadError,
     decode_payload,
@@ -174,27 +177,103 @@ def test_checkpoint_is_atomic_and_loads_weights_only(
     rb = NemoAsyncReplayBuffer(4, buffer=RingBuffer(64), chunk_bytes=256)
     g = collector_group(1, task=7)
     rb.add(g, 0, 1)
-    path = str(tmp_path / "replay_buffer.pt")
-    assert rb.save_to_path(path) == 1
+    path = tmp_path / "replay_buffer.pt"
+    assert rb.save_to_path(str(path)) == 1
     assert os.listdir(tmp_path) == ["replay_buffer.pt"]
-    before = Path(path).read_bytes()
+    assert sorted(os.listdir(path)) == ["manifest.json", STATE_FILE]
+    verify_dir(path)  # every file listed with its size and SHA-256
+    before = (path / STATE_FILE).read_bytes()
 
     def boom(*a: Any, **k: Any) -> None:
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     rb.add(collector_group(2), 0, 1)
     monkeypatch.setattr(torch, "save", boom)
-    with pytest.raises(OSError, match="disk full"):
-        rb.save_to_path(path)
+    with pytest.raises(CheckpointError, match=r"disk full|No space left on device") as failed:
+        rb.save_to_path(str(path))
     monkeypatch.undo()
-    assert Path(path).read_bytes() == before  # the old checkpoint, whole
+    assert isinstance(failed.value.__cause__, OSError)  # the OS error, chained
+    assert (path / STATE_FILE).read_bytes() == before  # the old checkpoint, whole
     assert os.listdir(tmp_path) == ["replay_buffer.pt"]  # no temporary left
-    torch.load(path, weights_only=True)  # plain tensors, lists and ints only
+    torch.load(path / STATE_FILE, weights_only=True)  # plain tensors, lists and ints only
     fresh = NemoAsyncReplayBuffer(4)
-    assert fresh.load_from_path(path) == {"num_trajectories": 1, "next_ng_task_index": 8}
+    assert fresh.load_from_path(str(path)) == {"num_trajectories": 1, "next_ng_task_index": 8}
     out = fresh.sample(1, 1, 1)
     assert out is not None
     same(out["trajectories"][0], g)
+
+
+def _holding_one() -> tuple[NemoAsyncReplayBuffer, dict[str, Any]]:
+    rb = NemoAsyncReplayBuffer(4, buffer=RingBuffer(64), chunk_bytes=256)
+    g = collector_group(5, task=3)
+    assert rb.add(g, 0, 1) == "success"
+    return rb, g
+
+
+def _still_holds(rb: NemoAsyncReplayBuffer, g: dict[str, Any]) -> None:
+    assert rb.size() == 1
+    assert rb.get_last_target_weight_already_generated() == -1
+    out = rb.sample(1, 1, 1)
+    assert out is not None
+    same(out["trajectories"][0], g)
+
+
+def test_a_bad_task_index_in_a_checkpoint_is_refused_before_anything_changes(
+    tmp_path: Path,
+) -> None:
+    src = NemoAsyncReplayBuffer(4, buffer=RingBuffer(64), chunk_bytes=256)
+    src.add(collector_group(1, task=7), 0, 1)
+    path = tmp_path / "replay_buffer"
+    src.save_to_path(str(path))
+    state = torch.load(path / STATE_FILE, weights_only=True)
+    for bad in (["seven"], [1.5], [True], [7, 8]):
+        torch.save({**state, "task_indices": bad}, path / STATE_FILE)
+        assert reseal(path)  # past the manifest: the state itself must be refused
+        rb, g = _holding_one()
+        with pytest.raises(CheckpointError, match=r"state\['task_indices'\]") as refused:
+            rb.load_from_path(str(path))
+        assert "buffer unchanged" in str(refused.value)
+        _still_holds(rb, g)
+    rb, g = _holding_one()
+    with pytest.raises(ValueError, match=r"state\['task_indices'\]\[0\]: expected an int"):
+        rb.load_state_dict({**state, "task_indices": ["seven"]})
+    _still_holds(rb, g)
+
+
+def test_a_checkpoint_with_one_flipped_payload_byte_is_refused(tmp_path: Path) -> None:
+    src = NemoAsyncReplayBuffer(4, buffer=RingBuffer(64), chunk_bytes=256)
+    g = collector_group(1, task=7)
+    src.add(g, 0, 1)
+    path = tmp_path / "replay_buffer"
+    src.save_to_path(str(path))
+    data = bytearray((path / STATE_FILE).read_bytes())
+    reward = g["batch"]["total_reward"].numpy().tobytes()
+    at = data.find(reward)
+    assert at > 0  # the payload's raw tensor bytes lie in the file as they are
+    data[at] ^= 0x01  # one bit of total_reward[0]
+    (path / STATE_FILE).write_bytes(bytes(data))
+    rb, held = _holding_one()
+    with pytest.raises(CheckpointError, match="SHA-256 differs"):
+        rb.load_from_path(str(path))
+    _still_holds(rb, held)
+
+
+def test_every_failed_load_is_a_checkpoint_error_in_words(tmp_path: Path) -> None:
+    rb, g = _holding_one()
+    with pytest.raises(CheckpointError, match="no checkpoint directory there") as missing:
+        rb.load_from_path(str(tmp_path / "absent"))
+    assert isinstance(missing.value, FileNotFoundError) or isinstance(
+        missing.value.__cause__, FileNotFoundError
+    )
+    torch.save(rb.state_dict(), tmp_path / "replay_buffer.pt")  # the earlier one-file format
+    with pytest.raises(CheckpointError, match="a file, not a checkpoint directory"):
+        rb.load_from_path(str(tmp_path / "replay_buffer.pt"))
+    path = tmp_path / "ckpt"
+    rb.save_to_path(str(path))
+    (path / STATE_FILE).write_bytes((path / STATE_FILE).read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        rb.load_from_path(str(path))
+    _still_holds(rb, g)
 
 
 def test_refuses_what_it_cannot_encode_and_malformed_states() -> None:

@@ -29,10 +29,13 @@ groups consumed out of order never lose rows; when the free items are fragmented
 run of the group's size lies within one turn of the ring, every live group is rewritten back
 to back first (compaction), so a group that fits in the free items is never refused.
 
-Checkpoints: ``save_to_path`` writes ``torch.save`` of plain tensors, lists and ints to a
-temporary file beside ``path``, fsyncs it and renames it into place (a crash leaves the
-previous file or the new one); ``load_from_path`` reads it with ``weights_only=True``
-(NeMo-RL's own load unpickles the file, which can run code).
+Checkpoints: ``save_to_path`` writes a posttrain checkpoint directory at ``path``
+(``posttrain._checkpoint``): one file of plain tensors, lists and ints, sealed by a manifest
+of its size and SHA-256 and swapped in whole (a crash leaves the previous checkpoint or the
+new one). ``load_from_path`` verifies the manifest before anything is read, reads the file
+with ``weights_only=True`` (NeMo-RL's own load unpickles a file, which can run code) and
+checks the whole state before the buffer changes. Every failed save or load raises
+``CheckpointError`` saying what happened, the OS error chained.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import operator
 import os
 import threading
 from collections import Counter, UserDict
@@ -50,7 +54,14 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from posttrain.adapters.nemo_rl.storage import _capacity_of, mean_age, take_for_step
+from posttrain._checkpoint import CheckpointError, save_state
+from posttrain.adapters.nemo_rl.storage import (
+    _capacity_of,
+    _load_checkpoint,
+    _os_error,
+    mean_age,
+    take_for_step,
+)
 from posttrain.errors import PosttrainError
 
 NEMO_GYM_TASK_INDEX_KEY = "_ng_task_index"
@@ -60,6 +71,9 @@ NEXT_NEMO_GYM_TASK_INDEX_KEY = "next_ng_task_index"
 
 PAYLOAD_FORMAT = "posttrain-nemo-trajectory/1"
 """Written into every checkpoint; a file of another format is refused by name."""
+
+STATE_FILE = "nemo_async_replay_buffer.pt"
+"""The one file of a :meth:`NemoAsyncReplayBuffer.save_to_path` checkpoint directory."""
 
 CHUNK_KEY = "nemo_trajectory_chunk"
 """The one key of the items this buffer writes to its backing buffer."""
@@ -495,51 +509,55 @@ class NemoAsyncReplayBuffer:
                 "max_size": self.max_size,
             }
 
-    def save_to_path(self, path: str) -> int:
-        """Write :meth:`state_dict` to ``path`` atomically; return the number of groups."""
+    def save_to_path(self, path: str | os.PathLike[str]) -> int:
+        """Write :meth:`state_dict` as the checkpoint directory ``path``; return the groups.
+
+        ``path`` holds ``nemo_async_replay_buffer.pt`` and a manifest of its size and SHA-256;
+        it is written beside ``path`` and swapped in whole, so a crash or an error leaves the
+        previous checkpoint or the new one. A failure raises ``CheckpointError`` saying what
+        happened, the OS error chained.
+        """
         state = self.state_dict()
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            save_state(path, STATE_FILE, state)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise CheckpointError(
+                f"{path}: the replay buffer checkpoint could not be written ({_os_error(e)}); "
+                "what was there before is unchanged"
+            ) from e
         return len(state["trajectories"])
 
     def load_from_path(
         self,
-        path: str,
+        path: str | os.PathLike[str],
         num_prompts_per_step: int | None = None,
         current_training_step: int | None = None,
         max_age_steps: int | None = None,
     ) -> dict[str, int]:
-        """Restore :meth:`save_to_path`'s file (``weights_only=True``); NeMo-RL's return keys."""
-        state = torch.load(path, weights_only=True)
-        if not isinstance(state, dict):
-            raise ValueError(
-                f"{path}: expected a replay buffer state dict, found {type(state).__name__}"
-            )
-        tasks = [t for t in state.get("task_indices", []) if t is not None]
-        num = len(state.get("trajectories", []))
-        self.load_state_dict(
-            state,
-            num_prompts_per_step=num_prompts_per_step,
-            current_training_step=current_training_step,
-            max_age_steps=max_age_steps,
-        )
+        """Restore :meth:`save_to_path`'s checkpoint; NeMo-RL's return keys.
+
+        The manifest is verified before anything is read (a missing, extra, truncated or
+        altered file is refused by name), the file is read with ``weights_only=True``, and
+        the whole state, task indices included, is checked before anything changes. Every
+        refusal raises ``CheckpointError`` (a ``ValueError``) saying why, with this buffer
+        unchanged.
+        """
+        state = _load_checkpoint(path, STATE_FILE)
+        try:
+            if not isinstance(state, Mapping):
+                raise ValueError(
+                    f"expected a replay buffer state dict, found {type(state).__name__}"
+                )
+            plan = self._plan(state, num_prompts_per_step, current_training_step, max_age_steps)
+        except ValueError as e:  # PayloadError is one too
+            raise CheckpointError(f"{path}: {e} (buffer unchanged)") from e
+        self._apply(*plan[:2])
+        tasks = [t for t in plan[2] if t is not None]
         return {
-            "num_trajectories": num,
-            NEXT_NEMO_GYM_TASK_INDEX_KEY: max((int(t) for t in tasks), default=-1) + 1,
+            "num_trajectories": plan[3],
+            NEXT_NEMO_GYM_TASK_INDEX_KEY: max(tasks, default=-1) + 1,
         }
 
     def load_state_dict(
@@ -554,6 +572,24 @@ class NemoAsyncReplayBuffer:
 
         ``trajectories`` may be payloads (this class's ``state_dict``) or the trajectory dicts
         NeMo-RL's own ``state_dict`` holds. Every check runs before anything changes.
+        """
+        rows, last, _, _ = self._plan(
+            state, num_prompts_per_step, current_training_step, max_age_steps
+        )
+        self._apply(rows, last)
+
+    def _plan(
+        self,
+        state: Mapping[str, Any],
+        num_prompts_per_step: int | None,
+        current_training_step: int | None,
+        max_age_steps: int | None,
+    ) -> tuple[list[_Row], int, list[int | None], int]:
+        """The checked state: (rows kept, generation mark, every task index, groups read).
+
+        Reads nothing of this buffer but its settings; raises ``ValueError`` (``TypeError``
+        for a field of the wrong type is said as one too) naming the key, what was expected
+        and what was found.
         """
         required = {
             "trajectories",
@@ -571,25 +607,51 @@ class NemoAsyncReplayBuffer:
             raise ValueError(
                 f"Checkpoint format: expected {PAYLOAD_FORMAT!r}, found {state['format']!r}"
             )
+        for key in ("trajectories", "trajectory_versions", "target_weight_versions"):
+            if not isinstance(state[key], list | tuple):
+                raise ValueError(
+                    f"state[{key!r}]: expected a list, found {type(state[key]).__name__}"
+                )
         trajs = list(state["trajectories"])
-        versions = [int(v) for v in state["trajectory_versions"]]
-        targets = [int(t) for t in state["target_weight_versions"]]
+        versions = [_int(v, f"state['trajectory_versions'][{i}]") for i, v in
+                    enumerate(state["trajectory_versions"])]  # fmt: skip
+        targets = [_int(t, f"state['target_weight_versions'][{i}]") for i, t in
+                   enumerate(state["target_weight_versions"])]  # fmt: skip
         if not len(trajs) == len(versions) == len(targets):
             raise ValueError(
                 "state lists: expected one length for trajectories, trajectory_versions and "
                 f"target_weight_versions, found {len(trajs)}, {len(versions)} and {len(targets)}"
             )
+        for i, t in enumerate(trajs):
+            if not isinstance(t, torch.Tensor | Mapping):
+                raise ValueError(
+                    f"state['trajectories'][{i}]: expected an encoded payload or a trajectory "
+                    f"dict, found {type(t).__name__}"
+                )
         payloads = [t if isinstance(t, torch.Tensor) else encode_payload(t) for t in trajs]
         for p in payloads:
             decode_payload(p)  # a malformed payload is refused before anything changes
-        tasks = list(state.get("task_indices", [None] * len(trajs)))
-        if len(tasks) != len(trajs):
-            raise ValueError(f"Checkpoint task_indices: expected {len(trajs)}, found {len(tasks)}")
+        raw_tasks = state.get("task_indices", [None] * len(trajs))
+        if not isinstance(raw_tasks, list | tuple) or len(raw_tasks) != len(trajs):
+            found = len(raw_tasks) if isinstance(raw_tasks, list | tuple) else raw_tasks
+            raise ValueError(
+                f"state['task_indices']: expected a list of {len(trajs)}, found {found!r:.80}"
+            )
+        tasks: list[int | None] = [
+            None if t is None else _int(t, f"state['task_indices'][{i}]")
+            for i, t in enumerate(raw_tasks)
+        ]
         for i, t in enumerate(trajs):
             if not isinstance(t, torch.Tensor) and t.get(NEMO_GYM_TASK_INDEX_KEY) is not None:
-                tasks[i] = int(t[NEMO_GYM_TASK_INDEX_KEY])
+                tasks[i] = _int(
+                    t[NEMO_GYM_TASK_INDEX_KEY],
+                    f"state['trajectories'][{i}][{NEMO_GYM_TASK_INDEX_KEY!r}]",
+                )
         rows = list(zip(payloads, versions, targets, tasks, strict=True))
-        last = int(state["last_target_weight_already_generated"])
+        last = _int(
+            state["last_target_weight_already_generated"],
+            "state['last_target_weight_already_generated']",
+        )
         rows, last = _restore_plan(
             rows,
             last,
@@ -599,19 +661,41 @@ class NemoAsyncReplayBuffer:
             current_training_step,
             max_age_steps,
         )
+        k_total = sum(max(1, -(-p.numel() // self.chunk_bytes)) for p, *_ in rows)
+        if self.capacity is not None and k_total > self.capacity:
+            raise ValueError(
+                f"Checkpoint: {len(rows)} groups need {k_total} items of {self.chunk_bytes} "
+                f"bytes, more than the backing buffer's capacity {self.capacity}"
+            )
+        return rows, last, tasks, len(trajs)
+
+    def _apply(self, rows: list[_Row], last: int) -> None:
+        """Write the kept groups in one extend, then hold them (nothing changes if it raises)."""
         with self._lock:
-            k_total = sum(max(1, -(-p.numel() // self.chunk_bytes)) for p, *_ in rows)
-            if self.capacity is not None and k_total > self.capacity:
-                raise ValueError(
-                    f"Checkpoint: {len(rows)} groups need {k_total} items of {self.chunk_bytes} "
-                    f"bytes, more than the backing buffer's capacity {self.capacity}"
-                )
-            self._entries = []
+            entries = []
+            parts = []
             for p, v, t, task in rows:
-                indices = self._store(p)
-                if indices is None:  # cannot happen after the capacity check
-                    raise RuntimeError("restore: the backing buffer refused a group")
-                self._entries.append(_Entry(indices, int(p.numel()), v, t, task))
+                part = self._chunks(p)
+                parts.append(part)
+                entries.append(_Entry([], int(p.numel()), v, t, task))
+            if parts:
+                cap = self.capacity
+                n = sum(int(part.batch_size[0]) for part in parts)
+                expect = None if cap is None else [(self._written + j) % cap for j in range(n)]
+                written = self._written
+                try:
+                    got = self._extend(torch.cat(parts, 0), expect)
+                except BaseException:
+                    if self._written != written:
+                        # Written, but not where a FIFO ring would: the old groups' rows may
+                        # be gone, so none of them can be handed back.
+                        self._entries = []
+                    raise
+                at = 0
+                for e, part in zip(entries, parts, strict=True):
+                    e.indices = got[at : at + int(part.batch_size[0])]
+                    at += len(e.indices)
+            self._entries = entries
             self.last_target_weight_already_generated = last
 
     def get_trajectories_needed(
@@ -634,6 +718,17 @@ class NemoAsyncReplayBuffer:
             for e in self._entries
             if e.target == target_step and _valid_for_target(e.version, target_step, max_age_steps)
         )
+
+
+def _int(value: Any, where: str) -> int:
+    """``value`` as an int (numpy and 0-d tensor ints too); ``ValueError`` naming ``where``
+    for anything else, bool and float included."""
+    try:
+        if isinstance(value, bool | float | str):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{where}: expected an int, found {value!r:.80}") from None
 
 
 def _valid_for_target(version: int, target: int, max_age_steps: int | None) -> bool:
