@@ -357,3 +357,38 @@ def test_a_ray_task_error_keeps_the_remote_type_and_text() -> None:
     assert "\x1b" not in message
     assert "RayTaskError" not in message
     assert "File " not in message
+
+
+def test_a_process_the_command_starts_is_quiet_as_its_parent() -> None:
+    """A report's workers are spawned: they import posttrain.cli again and read the setting
+    from their environment."""
+    import os
+
+    probe = (
+        "import logging, posttrain.cli\n"
+        "logging.getLogger('ray').setLevel(logging.INFO)  # as Ray does when imported\n"
+        "print(logging.getLogger('ray').isEnabledFor(logging.INFO), "
+        "logging.getLogger('ray').isEnabledFor(logging.WARNING))"
+    )
+    for quiet, expected in (("1", "False True"), ("0", "True True")):
+        done = subprocess.run(
+            [sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "POSTTRAIN_QUIET": quiet},
+            timeout=60,
+        )
+        assert done.stdout.strip() == expected, done.stderr
+
+
+def test_a_module_missing_from_the_search_path_says_where_it_was_looked_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from posttrain.conformance.target import TargetError, resolve
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        TargetError,
+        match=r"'no_such_mod_q'.*\((searched .* and the installed|the current folder is not)",
+    ):
+        resolve("no_such_mod_q:make", "buffer")
