@@ -217,7 +217,7 @@ def demo_cancel_kills_worker() -> bool:
         first.cancel()
         second = client.submit(_req(7, 8))
         try:
-            second.result(timeout=5)
+            second.result(timeout=2)
         except cf.TimeoutError:
             return bool(died)
         return False
