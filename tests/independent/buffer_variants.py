@@ -45,8 +45,9 @@ def _td(**cols: torch.Tensor) -> TensorDict:
 
 class RandintHighExclusiveBuffer(ListFifoBuffer):
     """BUG: draws ``randrange(len - 1)``: the upper bound written as if it were inclusive
-    (NumPy's ``randint(0, len(memory) - 1)``, a line copied into many DQN replay buffers), so
-    the item in the last occupied slot is never drawn.
+    (Python's ``random.randint`` habit carried over to NumPy's exclusive
+    ``randint(0, len(memory) - 1)``), so the item in the last occupied slot is never drawn.
+    Plausible; a slip seen in hand-written DQN replay buffers.
 
     Breaks BUF-007 ("repeated sampling MUST reach every stored item").
     """

@@ -180,8 +180,8 @@ class CancelKillsWorkerServer(DrainBatchingServer):
     """BUG: futures are left PENDING (cancellable) and answered with a bare ``set_result``; a
     caller that cancels its future (it timed out waiting) makes ``set_result`` raise
     ``InvalidStateError`` in the worker thread, which dies, and every later request waits
-    forever. The crash-on-cancelled-future kind asyncio and Ray Serve request loops have
-    shipped. Plausible.
+    forever. Plausible: ``InvalidStateError`` on a future the caller cancelled is a common
+    crash of request loops.
 
     Breaks GEN-002 ("every caller MUST receive the response to its own prompt").
     """

@@ -248,9 +248,8 @@ def demo_last_step() -> bool:
 class FlushSkipsQueueSink(AsyncCsvSink):
     """BUG: ``flush()`` flushes the open files but does not wait for the writer thread's
     queue, so what was logged in the last ``period_s`` is not yet in any file when the caller
-    reads. The kind of asynchronous event writers whose ``flush`` returned before queued
-    events were written (TensorBoard's ``EventFileWriter``, MLflow's async logging before
-    ``flush(synchronous=True)``).
+    reads. Plausible, for any asynchronous event writer (TensorBoard's, MLflow's async
+    logging) whose ``flush`` must wait for its queue.
 
     Breaks MET-005 ("After flush(), everything logged so far, under every name, MUST be
     readable without closing the sink").

@@ -133,9 +133,9 @@ class _Bf16WireSender(QueueSender):
 
 def bf16_wire_pair(model: torch.nn.Module) -> tuple[QueueSender, QueueReceiver]:
     """BUG (breaks WS-001, "MUST equal w bit-exactly"): float32 weights travel as bfloat16 and
-    are cast back, so the generator serves rounded weights (the trainer-vs-inference weight
-    mismatch RL stacks hit when the sync path casts to the inference dtype while the trainer
-    keeps fp32 masters: verl / OpenRLHF bf16 broadcasts into an fp32 engine)."""
+    are cast back, so the generator serves rounded weights. Plausible: sync paths that cast
+    to a transfer or inference dtype while the trainer keeps fp32 weights, the source of
+    trainer-vs-inference mismatches RL stacks chase."""
     rx = QueueReceiver(model)
     return _Bf16WireSender(rx), rx
 
@@ -189,8 +189,8 @@ def lexicographic_newest_pair(model: torch.nn.Module) -> tuple[QueueSender, Queu
     """BUG (breaks WS-002, "applies the next pending send or the newest, dropping older
     ones"): the newest pending send is chosen by its version *as text*, so with 9 and 10
     pending, "9" wins, 10 is dropped, and the model stays on 9 until the next send. The
-    kind of HF Trainer's lexicographic ``checkpoint-9`` > ``checkpoint-10`` ordering (fixed
-    with a numeric sort), here on a key-value store of versioned weights."""
+    text-vs-numeric ordering trap (``checkpoint-9`` > ``checkpoint-10``) HF Trainer's
+    checkpoint rotation avoids with a numeric sort, here on versioned weights. Plausible."""
     rx = _LexicographicReceiver(model)
     return QueueSender(rx), rx
 
@@ -274,9 +274,9 @@ class _AllBuffersSender(QueueSender):
 def all_buffers_pair(model: torch.nn.Module) -> tuple[QueueSender, QueueReceiver]:
     """BUG (breaks WS-001: a ``state_dict()`` send must sync): the sender checks the weights
     against ``named_buffers()``, which lists non-persistent buffers too (Llama's rotary
-    ``inv_freq``, non-persistent since transformers 4.31), so a full ``state_dict()`` is
-    refused as missing them. The same state_dict / named_buffers mismatch made vLLM's and
-    DeepSpeed's Llama loaders special-case ``rotary_emb.inv_freq`` by name."""
+    ``inv_freq``, non-persistent in recent transformers), so a full ``state_dict()`` is
+    refused as missing them. The same state_dict / named_buffers mismatch is why vLLM's Llama
+    loader skips ``rotary_emb.inv_freq`` by name."""
     rx = QueueReceiver(model)
     return _AllBuffersSender(rx), rx
 
