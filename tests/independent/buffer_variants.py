@@ -282,7 +282,7 @@ def _keyed(cls: type[KeyedArrayBuffer]) -> Implementation:
 
 
 # The variants' bases are the designs of tests.independent.buffers, checked in
-# tests/test_independent_d.py; none is written here.
+# tests/test_independent_a.py; none is written here.
 BASES: dict[str, Implementation] = {}
 
 # name -> (requirement id the bug breaks, declaration)
