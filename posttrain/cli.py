@@ -24,7 +24,9 @@ import io
 import logging
 import os
 import re
+import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 
 _PROG = "posttrain"
@@ -88,6 +90,22 @@ def plain(text: str) -> str:
     text = re.sub(r"`([^`\n]+)`_?", r"\1", text)
     text = re.sub(r"\s*::(?=\s|$)", ":", text)
     return text
+
+
+def _refill(help_text: str) -> str:
+    """``help_text`` with each prose paragraph (unindented, not the usage) wrapped again: the
+    markup ``plain`` took out leaves argparse's line breaks ragged."""
+    width = max(shutil.get_terminal_size().columns - 2, 40)
+    blocks = help_text.split("\n\n")
+    for i, block in enumerate(blocks):
+        lines = block.splitlines()
+        if (
+            len(lines) > 1
+            and not block.startswith("usage:")
+            and not any(line[:1].isspace() or line.endswith(":") for line in lines)
+        ):
+            blocks[i] = textwrap.fill(" ".join(lines), width)
+    return "\n\n".join(blocks)
 
 
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -264,7 +282,7 @@ def _pass_through(command: str, rest: list[str], verbose: bool) -> int:
             code = handler(rest)
         except SystemExit as e:
             code = e.code
-    text = plain(out.getvalue()).rstrip("\n")
+    text = _refill(plain(out.getvalue())).rstrip("\n")
     print(f"{text}\n\n{_PROG} options:\n  -v, --verbose  {_VERBOSE_HELP}")
     return code if isinstance(code, int) else 0 if code is None else 2
 
@@ -277,7 +295,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         posttrain.RingBuffer (reference-buffer) against buffer v...
         0
     """
-    args_in = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # The reader left (| head): no traceback, and none at exit for the unflushed rest.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(args_in: list[str]) -> int:
     verbose = False
     while args_in and args_in[0] in _VERBOSE:
         verbose = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -392,3 +393,19 @@ def test_a_module_missing_from_the_search_path_says_where_it_was_looked_for(
         match=r"'no_such_mod_q'.*\((searched .* and the installed|the current folder is not)",
     ):
         resolve("no_such_mod_q:make", "buffer")
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    class GoneReader(io.StringIO):
+        def write(self, s: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", GoneReader())
+    assert main(["list"]) == 1
+
+
+def test_help_paragraphs_are_wrapped_again_after_the_markup_goes() -> None:
+    from posttrain.cli import _refill, plain
+
+    text = "usage: x\n\nA ``b``\nc ``d`` e.\n\noptions:\n  -h  help"
+    assert _refill(plain(text)) == "usage: x\n\nA b c d e.\n\noptions:\n  -h  help"
