@@ -3,6 +3,11 @@ through the weight-sync suite, the receiving model in its own process."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -48,3 +53,54 @@ def test_a_new_pair_closes_the_previous_one_and_nemo_drives_it() -> None:
     assert receiver.version == 1
     sync.shutdown()
     del first_sender
+
+
+def _address(hex_addr: str) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    # /proc writes an IPv6 address as four 32-bit words, each in host (little-endian) order
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+    return socket.inet_ntop(socket.AF_INET6, words)
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP sockets process ``pid`` listens on, as (address, port), read from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:[") : -1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            f = line.split()
+            local, state, inode = f[1], f[3], f[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                addr, port = local.split(":")
+                out.add((_address(addr), int(port, 16)))
+    return out
+
+
+def _loopback(addr: str) -> bool:
+    return addr.startswith(("127.", "::ffff:127.")) or addr == "::1"
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads Linux's /proc")
+def test_the_pair_listens_on_loopback_only_and_holds_no_listener_after_close() -> None:
+    me = os.getpid()
+    before = listening(me)
+    sender, receiver = dist_weight_sync_pair(tiny_causal_lm(seed=0))
+    try:
+        sender.send(tiny_causal_lm(seed=1).state_dict(), version=1)
+        opened = listening(me) - before
+        child = listening(receiver.pid)
+        assert opened, "the pair's store should be listening in this process"
+        assert [a for a in opened | child if not _loopback(a[0])] == [], (opened, child)
+    finally:
+        receiver.close()
+    assert listening(me) - before == set()  # nothing left listening, on any interface

@@ -10,6 +10,15 @@ weights are applied).
 Because the scheme uses the default process group, one pair at a time per process: building
 a pair closes the previous one. Like the Ray scheme, the receiving end expects every tensor
 of ``TensorDict.from_module(model)``; the shim adds the non-persistent buffers.
+
+Network exposure: everything the pair listens on is bound to loopback. TorchRL's own store
+and torch.distributed's ``env://`` rendezvous listen on every interface (a TCPStore server
+binds the wildcard address), and gloo on the address the host name resolves to; here the
+scheme's store is a TCPStore served from a socket bound to 127.0.0.1, the process group is
+joined through that same store (no second listener, no ``MASTER_ADDR``/``MASTER_PORT`` set),
+and gloo is pointed at the loopback interface (``GLOO_SOCKET_IFNAME``, set in this process
+only while the group is created). ``receiver.close()`` leaves the group and drops the store,
+so the process holds no listener afterwards.
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -49,14 +59,15 @@ class _Context:
         self.updates += 1
 
 
-def _receiver_main(scheme: Any, addr: str, port: int, model: Any, conn: Any) -> None:
+def _receiver_main(scheme: Any, model: Any, conn: Any) -> None:
     import torch.distributed as dist
 
     _no_core_dumps()  # a bad send aborts this process (SIGABRT in gloo), by TorchRL's design
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
     ctx = _Context(model)
+    # Connects to the parent's store at the address it recorded: 127.0.0.1.
     scheme.init_on_receiver(model_id="policy", context=ctx, worker_idx=1)  # rank 1
     conn.send(("imported", os.getpid()))  # the parent joins only now: its timeout is short
+    _join_group(scheme._store, rank=1)  # before connect(): TorchRL then joins no group itself
     scheme.connect()
     conn.send(("ready", os.getpid()))
     while True:
@@ -76,11 +87,99 @@ def _no_core_dumps() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
+LOOPBACK = "127.0.0.1"
+"""The one address the pair listens on."""
+
+_PG_PREFIX = "posttrain/default_pg"
+
+
+def _loopback_interface() -> str:
+    """The loopback interface's name, for gloo (``lo`` on Linux, ``lo0`` on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise RuntimeError(f"no loopback interface among {names}: the pair listens on loopback only")
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _join_group(store: Any, rank: int) -> None:
+    """Join the default gloo group of two through ``store`` (no ``env://`` listener), gloo
+    bound to the loopback interface."""
+    import torch.distributed as dist
+
+    with _env(GLOO_SOCKET_IFNAME=_loopback_interface()):
+        dist.init_process_group(
+            backend="gloo",
+            store=dist.PrefixStore(_PG_PREFIX, store),  # type: ignore[attr-defined]
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=TIMEOUT_S),
+        )
+
+
+def _loopback_store(scheme: Any) -> Any:
+    """The scheme's master TCPStore, served from a socket bound to 127.0.0.1.
+
+    A TCPStore server binds the wildcard address whatever host name it is given; given a
+    listening socket's descriptor it serves that one (and closes it when it is dropped).
+    """
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(128)
+        port: int = sock.getsockname()[1]
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            LOOPBACK,
+            port,
+            None,
+            True,
+            timedelta(seconds=TIMEOUT_S),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    scheme._store_port = port
+    scheme._store_info = {"host": LOOPBACK, "port": port}  # where the receiver connects
+    return store
+
+
+def _init_sender_on_loopback(scheme: Any, model: torch.nn.Module) -> None:
+    """``scheme.init_on_sender`` with the master store on loopback.
+
+    TorchRL 0.14.1 creates the store in ``_make_store(is_master=True, ...)`` on
+    ``gethostbyname(gethostname())``, served on every interface; for this one call the
+    instance answers that with :func:`_loopback_store` (the instance attribute is removed
+    again, so the scheme pickles to the receiver as TorchRL's own).
+    """
+    own = scheme._make_store
+
+    def make_store(is_master: bool, *args: Any, **kwargs: Any) -> Any:
+        return _loopback_store(scheme) if is_master else own(is_master, *args, **kwargs)
+
+    scheme._make_store = make_store
+    try:
+        scheme.init_on_sender(model_id="policy", num_workers=1, model=model)
+    finally:
+        del scheme._make_store
 
 
 class DistSchemeSender:
@@ -188,12 +287,20 @@ def _stop(scheme: Any, proc: Any, conn: Any) -> None:
             dist.destroy_process_group()
     with contextlib.suppress(Exception):
         scheme.shutdown()
+    # The scheme outlives the pair (the sender holds it): drop its store so that the store's
+    # listener closes now, not whenever the scheme is collected.
+    for transport in list(getattr(scheme, "_sender_transports", {}).values()):
+        transport._store = None
+    scheme._store = None
 
 
 def dist_weight_sync_pair(
     receiver_model: torch.nn.Module, *, adapted: bool = False
 ) -> tuple[Any, DistReceiver]:
     """A (sender, receiver) pair over ``DistributedWeightSyncScheme`` with gloo on loopback.
+
+    Every listener of the pair is bound to 127.0.0.1 (the module docstring says how), and
+    ``receiver.close()`` leaves this process holding none.
 
     The receiving process gets a copy of ``receiver_model``; read it with
     ``receiver.state_dict()``. Closes any pair this process built before (one default
@@ -213,11 +320,9 @@ def dist_weight_sync_pair(
     for old in list(_LIVE):
         old.close()
     scheme: Any = DistributedWeightSyncScheme(backend="gloo", sync=True, timeout=TIMEOUT_S)
-    scheme.init_on_sender(model_id="policy", num_workers=1, model=receiver_model)
-    port = _free_port()
-    # TorchRL joins the default group through env:// and leaves these set; a trainer that
-    # also uses torch.distributed should know this pair holds the default group while alive.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _init_sender_on_loopback(scheme, receiver_model)
+    # A trainer that also uses torch.distributed should know this pair holds the default
+    # process group while alive.
     # A fresh interpreter per pair spent ~4 s importing torch, TorchRL and the model's
     # module; forked from a server that imported them once, a child starts in well under 1 s.
     # The server forks before any thread starts and the child sets its own environment.
@@ -228,7 +333,7 @@ def dist_weight_sync_pair(
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=_receiver_main,
-        args=(scheme, "127.0.0.1", port, receiver_model, child),
+        args=(scheme, receiver_model, child),
         daemon=True,
         name="posttrain-weight-receiver",
     )
@@ -240,7 +345,8 @@ def dist_weight_sync_pair(
         if not parent.poll(START_TIMEOUT_S):
             raise TimeoutError("the receiving process did not start within its timeout")
         parent.recv()
-        scheme.connect()  # joins as rank 0 with the child
+        _join_group(scheme._store, rank=0)  # with the child, through the loopback store
+        scheme.connect()  # the group exists: TorchRL sends the initial weights over it
         if not parent.poll(START_TIMEOUT_S):
             raise TimeoutError("the receiving process did not join within its timeout")
         _, pid = parent.recv()
