@@ -409,3 +409,19 @@ def test_help_paragraphs_are_wrapped_again_after_the_markup_goes() -> None:
 
     text = "usage: x\n\nA ``b``\nc ``d`` e.\n\noptions:\n  -h  help"
     assert _refill(plain(text)) == "usage: x\n\nA b c d e.\n\noptions:\n  -h  help"
+
+
+def test_a_ray_task_error_cut_short_by_a_check_keeps_its_type_and_drops_the_process_details() -> (
+    None
+):
+    ray_exceptions = pytest.importorskip("ray.exceptions")
+    from posttrain.conformance.runner import clean_message
+
+    wrapped = ray_exceptions.RayTaskError(
+        "BufferHost.call", "Traceback ...\nKeyError: 'k'", KeyError("k"), proctitle="ray::H.call"
+    ).as_instanceof_cause()
+    shown = f"\x1b[36m{str(wrapped)[:45]}"
+    message = clean_message(f"raised {type(wrapped).__name__}: {shown}; len went from 6 to 8")
+    assert message == (
+        "raised KeyError: ray::H.call() (the remote error's text was cut off); len went from 6 to 8"
+    )

@@ -390,6 +390,9 @@ _RAY_TRACE = re.compile(
     r"(?P<task>ray::[\w.<>]+\(\))[ \t]*\(pid=[^\n]*(?:\n[ \t][^\n]*)*\n[A-Za-z_][\w.]*: "
 )
 _RAY_TYPE = re.compile(r"\bRayTaskError\((?P<type>[A-Za-z_][\w.]*)\)")
+# What is left of a rendering cut short (a check kept its first characters): the task is kept,
+# the process details (pid, address, actor id: different on every run) are not.
+_RAY_HEADER = re.compile(r"(?P<task>ray::[\w.<>]+\(\))[ \t]*\(pid=[^()\n;]*\)?")
 
 
 def clean_message(message: str) -> str:
@@ -402,12 +405,15 @@ def clean_message(message: str) -> str:
         "raised KeyError: 'x' (in ray::Host.call())"
         >>> clean_message("\x1b[31mred\x1b[0m")
         'red'
+        >>> clean_message("raised RayTaskError(KeyError): ray::Host.call() (pid=7, ip=1; len 8")
+        "raised KeyError: ray::Host.call() (the remote error's text was cut off); len 8"
     """
     text = _CONTROL.sub("", _ANSI.sub("", message))
     m = _RAY_TRACE.search(text)
     if m is not None:
         # The remote error's text runs to the end of the rendering: where it came from goes last.
         text = f"{text[: m.start()]}{text[m.end() :]} (in {m['task']})"
+    text = _RAY_HEADER.sub(lambda t: f"{t['task']} (the remote error's text was cut off)", text)
     return _RAY_TYPE.sub(lambda t: t["type"], text)
 
 
