@@ -504,3 +504,15 @@ def test_a_resealed_checkpoint_with_a_bad_state_is_refused_whole(tmp_path: Path)
     assert "buffer unchanged" in str(bad.value)
     assert dst.size() == before[0]
     assert torch.equal(_held(dst)[1], before[1])
+
+
+def test_an_entry_listing_keys_its_rows_do_not_hold_is_refused_at_sample() -> None:
+    state = _two_entries().state_dict()
+    a, b = state["trajectories"]
+    copy = NemoReplayBuffer(RingBuffer(16), max_size=4, capacity=16)
+    copy.load_state_dict({**state, "trajectories": [{**a, "keys": ["input_ids", "zzz"]}, b]})
+    with pytest.raises(ValueError, match=r"lists keys \['zzz'\] that its stored rows do not"):
+        copy.sample(2, current_weight_version=1, max_age_steps=1)
+    assert copy.size() == 2  # nothing taken
+    with pytest.raises(TypeError, match=r"\['keys'\]: expected None or distinct key names"):
+        copy.load_state_dict({**state, "trajectories": [{**a, "keys": ["x", "x"]}, b]})

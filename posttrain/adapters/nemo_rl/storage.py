@@ -212,6 +212,12 @@ class NemoReplayBuffer:
                 if e.keys is None or k in e.keys
             }
             if e.keys is not None:  # the keys as added, in that order (no derived extras)
+                absent = [k for k in e.keys if k not in batch]
+                if absent:  # only a loaded state can say so; nothing has changed yet
+                    raise ValueError(
+                        f"sample: the entry of weight version {e.version} lists keys {absent} "
+                        f"that its stored rows do not hold (found {sorted(batch)})"
+                    )
                 batch = {k: batch[k] for k in e.keys}
             trajectories.append({"batch": batched_data_dict(batch), **e.extras})
             start = stop
