@@ -268,7 +268,10 @@ def report_schema() -> dict[str, Any]:
                 "type": "object",
                 "description": "Who was checked against what: implementation, target, contract, "
                 "contract_version, capabilities, unavailable, known_failures, options, seed, "
-                "versions, python, device, started.",
+                "versions, python, device, started. A matrix row adds duration_s; a row that "
+                "starts Ray or torch.distributed adds startup_s and timeout_s (its per-check "
+                "timeout), and attempts (verdict, surprises, duration_s of each) when it ran "
+                "more than once.",
                 "required": ["implementation", "contract", "contract_version", "seed"],
             },
             "verdict": {
