@@ -425,3 +425,15 @@ def test_a_ray_task_error_cut_short_by_a_check_keeps_its_type_and_drops_the_proc
     assert message == (
         "raised KeyError: ray::H.call() (the remote error's text was cut off); len went from 6 to 8"
     )
+
+
+@pytest.mark.parametrize("argv", [["-v", "report"], ["report", "-v"], ["report", "--verbose"]])
+def test_verbose_is_taken_before_or_after_a_pass_through_command(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--contract", "bufer"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown contract 'bufer'" in err
+    assert "unrecognized arguments" not in err
