@@ -211,8 +211,10 @@ def test_list_reads_what_the_registry_holds() -> None:
         for name, ep in eps.items()
         if ep.value.startswith("posttrain.") and CONTRACT_OF.get(ep.value) != impls[name].contract
     }
-    assert stale == {}, (
-        f"posttrain/_listing_index.py is out of date ({stale}): run python -m posttrain._listing"
+    gone = set(CONTRACT_OF) - {ep.value for ep in eps.values()}
+    assert (stale, gone) == ({}, set()), (
+        f"posttrain/_listing_index.py is out of date ({stale}, {gone}): "
+        "run python -m posttrain._listing"
     )
     rows = {r.name: r for r in _listing.implementation_rows()}
     assert {n: (r.contract, r.framework) for n, r in rows.items()} == {
