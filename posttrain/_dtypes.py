@@ -22,7 +22,14 @@ DTYPES: dict[str, torch.dtype] = {
         torch.complex128,
     )
 }
-"""The dtypes a name may stand for: ``'float32'`` -> ``torch.float32`` and so on."""
+"""The dtypes a name may stand for: ``'float32'`` -> ``torch.float32`` and so on.
+
+Also the one allowlist of what a buffer stores: a first write of another dtype (``uint16``,
+``float8_e4m3fn``...) is refused, as the load of a checkpoint naming one is, so nothing is
+saved that cannot be loaded back."""
+
+STORABLE: frozenset[torch.dtype] = frozenset(DTYPES.values())
+"""The dtypes of :data:`DTYPES`, for a membership test on the write path."""
 
 
 def dtype_name(dtype: torch.dtype | torch.layout) -> str:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from posttrain._dtypes import DTYPES
+from posttrain._dtypes import DTYPES, STORABLE, dtype_name
+from posttrain.contracts.layout import key_str
 from posttrain.contracts.schema import RAGGED, Column, ItemSchema
 
 
@@ -86,6 +88,65 @@ def checked_tensor(value: Any, where: str) -> torch.Tensor:
     if why is not None:
         raise ValueError(f"{where}: expected a dense tensor holding data, found {why}")
     return value
+
+
+def unreal(t: torch.Tensor) -> str | None:
+    """Why ``t`` holds no data a buffer could store (a FakeTensor, a meta tensor), or None.
+
+    Only a tensor of a subclass is looked at closely: a plain ``torch.Tensor`` off ``meta``
+    holds its data (the write path's case, one type test).
+
+    Example:
+        >>> unreal(torch.zeros(1)) is None, unreal(torch.zeros(1, device="meta"))
+        (True, 'a tensor on the meta device')
+    """
+    if type(t) is not torch.Tensor:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(t):
+            return f"a {type(t).__name__} (no data: made under a fake or tracing mode)"
+    if t.is_meta:
+        return "a tensor on the meta device"
+    return None
+
+
+def refuse_unreal(leaves: Iterable[tuple[tuple[str, ...], Any]], context: str) -> None:
+    """Refuse a batch with a leaf that holds no data (:func:`unreal`), naming the key.
+
+    ``leaves``: (tuple key, leaf) pairs; a key may come more than once (a stack's items).
+
+    Example:
+        >>> refuse_unreal([(("x",), torch.zeros(1, device="meta"))], "extend")
+        Traceback (most recent call last):
+        ...
+        ValueError: extend: key 'x': expected a tensor holding data, found a tensor on the meta device
+    """
+    for k, t in leaves:
+        why = unreal(t) if isinstance(t, torch.Tensor) else None
+        if why is not None:
+            raise ValueError(
+                f"{context}: key {key_str(k)}: expected a tensor holding data, found {why}"
+            )
+
+
+def refuse_unstorable(leaves: Iterable[tuple[tuple[str, ...], Any]], context: str) -> None:
+    """Refuse a first batch with a leaf of a dtype outside :data:`STORABLE` (what a load
+    accepts) or one that holds no data, naming the key.
+
+    Example:
+        >>> refuse_unstorable([(("x",), torch.zeros(1, dtype=torch.uint16))], "extend")
+        Traceback (most recent call last):
+        ...
+        ValueError: extend: key 'x': expected a dtype of bool, uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64, complex64, complex128 (what a checkpoint can hold), found uint16
+    """
+    leaves = list(leaves)
+    refuse_unreal(leaves, context)
+    for k, t in leaves:
+        if isinstance(t, torch.Tensor) and t.dtype not in STORABLE:
+            raise ValueError(
+                f"{context}: key {key_str(k)}: expected a dtype of {', '.join(DTYPES)} (what a "
+                f"checkpoint can hold), found {dtype_name(t.dtype)}"
+            )
 
 
 def distinct_indices(value: Any, where: str, length: int) -> list[int]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain._checkpoint import MANIFEST, CheckpointError
+from posttrain._checkpoint import MANIFEST, CheckpointDiskFull, CheckpointError
 from posttrain.reference_impls import RingBuffer
 from posttrain.testing import item_uids, llm_batch
 
@@ -142,8 +142,10 @@ def test_a_failed_dumps_leaves_the_previous_checkpoint(
     monkeypatch.setattr(torch, "save", disk_full)
     newer = _full()
     newer.extend(llm_batch(2, 6, uid_start=500))
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointDiskFull, match=r"disk full: .* needed at .*MiB free") as got:
         newer.dumps(ckpt)
+    assert isinstance(got.value.__cause__, OSError)
+    assert got.value.__cause__.errno == 28
     monkeypatch.undo()
     fresh = RingBuffer(4)
     fresh.loads(ckpt)

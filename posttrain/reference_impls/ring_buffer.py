@@ -12,12 +12,14 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain._args import positive_int
-from posttrain._checkpoint import load_verified, save_state
+from posttrain._checkpoint import CheckpointError, load_verified, save_state
 from posttrain._state_checks import (
     bad,
     checked_int,
     checked_tensor,
     distinct_indices,
+    refuse_unreal,
+    refuse_unstorable,
     schema_from_state,
 )
 from posttrain.contracts.buffer import sample_size, storage_indices
@@ -124,9 +126,7 @@ class RingBuffer:
         """Make ``rows`` (a new ring when None) the storage of ``schema``: nothing here fails
         once the ring is allocated."""
         if rows is None:
-            rows = torch.empty(
-                self.capacity, _row_bytes(columns), dtype=torch.uint8, device=self.device
-            )
+            rows = _new_rows(self.capacity, columns, self.device)
         dst = self._views(rows, columns)  # typed views of the whole ring, made once
         self._schema, self._columns, self._rows = schema, columns, rows
         self._dst, self._dst_items = dst, list(dst.items())
@@ -178,11 +178,13 @@ class RingBuffer:
                 schema: ItemSchema | None = ItemSchema.of(data)
                 assert schema is not None
                 leaves = leaf_items(data)
+                refuse_unstorable(leaves.items(), context)
                 columns = self._layout(schema)
-                rows = torch.empty(cap, _row_bytes(columns), dtype=torch.uint8, device=self.device)
+                rows = _new_rows(cap, columns, self.device)
                 dst_items = list(self._views(rows, columns).items())
             else:
                 leaves = self._schema.check(data, context)
+                refuse_unreal(leaves.items(), context)
                 schema = None
                 assert self._rows is not None
                 assert self._columns is not None
@@ -231,9 +233,7 @@ class RingBuffer:
         s = self._scratch
         if s is None or s.shape[0] < n or self._scratch_for is not columns:
             grow = 0 if s is None or self._scratch_for is not columns else s.shape[0]
-            s = torch.empty(
-                max(n, grow), _row_bytes(columns), dtype=torch.uint8, device=self.device
-            )
+            s = _new_rows(max(n, grow), columns, self.device)
             self._scratch_items = list(self._views(s, columns).items())
             self._scratch, self._scratch_for = s, columns
         return self._scratch_items
@@ -322,8 +322,11 @@ class RingBuffer:
                     f"state_dict['rows']: expected uint8 {list(want)} (len x the schema's row "
                     f"bytes), found {found}"
                 )
-            ring = torch.empty(self.capacity, want[1], dtype=torch.uint8, device=self.device)
+            columns = self._layout(schema)
+            ring = _new_rows(self.capacity, columns, self.device)
             ring[: st["len"]].copy_(rows)
+            # A row's padding is zero, whatever a file written elsewhere holds there.
+            ring[:, _used_bytes(columns) :].zero_()
         elif st["len"] or st["rows"] is not None:
             raise ValueError(
                 f"state_dict['rows']: expected none without a schema, found len {st['len']}"
@@ -366,16 +369,37 @@ class RingBuffer:
         extra, truncated or altered file), the file is read with ``weights_only=True`` (no code
         runs), and the state is checked whole before the buffer changes.
         """
-        self.load_state_dict(load_verified(path, _STATE_FILE))
+        state = load_verified(path, _STATE_FILE)
+        try:
+            self.load_state_dict(state)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e} (buffer unchanged)") from e
 
     def __repr__(self) -> str:
         keys = "" if self._columns is None else ", ".join(key_str(k) for k in self._columns)
         return f"RingBuffer(capacity={self.capacity}, len={self._len}, keys=[{keys}])"
 
 
+def _used_bytes(columns: dict[tuple[str, ...], _Column]) -> int:
+    return sum(c.nbytes for c in columns.values())
+
+
 def _row_bytes(columns: dict[tuple[str, ...], _Column]) -> int:
     """One item's bytes in the ring: every column, rounded up to the alignment."""
-    return -(-sum(c.nbytes for c in columns.values()) // _ALIGN) * _ALIGN
+    return -(-_used_bytes(columns) // _ALIGN) * _ALIGN
+
+
+def _new_rows(
+    n: int, columns: dict[tuple[str, ...], _Column], device: torch.device
+) -> torch.Tensor:
+    """``n`` rows laid out as ``columns``, their padding zero: no write ever fills it, and a
+    checkpoint must not carry whatever memory the allocator handed back (rows past ``len``
+    are never saved)."""
+    rows = torch.empty(n, _row_bytes(columns), dtype=torch.uint8, device=device)
+    used = _used_bytes(columns)
+    if used < rows.shape[1]:
+        rows[:, used:].zero_()
+    return rows
 
 
 def _nesting(

@@ -7,18 +7,20 @@ import copy
 import operator
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain._checkpoint import load_verified, save_state
+from posttrain._checkpoint import CheckpointError, load_verified, save_state
 from posttrain._state_checks import (
     bad,
     checked_int,
     checked_tensor,
     distinct_indices,
+    refuse_unreal,
+    refuse_unstorable,
     schema_from_state,
 )
 from posttrain.contracts.buffer import sample_size, storage_indices
@@ -99,6 +101,7 @@ class ValidatedReplayBuffer:
                 if int(data.batch_size[0]) == 0:
                     return torch.empty(0, dtype=torch.int64)
                 schema = ItemSchema.of(data, ragged=self.ragged)
+                refuse_unstorable(_leaves(data), "extend (buffer unchanged)")
                 plain = False
             else:
                 schema = self._schema
@@ -110,7 +113,9 @@ class ValidatedReplayBuffer:
                     plain = True
                 else:
                     plain = schema.checked(data)[1]
-                    if plain and sig is not None:
+                    if sig is None:  # not exact tensors: one may be a FakeTensor
+                        refuse_unreal(_leaves(data), "extend (buffer unchanged)")
+                    elif plain:
                         self._plain = (schema, sig)
             if self._copy_in:  # a list storage keeps the caller's rows: copy them (BUF-006)
                 data = data.clone()
@@ -167,23 +172,30 @@ class ValidatedReplayBuffer:
         """The items at storage ``indices`` (TorchRL's ``rb[indices]``), range-checked first.
 
         TorchRL's lazy storages hand back whatever memory sits at an index never written.
+        Read under the lock writers take: no item is read half-overwritten.
         """
-        out = self.rb[storage_indices(indices, len(self.rb))]
+        with self._lock:
+            out = self.rb[storage_indices(indices, len(self.rb))]
         return out.clone() if self._copy_in and isinstance(out, TensorDictBase) else out
 
     def __len__(self) -> int:
         return len(self.rb)
 
     def state_dict(self) -> dict[str, Any]:
-        """A copy of the wrapped buffer's state, plus the stored schema.
+        """A copy of the wrapped buffer's state, plus the stored schema, taken whole.
 
         TorchRL's tensor storages return their live tensors (as ``nn.Module.state_dict``
-        does): a snapshot would change with every later write (BUF-014).
+        does): a snapshot would change with every later write (BUF-014). Taken under the lock
+        writers take, so no row in it is half of one write and half of another; a tensor
+        storage's rows past the stored items are zeroed first, so the copy holds the stored
+        items and zeros, nothing of the memory TorchRL allocated them from.
         """
-        return {
-            "rb": _copied(_rb_state(self.rb)),
-            "schema": None if self._schema is None else self._schema.to_state(),
-        }
+        with self._lock:
+            _clear_unused_rows(self.rb)
+            return {
+                "rb": _copied(_rb_state(self.rb)),
+                "schema": None if self._schema is None else self._schema.to_state(),
+            }
 
     def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
         """Restore :meth:`state_dict`'s output, checked whole before anything changes.
@@ -238,9 +250,12 @@ class ValidatedReplayBuffer:
         pickled prefetch state) is never written, so :meth:`loads` never reads it.
 
         The storage is written from where it lies, not from a copy (a memmap storage larger
-        than memory can be saved); writers wait until the file is written.
+        than memory can be saved); writers wait until the file is written. A tensor storage's
+        rows past the stored items are zeroed first: the file holds the stored items and
+        zeros, nothing of the memory TorchRL allocated them from.
         """
         with self._lock:
+            _clear_unused_rows(self.rb)
             state = {
                 "rb": _plain(_rb_state(self.rb)),
                 "schema": None if self._schema is None else self._schema.to_state(),
@@ -254,7 +269,11 @@ class ValidatedReplayBuffer:
         extra, truncated or altered file), the state is read with ``weights_only=True`` (no
         code runs) and checked whole by :meth:`load_state_dict`.
         """
-        self.load_state_dict(load_verified(path, _STATE_FILE))
+        state = load_verified(path, _STATE_FILE)
+        try:
+            self.load_state_dict(state)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e} (buffer unchanged)") from e
 
     def update_priority(self, index: Any, priority: Any, /) -> None:
         """Delegate to the wrapped buffer."""
@@ -531,6 +550,50 @@ def _restore_write_count(rb: Any, state: Mapping[str, Any]) -> None:
         and "_write_count" not in w.state_dict()
     ):
         w._write_count = saved["_write_count"]
+
+
+def _leaves(data: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """A batch's leaves by tuple key (its ``ItemSchema`` check has passed); a lazy stack's
+    item by item (a ragged one has no stacked leaf to read)."""
+    subs = getattr(data, "tensordicts", None)
+    if isinstance(subs, list):
+        for sub in subs:
+            yield from _leaves(sub)
+        return
+    if not isinstance(data, TensorDictBase):
+        return
+    for k, v in data.items():
+        key = (k,) if isinstance(k, str) else tuple(k)
+        if isinstance(v, TensorDictBase):
+            yield from (((*key, *kk), vv) for kk, vv in _leaves(v))
+        else:
+            yield key, v
+
+
+def _clear_unused_rows(rb: Any) -> None:
+    """Zero a local tensor storage's rows past its stored items.
+
+    TorchRL allocates them with ``torch.empty``: until written they hold whatever memory the
+    allocator handed back (bytes of buffers freed earlier), which a state or a checkpoint
+    would otherwise carry. No read reaches past ``len`` (reads are range-checked), so zeroing
+    them changes no item. A list storage holds only its items; a served buffer's storage is
+    its host's.
+    """
+    st = _live_part(rb, "storage")
+    inner = None if st is None else vars(st).get("_storage")
+    if inner is None or isinstance(inner, list) or vars(st).get("initialized") is not True:
+        return
+    if getattr(st, "ndim", 1) != 1:
+        return
+    n, cap = len(st), st.max_size
+    if not isinstance(cap, int) or n >= cap:
+        return
+    if isinstance(inner, torch.Tensor | TensorDictBase):
+        inner[n:].zero_()
+    elif isinstance(inner, Mapping):
+        for v in inner.values():
+            if isinstance(v, torch.Tensor | TensorDictBase):
+                v[n:].zero_()
 
 
 def _copied(state: Any) -> Any:
