@@ -287,6 +287,22 @@ def _read_then_write(capacity: int) -> Any:
     return rb
 
 
+class TornSnapshot(RingBuffer):
+    """state_dict copies its columns one after the other without holding the lock across them
+    (the widest first, then the rest 2 ms later, as a large buffer's copy takes): rows that a
+    concurrent extend rewrote in between come back with fields of two different writes."""
+
+    def state_dict(self) -> dict[str, Any]:
+        first = super().state_dict()
+        time.sleep(0.002)
+        later = super().state_dict()
+        a, b = first["rows"], later["rows"]
+        if a is not None and b is not None and a.shape == b.shape:
+            half = a.shape[1] // 2
+            first["rows"] = torch.cat([a[:, :half], b[:, half:]], dim=1)
+        return first
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"checkpoint", "thread_safe"})
     return Implementation("buffer", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -317,6 +333,7 @@ MUTANTS: dict[str, Implementation] = {
     "BUF-022": _impl("BUF-022", ReadsInStorageOrder, capabilities={"read"}),
     "BUF-023": _impl("BUF-023", _replica_per_client, capabilities={"remote_writers"}),
     "BUF-024": _impl("BUF-024", UnpicklingLoads),
+    "BUF-025": _impl("BUF-025", TornSnapshot),
 }
 """Requirement id -> a buffer that breaks exactly that requirement."""
 

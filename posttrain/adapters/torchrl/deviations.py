@@ -86,6 +86,12 @@ DEVIATIONS: tuple[Deviation, ...] = (
         "buf_018_dumps_list_storage",
     ),
     Deviation(
+        ("BUF-018",),
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
+        "dumps of a buffer nothing was written to raises 'Cannot save a non-initialized storage'",
+        "buf_018_dumps_empty_storage",
+    ),
+    Deviation(
         ("BUF-006",),
         "ReplayBuffer / LazyStackStorage (ListStorage)",
         "extend keeps the caller's tensors (views of its rows): writing into the batch afterwards changes the stored items",
@@ -98,10 +104,26 @@ DEVIATIONS: tuple[Deviation, ...] = (
         "buf_014_live_state_dict",
     ),
     Deviation(
+        ("BUF-025",),
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
+        "state_dict() returns the live storage tensors, so a snapshot taken while other threads "
+        "extend holds rows of writes made after it",
+        "buf_014_live_state_dict",
+        blocked_by=("BUF-014",),
+    ),
+    Deviation(
+        ("BUF-025",),
+        "ReplayBuffer / LazyStackStorage (ListStorage)",
+        "dumps refuses list-backed storages, so no snapshot can be dumped while other threads extend",
+        "buf_018_dumps_list_storage",
+        blocked_by=("BUF-018",),
+    ),
+    Deviation(
         ("BUF-024",),
         "ReplayBuffer.loads / LazyTensorStorage, LazyMemmapStorage (local and Ray-served)",
         "loads unpickles prefetch.pkl (a planted pickle runs its code) and, refusing a damaged file, leaves the storage already replaced",
         "buf_024_loads_unpickles",
+        blocked_by=("BUF-018",),  # buffer 1.5: dumps of an empty buffer fails first
     ),
 )
 """Known deviations of TorchRL 0.14.1's buffers, found by the buffer suite."""

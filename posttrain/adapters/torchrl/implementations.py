@@ -109,11 +109,11 @@ def _impl(
         if adapted
         else _ATOMICITY
         | ({"BUF-004"} if without_replacement else set())  # sample(n) returns the epoch's rest
-        | ({"BUF-018"} if kind == "stack" else set())  # ListStorage refuses dumps/loads
+        # ListStorage refuses dumps/loads; buffer 1.5: tensor storages refuse to dump when empty
+        # (which blocks BUF-024, loads unpickling prefetch.pkl, and BUF-025 in a full run)
+        | {"BUF-018"}
         # buffer 1.3: ListStorage keeps the caller's rows; tensor storages' state_dict is live
-        | ({"BUF-006"} if kind == "stack" else {"BUF-014"})
-        # buffer 1.4: loads unpickles prefetch.pkl and replaces the storage before refusing
-        | (set() if kind == "stack" else {"BUF-024"}),
+        | ({"BUF-006"} if kind == "stack" else {"BUF-014"}),
     )
 
 

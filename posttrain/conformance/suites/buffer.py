@@ -23,6 +23,7 @@ from tensordict import TensorDictBase
 
 from posttrain._checkpoint import MANIFEST, reseal, why_unsafe
 from posttrain.conformance.context import ConformanceError, Context, NotApplicable
+from posttrain.conformance.explore import for_all, run_machine
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import Table, id_list, leaves
 from posttrain.conformance.suites._fail import fail as _fail
@@ -32,8 +33,9 @@ from posttrain.conformance.suites._remote import (
     PRODUCERS,
     run_producers,
 )
+from posttrain.contracts.buffer import BUFFER
 from posttrain.contracts.layout import LLM_LAYOUT_V1, key_str
-from posttrain.testing import item_uids, llm_batch, ragged_llm_batch
+from posttrain.testing import PROMPT_LEN, item_uids, llm_batch, ragged_llm_batch
 
 CAP = 8
 T = 8
@@ -156,6 +158,7 @@ def extend_returns_indices(ctx: Context) -> None:
         if clash:
             return  # the contents left the FIFO model: BUF-003 says how
         where = {u: where[u] for u in survivors} | dict(zip(item_uids(td), idx, strict=True))
+    _drive_model(ctx, "BUF-001")
 
 
 @requirement("BUF-002")
@@ -172,6 +175,7 @@ def len_counts_items(ctx: Context) -> None:
             raise _fail(
                 f"after writing {total} items into capacity {CAP}: len is {len(r.rb)}, expected {want}"
             )
+    _drive_model(ctx, "BUF-002")
 
 
 @requirement("BUF-003")
@@ -182,53 +186,229 @@ def fifo_eviction(ctx: Context) -> None:
     r.expect_stored(f"after 10 writes into capacity {CAP}")
     r.write(CAP + 3)  # a batch longer than the buffer: only its tail survives
     r.expect_stored(f"after one extend of {CAP + 3} items into capacity {CAP}")
-    _stateful_fifo(ctx)
+    _drive_model(ctx, "BUF-003")
 
 
-def _stateful_fifo(ctx: Context) -> None:
-    """Hypothesis drives random extend/sample sequences against the FIFO model."""
-    from hypothesis import HealthCheck, settings
+# ----------------------------------------------------------------------------------------------
+# The model: a FIFO of uids, compared with the buffer after every call of a random sequence.
+
+_F32_EDGES = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45, 3.4028235e38,
+              -3.4028235e38, 1.1754944e-38, 1.0, -1.0)  # fmt: skip
+_I64_EDGES = (0, -1, 1, 2**63 - 1, -(2**63), 2**31, -(2**31) - 1, 2**53 + 1)
+VALUE_REGIMES = ("ordinary", "random bits", "edges")
+"""How an item's values are drawn: as ``llm_batch`` writes them; every bit pattern of each
+column's dtype (NaN payloads, infinities, subnormals, -0.0, the integer extremes); the boundary
+values of each dtype alone."""
+_UID_KEY = LLM_LAYOUT_V1.key("tokens")
+
+
+def _wild_values(td: TensorDictBase, regime: str, seed: int) -> TensorDictBase:
+    """``td`` with values from the whole range of each column's dtype (uids and masks kept)."""
+    if regime == "ordinary":
+        return td
+    g = torch.Generator().manual_seed(seed)
+    out = td.clone()
+    for k, v in leaves(td).items():
+        if v.dtype == torch.bool:
+            continue
+        if regime == "random bits":
+            width = torch.int32 if v.element_size() == 4 else torch.int64
+            info = torch.iinfo(width)
+            bits = torch.randint(info.min, info.max, v.shape, generator=g).to(width)
+            new = (
+                bits.view(v.dtype) if v.element_size() == bits.element_size() else bits.to(v.dtype)
+            )
+        else:
+            floats = v.is_floating_point()
+            edges = torch.tensor(
+                _F32_EDGES if floats else _I64_EDGES, dtype=torch.float64 if floats else torch.int64
+            )
+            new = edges[torch.randint(0, len(edges), v.shape, generator=g)].to(v.dtype)
+        if k == _UID_KEY:
+            new[..., 0] = v[..., 0]  # the uid stays: it traces a sample back to its write
+        out.set(k, new)
+    return out
+
+
+def _column_major(td: TensorDictBase) -> TensorDictBase:
+    """The same values with every 2-D leaf non-contiguous (column-major strides)."""
+    return td.apply(lambda v: v.t().contiguous().t() if v.ndim == 2 else v)
+
+
+def _model_machine(ctx: Context, focus: str, root: Path | None) -> type[Any]:
+    """A state machine comparing the buffer with a FIFO model of uids after every call.
+
+    ``focus`` is the requirement it checks: BUF-001 the indices extend returns, BUF-002 len,
+    BUF-003 the contents (sampled at the end), BUF-006 every sample, BUF-007 samples of up to
+    16 items whatever len is (with replacement); it also chooses which
+    operations join extend, sample and len: ``BUF-006`` overwrites the batch last extended, as a caller reusing its tensors
+    does; ``BUF-014`` restores ``state_dict()`` (through ``torch.save``) into a fresh buffer
+    that carries on; ``BUF-018`` the same through ``dumps``/``loads`` under ``root``;
+    ``BUF-022`` reads stored indices in random orders, repeats included.
+    """
+    from hypothesis import reject
     from hypothesis import strategies as st
-    from hypothesis.stateful import (
-        RuleBasedStateMachine,
-        invariant,
-        rule,
-        run_state_machine_as_test,
-    )
+    from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-    class FifoMachine(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.run = _Run(ctx, capacity=5)
+    replacement = ctx.options["sampling"] == "with_replacement"
+    saves = itertools.count()
 
-        @rule(n=st.integers(min_value=1, max_value=7))
-        def extend(self, n: int) -> None:
-            self.run.write(n)
+    def broken(req: str, what: str) -> ConformanceError:
+        """The failure of ``req``; a sequence that breaks another requirement is dropped
+        (that requirement's own check reports it), so a verdict names the requirement broken."""
+        if req != focus:
+            reject()
+        return _fail(f"{BUFFER.requirement(req).title}: {what}")
 
-        @rule()
-        def sample(self) -> None:
-            if len(self.run.rb):
-                self.run.table.check_sample(self.run.rb.sample(3), set(self.run.fifo))
+    class BufferModel(RuleBasedStateMachine):
+        run: _Run
+        t: int
+        where: dict[int, int]  # uid -> the index extend returned, for every stored item
+        last: TensorDictBase | None
 
-        @invariant()
-        def length(self) -> None:
+        @initialize(capacity=st.sampled_from([1, 2, 3, 5, 8]), t=st.integers(PROMPT_LEN + 1, 12))
+        def fresh(self, capacity: int, t: int) -> None:
+            self.run = _Run(ctx, capacity=capacity)
+            self.t, self.where, self.last = t, {}, None
+
+        # n >= 1: an extend of 0 items is BUF-015's, a SHOULD
+        @rule(
+            n=st.one_of(st.sampled_from([1, 2, 9]), st.integers(1, 12)),
+            regime=st.sampled_from(VALUE_REGIMES),
+            strided=st.booleans(),
+            data_seed=st.integers(0, 2**16),
+        )
+        def extend(self, n: int, regime: str, strided: bool, data_seed: int) -> None:
+            r = self.run
+            td = _wild_values(r.batch(n, self.t), regime, data_seed)
+            td = _column_major(td) if strided else td
+            before = list(r.fifo)
+            what = (
+                f"extend of {n} items ({regime} values{', column-major' * strided}) into "
+                f"capacity {r.capacity} holding {len(before)}"
+            )
+            got = _indices(r.put(td), n, what)
+            self.last = td
+            kept = set(r.fifo)
+            live = [(u, i) for u, i in zip(item_uids(td), got, strict=True) if u in kept]
+            mine = [i for _, i in live]
+            survivors = {self.where[u] for u in before if u in kept}
+            if any(not 0 <= i < r.capacity for i in got):
+                raise broken("BUF-001", f"{what} returned indices {got}: outside [0, capacity)")
+            if len(set(mine)) != len(mine) or set(mine) & survivors:
+                if not r.holds_fifo():  # the contents left the model: BUF-003's to report
+                    raise broken("BUF-003", f"after {what} the contents are not the FIFO model's")
+                raise broken(
+                    "BUF-001",
+                    f"{what} returned indices {got}: two stored items at one index (the items "
+                    f"still stored from earlier extends are at {sorted(survivors)})",
+                )
+            self.where = {u: self.where[u] for u in before if u in kept} | dict(live)
+            self.check_len(what)
+
+        def check_len(self, after: str) -> None:
             if len(self.run.rb) != len(self.run.fifo):
-                raise _fail(f"len is {len(self.run.rb)}, the FIFO model holds {len(self.run.fifo)}")
+                raise broken(
+                    "BUF-002",
+                    f"after {after}: len is {len(self.run.rb)}, expected {len(self.run.fifo)}",
+                )
+
+        @precondition(lambda self: len(self.run.fifo) > 0)
+        @rule(k=st.integers(1, 16))
+        def sample(self, k: int) -> None:
+            r = self.run
+            # Beyond len (with replacement) is BUF-007's own domain
+            k = k if focus == "BUF-007" and replacement else min(k, len(r.fifo))
+            s = r.rb.sample(k)
+            if tuple(s.batch_size) != (k,):
+                raise broken("BUF-004", f"sample({k}) has batch size {list(s.batch_size)}")
+            try:
+                r.table.check_sample(s, set(r.fifo))
+            except ConformanceError as e:
+                raise broken(
+                    "BUF-007" if focus == "BUF-007" else "BUF-006",
+                    f"sample({k}) of {len(r.fifo)} stored: {e}",
+                ) from None
+
+        if focus == "BUF-006":
+
+            @precondition(lambda self: self.last is not None)
+            @rule()
+            def caller_reuses_its_batch(self) -> None:
+                assert self.last is not None
+                _scribble(self.last)
+
+        if focus == "BUF-014":
+
+            @rule()
+            def restore_state_dict(self) -> None:
+                buf = io.BytesIO()
+                torch.save(self.run.rb.state_dict(), buf)
+                buf.seek(0)
+                self.carry_on(lambda rb: rb.load_state_dict(torch.load(buf, weights_only=True)))
+
+        if focus == "BUF-018":
+
+            @rule()
+            def dumps_loads(self) -> None:
+                assert root is not None
+                path = root / f"save-{next(saves)}"
+                self.run.rb.dumps(path)
+                self.carry_on(lambda rb: rb.loads(path))
+
+        if focus == "BUF-022":
+
+            @precondition(lambda self: len(self.run.fifo) > 0)
+            @rule(picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=10))
+            def read(self, picks: list[int]) -> None:
+                at = {i: u for u, i in self.where.items()}
+                order = sorted(at)
+                ask = [order[p % len(order)] for p in picks]
+                got = self.run.rb.read(torch.tensor(ask, dtype=torch.int64))
+                try:
+                    uids = self.run.table.check_sample(got, set(self.run.fifo))
+                except ConformanceError as e:
+                    raise broken("BUF-022", f"read({ask}): {e}") from None
+                if uids != [at[i] for i in ask]:
+                    raise broken(
+                        "BUF-022",
+                        f"read({ask}) returned uids {uids}, expected {[at[i] for i in ask]}",
+                    )
+
+        def carry_on(self, load: Callable[[Any], None]) -> None:
+            """Go on with a fresh buffer ``load`` restored; the model goes on unchanged."""
+            r = self.run
+            fresh = _Run(ctx, capacity=r.capacity)
+            load(fresh.rb)
+            fresh.table, fresh.fifo, fresh.next_uid = r.table, list(r.fifo), r.next_uid
+            self.run = fresh
+            if len(fresh.rb) != len(fresh.fifo):
+                raise broken(focus, f"restored len is {len(fresh.rb)}, expected {len(fresh.fifo)}")
+            if fresh.fifo and not fresh.holds_fifo():
+                try:
+                    fresh.expect_stored("the restored buffer")
+                except ConformanceError as e:
+                    raise broken(focus, str(e)) from None
 
         def teardown(self) -> None:
-            self.run.expect_stored("at the end of a random extend/sample sequence")
+            if (
+                focus in ("BUF-003", "BUF-014", "BUF-018")
+                and hasattr(self, "run")
+                and self.run.fifo
+            ):
+                try:
+                    self.run.expect_stored("at the end of the sequence")
+                except ConformanceError as e:
+                    raise broken(focus, str(e)) from None
 
-    run_state_machine_as_test(
-        FifoMachine,
-        settings=settings(
-            max_examples=6,
-            stateful_step_count=16,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        ),
-    )
+    BufferModel.__name__ = BufferModel.__qualname__ = f"BufferModel{focus[4:]}"
+    return BufferModel
+
+
+def _drive_model(ctx: Context, focus: str, examples: int = 6, steps: int = 10) -> None:
+    """Random call sequences against the FIFO model, each failure named by its requirement."""
+    with ctx.tmpdir() as root:
+        run_machine(ctx, _model_machine(ctx, focus, root), examples=examples, steps=steps)
 
 
 @requirement("BUF-004")
@@ -281,6 +461,7 @@ def sample_holds_stored_items(ctx: Context) -> None:
     r.put(last)
     _scribble(last)
     r.expect_stored("after an extend of 5 items, then filling that batch's tensors with 99")
+    _drive_model(ctx, "BUF-006")
 
 
 @requirement("BUF-007")
@@ -294,6 +475,7 @@ def sampling_with_replacement(ctx: Context) -> None:
         )
     r.table.check_sample(s, set(r.fifo))
     r.expect_stored("repeated sampling from 3 items")
+    _drive_model(ctx, "BUF-007")
 
 
 @requirement("BUF-008")
@@ -313,20 +495,21 @@ def _short_err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def _rejects(ctx: Context, cases: list[_BadCase]) -> None:
+def _rejects(ctx: Context, cases: list[_BadCase], fill: int = 6, n: int = 3) -> None:
     """Each bad extend must raise naming the key, and leave everything exactly as before.
 
-    The cases go to one buffer in turn, and an untouched twin says where the next write must
-    land. A case that was accepted ends the run: what it did to len, contents and the next
-    write is reported, including exceptions the kit's own later calls then raise.
+    The cases go to one buffer holding ``fill`` writes, each a batch of ``n`` items, and an
+    untouched twin says where the next write must land. A case that was accepted ends the run:
+    what it did to len, contents and the next write is reported, including exceptions the
+    kit's own later calls then raise.
     """
     r, twin = _Run(ctx), _Run(ctx)
     for run in (r, twin):
-        run.write(6)
+        run.write(fill)
     before = len(r.rb)
     problems: list[str] = []
     for make_bad, what, names in cases:
-        bad = make_bad(r.batch(3))
+        bad = make_bad(r.batch(n))
         accepted = False
         try:
             r.rb.extend(bad)
@@ -413,30 +596,114 @@ def extra_key_rejected(ctx: Context) -> None:
     )
 
 
+_REAL_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                torch.float16, torch.bfloat16, torch.float32, torch.float64)  # fmt: skip
+_STORED = list(leaves(llm_batch(1, T)))
+_Bad = tuple[tuple[str, ...], Any, int, int]
+"""A generated bad extend: (key, what is wrong with it, items in the batch, items written before)."""
+
+
+def _bad_extends(what: Any) -> Any:
+    """(key, ``what``, batch size 1..CAP+2, fill 0..2*CAP) for every stored key."""
+    from hypothesis import strategies as st
+
+    return st.tuples(
+        st.sampled_from(_STORED), what, st.integers(1, CAP + 2), st.integers(1, 2 * CAP)
+    )
+
+
+def _retyped(
+    key: tuple[str, ...], dtype: torch.dtype
+) -> Callable[[TensorDictBase], TensorDictBase]:
+    def bad(td: TensorDictBase) -> TensorDictBase:
+        return td.set(key, td.get(key).to(dtype), inplace=False)
+
+    return bad
+
+
 @requirement("BUF-011")
 def wrong_dtype_rejected(ctx: Context) -> None:
-    key = LLM_LAYOUT_V1.key("sample_log_probs")
+    from hypothesis import strategies as st
+
+    def one(case: _Bad) -> None:
+        key, dtype, n, fill = case
+        stored = leaves(llm_batch(1, T))[key].dtype
+        if dtype == stored:  # the stored dtype: the next one of the list is wrong
+            dtype = _REAL_DTYPES[(_REAL_DTYPES.index(dtype) + 1) % len(_REAL_DTYPES)]
+        what = f"key {key_str(key)} as {str(dtype)[6:]} instead of {str(stored)[6:]}"
+        _rejects(ctx, [(_retyped(key, dtype), what, _naming(key, _STORED))], fill=fill, n=n)
+
+    lp = LLM_LAYOUT_V1.key("sample_log_probs")
+    tokens = LLM_LAYOUT_V1.key("tokens")
+    for_all(
+        ctx,
+        _bad_extends(st.sampled_from(_REAL_DTYPES)),
+        one,
+        examples=6,
+        boundaries=[
+            (lp, torch.float64, 3, 6),
+            (tokens, torch.int32, 1, CAP),
+            (lp, torch.bfloat16, 2, 2 * CAP),
+        ],
+    )
+
+
+_RESHAPES = ("longer", "shorter", "same count", "extra dim")
+"""How BUF-012 changes one key's trailing shape: its last dim one longer or one shorter (a key
+of shape [N] becomes [N, 2] or [N, 1]), its elements regrouped ([N, T] as [N, T/2, 2] or
+[N, 1, T]: the element count kept) or a trailing dim of 1 added."""
+
+
+def _reshaped(
+    key: tuple[str, ...], how: str
+) -> tuple[Callable[[TensorDictBase], TensorDictBase], str]:
+    def new(v: torch.Tensor) -> torch.Tensor:
+        rest = v.shape[1:]
+        if how == "longer":
+            return torch.cat([v, v[..., :1]], dim=-1) if rest else v[:, None].expand(-1, 2).clone()
+        if how == "shorter":
+            return v[..., :-1].clone() if rest and rest[-1] > 1 else v[:, None].clone()
+        if how == "same count":
+            if rest and rest[-1] % 2 == 0:
+                return v.reshape(v.shape[0], *rest[:-1], rest[-1] // 2, 2).clone()
+            return v.reshape(v.shape[0], 1, *rest).clone()
+        return v[..., None].clone()
 
     def bad(td: TensorDictBase) -> TensorDictBase:
-        return td.set(key, td.get(key).double())
+        return td.set(key, new(td.get(key)), inplace=False)
 
-    stored = list(leaves(llm_batch(1, T)))
-    _rejects(
-        ctx, [(bad, f"key {key_str(key)} as float64 instead of float32", _naming(key, stored))]
-    )
+    shape = list(leaves(llm_batch(1, T))[key].shape[1:])
+    found = list(new(leaves(llm_batch(1, T))[key]).shape[1:])
+    return bad, f"key {key_str(key)} of item shape {found} instead of {shape}"
 
 
 @requirement("BUF-012")
 def wrong_shape_rejected(ctx: Context) -> None:
-    key = LLM_LAYOUT_V1.key("tokens")
+    from hypothesis import strategies as st
 
-    def bad(td: TensorDictBase) -> TensorDictBase:
-        v = td.get(key)
-        return td.set(key, torch.cat([v, v[:, :1]], dim=1), inplace=False)
+    # A ragged buffer takes each item's T from the item: a T one longer or shorter on one key
+    # is tried on the tokens only (which key such an error names is the design's choice).
+    hows = [
+        h for h in _RESHAPES if "ragged" not in ctx.capabilities or h not in ("longer", "shorter")
+    ]
+    tokens = LLM_LAYOUT_V1.key("tokens")
 
-    stored = list(leaves(llm_batch(1, T)))
-    what = f"key {key_str(key)} of item shape [{T + 1}] instead of [{T}]"
-    _rejects(ctx, [(bad, what, _naming(key, stored))])
+    def one(case: _Bad) -> None:
+        key, how, n, fill = case
+        bad, what = _reshaped(key, how)
+        _rejects(ctx, [(bad, what, _naming(key, _STORED))], fill=fill, n=n)
+
+    for_all(
+        ctx,
+        _bad_extends(st.sampled_from(hows)),
+        one,
+        examples=6,
+        boundaries=[
+            (tokens, "longer", 3, 6),
+            (tokens, "same count", 2, CAP),
+            (LLM_LAYOUT_V1.key("advantage"), "extra dim", 1, 2 * CAP),
+        ],
+    )
 
 
 # What BUF-013 takes for a clear error: the message says the buffer is empty. An exception
@@ -520,6 +787,7 @@ def state_roundtrip(ctx: Context) -> None:
         dst.load_state_dict(copy)
 
     _roundtrip(ctx, lambda rb: rb.state_dict(), via_state_dict, "state_dict/load_state_dict")
+    _drive_model(ctx, "BUF-014")
 
 
 @requirement("BUF-015")
@@ -655,6 +923,7 @@ def dumps_loads_roundtrip(ctx: Context) -> None:
             return d / "buffer"
 
         _roundtrip(ctx, save, lambda path, dst: dst.loads(path), "dumps/loads")
+    _drive_model(ctx, "BUF-018")
 
 
 class _Payload:
@@ -851,6 +1120,70 @@ def thread_safety(ctx: Context) -> None:
     _concurrent_writes(ctx, capacity=32, per_writer=10)  # 48 of the 80 writes evict
 
 
+@requirement("BUF-025")
+def consistent_snapshots(ctx: Context) -> None:
+    """Snapshots taken while 4 threads extend: each restores whole written items only."""
+    capacity, writers, per_writer, n = 16, 4, 40, 2
+    r = _Run(ctx, capacity=capacity)
+    r.write(capacity)  # full from the start: every write below overwrites a stored row
+    batches = [[r.batch(n) for _ in range(per_writer)] for _ in range(writers)]
+    for bs in batches:
+        for b in bs:
+            r.table.add(b)
+    errors: list[str] = []
+    start = threading.Barrier(writers + 1)
+
+    def write(bs: list[TensorDictBase]) -> None:
+        try:
+            start.wait(timeout=30)
+            for b in bs:
+                r.rb.extend(b)
+        except Exception as e:
+            errors.append(f"writer raised {_short_err(e)}")
+
+    threads = [threading.Thread(target=write, args=(bs,)) for bs in batches]
+    for t in threads:
+        t.start()
+    start.wait(timeout=30)
+    snapshots: list[tuple[str, Any]] = []
+    with ctx.tmpdir() as d:
+        k = 0
+        while any(t.is_alive() for t in threads) or k < 3:
+            snapshots.append(("state_dict()", r.rb.state_dict()))
+            if "checkpoint" in ctx.capabilities:
+                path = d / f"snap-{k}"
+                r.rb.dumps(path)
+                snapshots.append((f"dumps() #{k}", path))
+            if "read" in ctx.capabilities:
+                snapshots.append(("read()", r.rb.read(torch.arange(capacity))))
+            k += 1
+        for t in threads:
+            t.join(timeout=60)
+        if errors:
+            raise _fail("; ".join(errors[:3]))
+        allowed = set(r.table.items)
+        for what, snap in snapshots:
+            try:
+                if what == "read()":
+                    r.table.check_sample(snap, allowed)
+                    continue
+                fresh = _Run(ctx, capacity=capacity)
+                if isinstance(snap, Path):
+                    fresh.rb.loads(snap)
+                else:
+                    fresh.rb.load_state_dict(snap)
+                if len(fresh.rb) != capacity:
+                    raise ConformanceError(f"restores len {len(fresh.rb)}, expected {capacity}")
+                for _ in range(8):
+                    r.table.check_sample(fresh.rb.sample(capacity), allowed)
+            except ConformanceError as e:
+                raise _fail(
+                    f"a {what} taken while {writers} threads extended a full buffer of "
+                    f"{capacity} ({len(snapshots)} snapshots): {e} (a torn item: fields from "
+                    "two different writes)"
+                ) from None
+
+
 @requirement("BUF-020")
 def ragged_items(ctx: Context) -> None:
     rb = ctx.make(CAP)
@@ -905,6 +1238,7 @@ def read_by_index(ctx: Context) -> None:
         raise _fail(
             f"read({ask}) returned uids {uids}, expected {want} (the latest write per index)"
         )
+    _drive_model(ctx, "BUF-022")
     fresh = _Run(ctx)
     written = set(_indices(fresh.write(3), 3, "extend of 3 items"))
     bad = max(i for i in range(CAP) if i not in written)
