@@ -200,7 +200,10 @@ class DualClipBothSigns(HookedLoss):
     for A > 0 it is always the smaller term, so those tokens get a constant loss -A·c and no
     gradient. Plausible (verl and OpenRLHF guard it with ``torch.where(advantages < 0, ...)``;
     dropping the guard is the bug). Breaks LOSS-014 (the objective MUST equal Σ w times the
-    declared clipped surrogate, at advantages of both signs)."""
+    declared clipped surrogate, at advantages of both signs), and before it, on a batch whose
+    advantages are all positive, LOSS-002 ("The sum of the ``loss_*`` entries MUST have a
+    gradient that reaches the policy's parameters"): at ratio 1 nothing carries a gradient.
+    The kit reports LOSS-002 (LOSS-014 blocked by it), the id this variant is filed under."""
 
     def clipped_surrogate(self, a: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
         per = -a * rho
@@ -295,7 +298,7 @@ VARIANTS: dict[str, tuple[str, Implementation]] = {
         "LOSS-020",
         _decl(KlTokenMeanAlways, "kl-token-mean-always", aggregation="seq_mean_token_mean"),
     ),
-    "dual_clip_both_signs": ("LOSS-014", _decl(DualClipBothSigns, "dual-clip-both-signs")),
+    "dual_clip_both_signs": ("LOSS-002", _decl(DualClipBothSigns, "dual-clip-both-signs")),
     "promotes_to_float64": ("LOSS-009", _decl(PromotesToFloat64, "promotes-to-float64")),
     "gspo_sum_not_mean": (
         "LOSS-021", _decl(GspoSumNotMean, "gspo-sum-not-mean", ratio="sequence")
@@ -324,7 +327,7 @@ def _make(cls: type[HookedLoss], policy: Any, **kw: Any) -> HookedLoss:
 
 
 def _trained(td: TensorDictBase) -> torch.Tensor:
-    m = (td.get(_K("assistant_mask")) & td.get(_K("attention_mask"))).clone()
+    m: torch.Tensor = (td.get(_K("assistant_mask")) & td.get(_K("attention_mask"))).clone()
     m[:, 0] = False
     return m
 
@@ -365,10 +368,11 @@ def demo_whitened_advantages() -> bool:
     m = _trained(td)
     w = m.double() / m.sum()
     a = td.get(_K("advantage")).double()[:, None]
-    # LOSS-003 at ratio 1: d loss / d log p_t = -A·w, i.e. the gradient of Σ w·(-A)·log p
 
+    # LOSS-003 at ratio 1: d loss / d log p_t = -A·w, i.e. the gradient of Σ w·(-A)·log p
     def expected() -> torch.Tensor:
-        return (w * -a * _lp_with_grad(policy, td)).sum()
+        e: torch.Tensor = (w * -a * _lp_with_grad(policy, td)).sum()
+        return e
 
     good = _grad_check(HookedLoss, policy, td, "loss_objective", expected())
     bad = _grad_check(WhitenedAdvantages, policy, td, "loss_objective", expected())
@@ -501,7 +505,18 @@ def demo_dual_clip_both_signs() -> bool:
     def value_ok(cls: type[HookedLoss]) -> bool:
         return not sd._differs(_f(_make(cls, policy)(td)["loss_objective"]), want, 1e-4)
 
-    return value_ok(HookedLoss) and not value_ok(DualClipBothSigns)
+    def reaches_policy(cls: type[HookedLoss]) -> bool:  # LOSS-002, at ratio 1, every A > 0
+        pos = _on_policy(policy)
+        pos.set(_K("advantage"), pos.get(_K("advantage")).abs() + 0.1)
+        out = _make(cls, policy)(pos)
+        total = sum(v for k, v in out.items() if k.startswith("loss_"))
+        assert isinstance(total, torch.Tensor)
+        if not total.requires_grad:
+            return False
+        return float(sd._param_grads(total, policy).abs().max()) > 1e-6
+
+    good = value_ok(HookedLoss) and reaches_policy(HookedLoss)
+    return good and not value_ok(DualClipBothSigns) and not reaches_policy(DualClipBothSigns)
 
 
 def demo_promotes_to_float64() -> bool:
