@@ -189,6 +189,146 @@ class HalfWrittenOnSend(InProcessReceiver):
                 t.copy_(self._pending[0][n])
 
 
+class _Copying(InProcessReceiver):
+    """Applies pending weights through ``write(own, sent)``, one tensor at a time."""
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if self._pending is None:
+            return None
+        weights, version = self._pending
+        self._pending = None
+        with torch.no_grad():
+            self.write(self.model.state_dict(), weights)
+        self._version = version
+        self.last_sync_s = 0.0
+        return version
+
+
+class CopiesInOrder(_Copying):
+    """Copies the sent tensors in the order they come, onto the model's in its own order:
+    right only while the sender lists the names as the receiver does."""
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        for dst, src in zip(own.values(), weights.values(), strict=True):
+            dst.copy_(src.reshape(dst.shape))
+
+
+class ReadsStorage(InProcessReceiver):
+    """Copies each sent tensor's storage from its start with the model's strides: right only
+    for contiguous tensors that own their storage (not for views into a flat buffer)."""
+
+    def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.check(weights)  # keeps references: the copy is made at receive
+        self._pending = (dict(weights), version)
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if self._pending is None:
+            return None
+        weights, version = self._pending
+        self._pending = None
+        with torch.no_grad():
+            for n, dst in self.model.state_dict().items():
+                src = weights[n]
+                dst.copy_(src.as_strided(dst.shape, dst.stride(), 0))
+        self._version = version
+        self.last_sync_s = 0.0
+        return version
+
+
+class SkipsSeenStorage(_Copying):
+    """Skips a tensor whose storage it copied at the last sync (an "unchanged" cache keyed on
+    ``data_ptr``, holding the last sent tensors so no new one can reuse their memory): a
+    trainer that updates its parameters in place and sends its live ``state_dict()`` again is
+    never synced."""
+
+    def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.check(weights)  # keeps references (zero copy): the copy is made at receive
+        self._pending = (dict(weights), version)
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        last: dict[str, torch.Tensor] = getattr(self, "_last", {})
+        for n, src in weights.items():
+            if n not in last or last[n].data_ptr() != src.data_ptr():
+                own[n].copy_(src)
+        self._last = dict(weights)
+
+
+class AliasesAfterFirstSync(InProcessReceiver):
+    """Copies at the first sync, then (shapes known good) loads later ones with ``assign=True``
+    on the sent tensors themselves."""
+
+    def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.check(weights)  # keeps references: the first receive copies them
+        self._pending = (dict(weights), version)
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if self._pending is None or self._version == 0:
+            return super().receive(timeout)
+        weights, version = self._pending
+        self._pending = None
+        self.model.load_state_dict(dict(weights), assign=True)
+        self._version = version
+        self.last_sync_s = 0.0
+        return version
+
+
+class ComparesNumel(_Copying):
+    """Checks names, dtypes and element counts, not shapes; copies through ``reshape``."""
+
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        super().check(
+            {
+                n: (t.reshape(own[n].shape) if n in own and t.numel() == own[n].numel() else t)
+                for n, t in weights.items()
+            }
+        )
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        for n, src in weights.items():
+            own[n].copy_(src.reshape(own[n].shape))
+
+
+class ComparesItemsize(_Copying):
+    """Checks element sizes, not dtypes (int32 passes for float32); ``copy_`` casts."""
+
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        same = {
+            n: (
+                t.view(own[n].dtype)
+                if n in own and t.element_size() == own[n].element_size()
+                else t
+            )
+            for n, t in weights.items()
+        }
+        super().check(same)
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        for n, src in weights.items():
+            own[n].copy_(src)
+
+
+class CountsNames(_Copying):
+    """Checks that as many names came as the model has, and each known one's fit; a renamed
+    tensor passes and is skipped."""
+
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        if len(weights) != len(own):
+            missing = [n for n in own if n not in weights] or [n for n in weights if n not in own]
+            raise ValueError(f"expected {len(own)} tensors, found {len(weights)}: {missing}")
+        super().check({**own, **{n: t for n, t in weights.items() if n in own}})
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        for n, src in weights.items():
+            if n in own:
+                own[n].copy_(src)
+
+
 def _factory(cls: type[InProcessReceiver]) -> Any:
     def make(model: torch.nn.Module) -> tuple[InProcessSender, InProcessReceiver]:
         r = cls(model)
@@ -221,6 +361,13 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("WS-001", _impl("WS-001", ParametersOnly)),
     ("WS-002", _impl("WS-002", WritesOnSend)),
     ("WS-002", _impl("WS-002", HalfWrittenOnSend, capabilities={"applies_on_send"})),
+    ("WS-001", _impl("WS-001", CopiesInOrder)),
+    ("WS-001", _impl("WS-001", ReadsStorage)),
+    ("WS-002", _impl("WS-002", SkipsSeenStorage)),
+    ("WS-003", _impl("WS-003", AliasesAfterFirstSync)),
+    ("WS-004", _impl("WS-004", ComparesNumel)),
+    ("WS-005", _impl("WS-005", ComparesItemsize)),
+    ("WS-006", _impl("WS-006", CountsNames)),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
 

@@ -9,12 +9,15 @@ the receiver's weights back through ``receiver.state_dict()``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FuturesTimeout  # not the builtin before 3.11
 from typing import Any
 
 import torch
 
+from posttrain.conformance import explore
 from posttrain.conformance.context import Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import bits_equal
@@ -98,13 +101,131 @@ def _expect_equal(model: Any, weights: Weights, what: str) -> None:
         )
 
 
+# The forms a sent state dict takes (WS-001's domain): the tensors' own layout, as views at
+# an offset into one flat buffer (a flattened parameter store), or non-contiguous (a transpose).
+LAYOUTS = ("contiguous", "offset_views", "non_contiguous")
+# Values whose bits a cast, a reduction or a sum of partial copies would change.
+SPECIALS = (float("nan"), -float("nan"), -0.0, float("inf"), -float("inf"), 1e-40, 3.0e38)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _specials(weights: Weights) -> Weights:
+    """``weights`` with the special values written over the first elements of each tensor."""
+    out = {}
+    for n, t in weights.items():
+        t = t.detach().clone()
+        flat = t.view(-1)
+        k = min(len(SPECIALS), flat.numel())
+        flat[:k] = torch.tensor(SPECIALS[:k], dtype=torch.float64).to(t.dtype)
+        out[n] = t
+    return out
+
+
+def _laid_out(weights: Weights, layout: str) -> Weights:
+    """The same values, stored as ``layout`` says (see LAYOUTS)."""
+    if layout == "contiguous":
+        return {n: t.detach().clone() for n, t in weights.items()}
+    if layout == "offset_views":
+        total = sum(t.numel() for t in weights.values())
+        dtype = next(iter(weights.values())).dtype
+        flat = torch.zeros(total + 3, dtype=dtype)
+        out, at = {}, 3  # every view starts past the storage's first element
+        for n, t in weights.items():
+            out[n] = flat[at : at + t.numel()].view(t.shape)
+            out[n].copy_(t)
+            at += t.numel()
+        return out
+    out = {}
+    for n, t in weights.items():
+        if t.ndim >= 2:
+            strided = torch.empty(tuple(reversed(t.shape)), dtype=t.dtype).permute(
+                *reversed(range(t.ndim))
+            )
+        else:
+            strided = torch.empty(t.numel() * 2, dtype=t.dtype)[::2].view(t.shape)
+        strided.copy_(t)
+        out[n] = strided
+    return out
+
+
+def _ordered(weights: Weights, order: list[int]) -> Weights:
+    names = list(weights)
+    return {names[i]: weights[names[i]] for i in order}
+
+
+def _same_shape_swaps(weights: Weights) -> list[int]:
+    """An order that swaps neighbouring tensors of the same shape (and keeps the others)."""
+    names = list(weights)
+    order = list(range(len(names)))
+    by: dict[tuple[Any, ...], list[int]] = {}
+    for i, n in enumerate(names):
+        by.setdefault((tuple(weights[n].shape), weights[n].dtype), []).append(i)
+    for idx in by.values():
+        for a, b in zip(idx[::2], idx[1::2], strict=False):
+            order[a], order[b] = order[b], order[a]
+    return order
+
+
 @requirement("WS-001")
 def bit_exact_after_sync(ctx: Context) -> None:
+    from hypothesis import strategies as st
+
     sender, receiver, model, source = _setup(ctx)
     if not _diff(model, source):
         raise _fail("suite error: sender and receiver start equal")
     _sync(sender, receiver, source, 1)
     _expect_equal(model, source, "after send(version=1) and receive()")
+
+    # The domain: any order of the names, any storage layout, every bit pattern; then other
+    # dtypes of the receiver's model. One pair for all of it, each sync a new version.
+    n = len(source)
+    version = [1]
+
+    def one(case: tuple[list[int], str, bool, int]) -> None:
+        order, layout, special, noise = case
+        gen = torch.Generator().manual_seed(noise)
+        values = {k: t + torch.randn(t.shape, generator=gen).to(t.dtype) for k, t in source.items()}
+        if special:
+            values = _specials(values)
+        sent = _ordered(_laid_out(values, layout), order)
+        version[0] += 1
+        _sync(sender, receiver, sent, version[0])
+        what = (
+            f"after syncing version {version[0]} with the names in order {order} "
+            f"(the receiver's own is {list(range(n))}), tensors {layout}"
+            + (", special values (NaN, -0.0, inf, subnormal) first" if special else "")
+        )
+        _expect_equal(model, values, what)
+
+    ident = list(range(n))
+    explore.for_all(
+        ctx,
+        st.tuples(
+            st.permutations(ident), st.sampled_from(LAYOUTS), st.booleans(), st.integers(0, 2**16)
+        ),
+        one,
+        examples=6,
+        boundaries=[
+            (ident[::-1], "contiguous", False, 1),
+            (_same_shape_swaps(source), "offset_views", True, 2),
+            (ident, "non_contiguous", True, 3),
+        ],
+    )
+    remote = "cross_process" in ctx.capabilities
+    if remote and ctx.depth == 1:
+        return  # a new receiving process per dtype: tried from depth 2
+    for dtype in DTYPES[1 : 2 if ctx.depth == 1 else None]:
+        receiver_model = sync_model(ctx.seed).to(dtype)
+        sender, receiver = ctx.make(receiver_model)
+        sent = _specials(
+            {k: t.detach().to(dtype) for k, t in sync_model(ctx.seed + 1).state_dict().items()}
+        )
+        _sync(sender, receiver, _laid_out(sent, "offset_views"), 1)
+        _expect_equal(
+            _Remote(receiver) if remote else receiver_model,
+            sent,
+            f"a {dtype} model after a sync of {dtype} weights (views at an offset, special values)",
+        )
 
 
 def _variant(weights: Weights, k: int) -> Weights:
@@ -197,6 +318,161 @@ def version_propagates(ctx: Context) -> None:
         between("after send(version=6), send(version=7) and one receive() that adopted 6")
         receive("after send(version=6), send(version=7) and two receive()s", (7,))
 
+    explore.run_machine(ctx, _machine(ctx), examples=_examples(ctx, 5), steps=12)
+
+
+# Version gaps the machine draws: the next version, skips, and a jump past 2**31 (a version
+# kept in an int32 wraps there).
+GAPS = (1, 1, 2, 9, 2**31)
+
+
+def _examples(ctx: Context, n: int) -> int:
+    """Sequences per machine: each builds a pair, a new process under ``cross_process``."""
+    return 2 if "cross_process" in ctx.capabilities and ctx.depth == 1 else n
+
+
+def _machine(ctx: Context, *, aliasing: bool = False) -> type[Any]:
+    """Random send/receive sequences, each on a new pair, against a model of the spec.
+
+    The model (WS-002): ``held``, the version the receiver reports, and ``unadopted``, the
+    sends not yet adopted. A send leaves ``held`` alone; a ``receive()`` with sends pending
+    adopts one of them (the next or the newest: either is allowed) and drops the older ones;
+    one with nothing pending changes nothing. After every step the model holds ``held``'s
+    weights (or, under ``applies_on_send``, one unadopted send's, whole). Sends are fresh dicts
+    or the ``state_dict()`` of a live trainer module changed in place between sends (the same
+    tensor objects, new values). With ``aliasing`` (WS-003) a step may also change in place the
+    sender's tensors of every adopted send, and the receiver's model must not move.
+    """
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+    applies_on_send = "applies_on_send" in ctx.capabilities
+
+    def snapshot(w: Weights) -> Weights:
+        return {n: t.detach().clone() for n, t in w.items()}
+
+    class WeightSyncMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sender, self.receiver, self.model, self.source = _setup(ctx)
+            self.trainer = sync_model(ctx.seed + 2)
+            self.last = 0
+            self.held = int(self.receiver.version)
+            self.sent: dict[int, Weights] = {self.held: snapshot(self.model.state_dict())}
+            self.objects: dict[int, Weights] = {}  # what was passed to send, by version
+            self.live: set[int] = set()  # versions sent as the trainer's live state_dict
+            self.unadopted: list[int] = []
+
+        def _check(self, what: str) -> None:
+            got = self.receiver.version
+            if got != self.held:
+                raise _fail(
+                    f"{what}: receiver.version is {got!r}; expected {self.held} (the version "
+                    f"adopted last; sends not yet adopted: {self.unadopted})"
+                )
+            if aliasing:
+                return
+            if not applies_on_send or not self.unadopted:
+                if _diff(self.model, self.sent[self.held]):
+                    raise _fail(
+                        f"{what}: receiver.version is {self.held} but the model holds "
+                        f"{_held(self.model, self.sent)}"
+                        + (
+                            "; sends not yet adopted: " + str(self.unadopted)
+                            if self.unadopted
+                            else ""
+                        )
+                    )
+                return
+            whole = (self.held, *self.unadopted)
+            if all(_diff(self.model, self.sent[v]) for v in whole):
+                raise _fail(
+                    f"{what}, under capability applies_on_send, the model's tensors are "
+                    f"{_mix(self.model, self.sent, whole)}; expected the weights of version "
+                    + " or ".join(map(str, whole))
+                    + ", whole"
+                )
+
+        @rule(gap=st.sampled_from(GAPS), live=st.booleans(), seed=st.integers(0, 2**16))
+        def send(self, gap: int, live: bool, seed: int) -> None:
+            self._send(gap, live, seed)
+
+        @rule(gap=st.sampled_from(GAPS), live=st.booleans(), seed=st.integers(0, 2**16))
+        def sync(self, gap: int, live: bool, seed: int) -> None:
+            """A send and the receive() right after it: a trainer's usual step."""
+            self._send(gap, live, seed)
+            self.receive()
+
+        def _send(self, gap: int, live: bool, seed: int) -> None:
+            gen = torch.Generator().manual_seed(seed)
+            if live and not (self.live & set(self.unadopted)):
+                # A trainer's step: its own tensors change in place, then it sends them again.
+                with torch.no_grad():
+                    for t in self.trainer.state_dict().values():
+                        t.add_(torch.randn(t.shape, generator=gen))
+                weights: Weights = self.trainer.state_dict()
+            else:
+                live = False
+                weights = {
+                    n: t + torch.randn(t.shape, generator=gen) for n, t in self.source.items()
+                }
+            self.last += gap
+            v = self.last
+            self.sent[v] = snapshot(weights)
+            self.objects[v] = weights
+            if live:
+                self.live.add(v)
+            self.sender.send(weights, version=v)
+            self.unadopted.append(v)
+            self._check(f"after send(version={v}) and before a receive()")
+
+        @rule()
+        def receive(self) -> None:
+            if not self.unadopted:
+                with contextlib.suppress(TimeoutError, FuturesTimeout):
+                    self.receiver.receive(timeout=0.05)
+                self._check("after a receive() with nothing sent since the last one")
+                return
+            self.receiver.receive(timeout=10.0)
+            got = self.receiver.version
+            if got not in self.unadopted:
+                raise _fail(
+                    f"after a receive() with versions {self.unadopted} sent since the last, "
+                    f"receiver.version is {got!r}; expected one of them"
+                )
+            self.held = int(got)
+            self.unadopted = [v for v in self.unadopted if v > got]
+            self._check("after a receive()")
+            if aliasing:  # the trainer's next step changes what it sent, right after a sync
+                self._change(1.0)
+
+        @precondition(lambda self: aliasing)
+        @rule(delta=st.sampled_from((1.0, -0.5, 1e6)))
+        def change_sent_tensors(self, delta: float) -> None:
+            self._change(delta)
+
+        def _change(self, delta: float) -> None:
+            before = snapshot(self.model.state_dict())
+            done = [v for v in self.objects if v <= self.held]
+            if self.live & set(self.unadopted):
+                done = [v for v in done if v not in self.live]
+            with torch.no_grad():
+                for v in done:
+                    for t in self.objects[v].values():
+                        t.add_(delta)
+            changed = _diff(self.model, before)
+            if changed:
+                raise _fail(
+                    f"after the sender changed in place the tensors it sent as versions {done} "
+                    f"(adopted or dropped: version {self.held} is held), the receiver's model "
+                    f"changed: {len(changed)} tensors, e.g. {changed[:3]}"
+                )
+            for v in done:
+                self.objects.pop(v)
+
+    WeightSyncMachine.__name__ = "WeightSyncMachine"
+    return WeightSyncMachine
+
 
 @requirement("WS-003")
 def no_aliasing(ctx: Context) -> None:
@@ -207,76 +483,187 @@ def no_aliasing(ctx: Context) -> None:
         for t in source.values():
             t.add_(1)
     _expect_equal(model, snapshot, "after the sender changed its tensors in place following a sync")
+    explore.run_machine(ctx, _machine(ctx, aliasing=True), examples=_examples(ctx, 4), steps=10)
 
 
-def _rejects(
-    ctx: Context, change: Callable[[Weights], Weights], what: str, name: str | None = None
-) -> None:
-    """A bad send must raise naming the tensor (default: the last one) and change nothing."""
-    sender, receiver, model, source = _setup(ctx)
-    name = name or _last(source)
-    _sync(sender, receiver, source, 1)
-    before = {n: t.clone() for n, t in model.state_dict().items()}
-    # The version the receiver itself reports, not the one sent: a receiver whose version is
-    # wrong after a good sync breaks WS-002, not this requirement.
-    version_before = receiver.version
-    other = {n: t + 0.5 for n, t in source.items()}
-    bad = change(other)
-    problems: list[str] = []
-    try:
-        sender.send(bad, version=2)
-        receiver.receive(timeout=1.0)
-    except Exception as e:
-        if name not in str(e):
-            problems.append(f"raised {type(e).__name__} without naming {name!r}: {str(e)[:200]}")
-    else:
-        problems.append("was accepted")
-    try:
-        changed = _diff(model, before)
-        version = receiver.version
-    except Exception as e:  # a receiver in another process may not have survived the send
-        problems.append(
-            f"the receiver could no longer be read back ({type(e).__name__}: {str(e)[:200]})"
-        )
-    else:
-        if changed:
+class _Rejections:
+    """One pair synced once; each bad send must raise naming the tensor and change nothing.
+
+    The pair is reused across the domain (a rejected send leaves the receiver as it was, so
+    the next one starts from the same state); each bad send carries a new, higher version.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.sender, self.receiver, self.model, self.source = _setup(ctx)
+        _sync(self.sender, self.receiver, self.source, 1)
+        self.version = 1
+
+    def names(self) -> list[str]:
+        return list(self.source)
+
+    def bad(self, change: Callable[[Weights], Weights], what: str, names: tuple[str, ...]) -> None:
+        before = {n: t.clone() for n, t in self.model.state_dict().items()}
+        # The version the receiver itself reports, not the one sent: a receiver whose version
+        # is wrong after a good sync breaks WS-002, not this requirement.
+        version_before = self.receiver.version
+        other = {n: t + 0.5 for n, t in self.source.items()}
+        bad = change(other)
+        self.version += 1
+        problems: list[str] = []
+        try:
+            self.sender.send(bad, version=self.version)
+            self.receiver.receive(timeout=1.0)
+        except Exception as e:
+            if not any(n in str(e) for n in names):
+                named = " or ".join(map(repr, names))
+                problems.append(f"raised {type(e).__name__} without naming {named}: {str(e)[:200]}")
+        else:
+            problems.append("was accepted")
+        try:
+            changed = _diff(self.model, before)
+            version = self.receiver.version
+        except Exception as e:  # a receiver in another process may not have survived the send
             problems.append(
-                f"the receiver's model changed ({len(changed)} tensors, e.g. {changed[:3]})"
+                f"the receiver could no longer be read back ({type(e).__name__}: {str(e)[:200]})"
             )
-        if version != version_before:
-            problems.append(f"receiver.version went from {version_before!r} to {version!r}")
-    if problems:
-        raise _fail(f"weights with {what}: " + "; ".join(problems))
+        else:
+            if changed:
+                problems.append(
+                    f"the receiver's model changed ({len(changed)} tensors, e.g. {changed[:3]})"
+                )
+            if version != version_before:
+                problems.append(f"receiver.version went from {version_before!r} to {version!r}")
+        if problems:
+            raise _fail(
+                f"weights with {what} (send(version={self.version})): " + "; ".join(problems)
+            )
 
 
 def _last(weights: Weights) -> str:
     return list(weights)[-1]
 
 
+# Wrong shapes (WS-004's domain): element count changed, and the same element count in
+# another shape (a receiver comparing sizes, or copying through reshape, takes those).
+SHAPE_FAULTS = ("one row longer", "one row shorter", "flattened", "reshaped", "unsqueezed")
+
+
+def _misshaped(t: torch.Tensor, fault: str) -> torch.Tensor:
+    if fault == "one row longer":
+        return torch.cat([t, t[:1]])
+    if fault == "one row shorter" and t.shape[0] > 1:
+        return t[1:].clone()
+    if fault == "flattened" and t.ndim != 1:
+        return t.reshape(-1).clone()
+    if fault == "reshaped":
+        if t.ndim >= 2 and t.shape[0] != t.shape[1]:
+            return t.transpose(0, 1).contiguous()
+        if t.ndim >= 2:
+            return t.reshape(t.shape[0] * 2, t.shape[1] // 2, *t.shape[2:]).clone()
+        return t.reshape(2, -1).clone()
+    return t.unsqueeze(0).clone()
+
+
 @requirement("WS-004")
 def shape_mismatch_rejected(ctx: Context) -> None:
-    def change(w: Weights) -> Weights:
-        n = _last(w)
-        return {**w, n: torch.cat([w[n], w[n][:1]])}
+    from hypothesis import strategies as st
 
-    _rejects(ctx, change, "the last tensor one row too long")
+    r = _Rejections(ctx)
+    names = r.names()
+
+    def one(case: tuple[int, str]) -> None:
+        i, fault = case
+        n = names[i]
+
+        def change(w: Weights) -> Weights:
+            return {**w, n: _misshaped(w[n], fault)}
+
+        shape = list(_misshaped(r.source[n], fault).shape)
+        r.bad(change, f"{n!r} {fault} ({list(r.source[n].shape)} sent as {shape})", (n,))
+
+    last = len(names) - 1
+    square = next(
+        i
+        for i, n in enumerate(names)
+        if r.source[n].ndim == 2 and r.source[n].shape[0] == r.source[n].shape[1]
+    )
+    explore.for_all(
+        ctx,
+        st.tuples(st.integers(0, last), st.sampled_from(SHAPE_FAULTS)),
+        one,
+        examples=8,
+        boundaries=[
+            (last, "one row longer"),
+            (last, "reshaped"),
+            (square, "reshaped"),
+            (0, "flattened"),
+            (1, "unsqueezed"),
+        ],
+    )
+
+
+# Wrong dtypes (WS-005's domain): wider, narrower, another float of the same width, integers
+# of the same width (a receiver comparing element sizes takes int32 for float32).
+WRONG_DTYPES = (torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool)
 
 
 @requirement("WS-005")
 def dtype_mismatch_rejected(ctx: Context) -> None:
-    _rejects(ctx, lambda w: {**w, _last(w): w[_last(w)].double()}, "the last tensor as float64")
+    from hypothesis import strategies as st
+
+    r = _Rejections(ctx)
+    names = r.names()
+
+    def one(case: tuple[int, torch.dtype]) -> None:
+        i, dtype = case
+        n = names[i]
+        r.bad(lambda w: {**w, n: w[n].to(dtype)}, f"{n!r} as {dtype}", (n,))
+
+    last = len(names) - 1
+    explore.for_all(
+        ctx,
+        st.tuples(st.integers(0, last), st.sampled_from(WRONG_DTYPES)),
+        one,
+        examples=8,
+        boundaries=[(last, torch.float64), (last // 2, torch.int32), (0, torch.bfloat16)],
+    )
+
+
+# Wrong names (WS-006's domain): one missing, one unknown added, one renamed (the count of
+# names unchanged), at every position.
+NAME_FAULTS = ("missing", "unknown", "renamed")
+UNKNOWN = "model.extra_head.weight"
 
 
 @requirement("WS-006")
 def names_checked(ctx: Context) -> None:
-    _rejects(
-        ctx, lambda w: {n: t for n, t in w.items() if n != _last(w)}, "the last tensor missing"
-    )
-    _rejects(
+    from hypothesis import strategies as st
+
+    r = _Rejections(ctx)
+    names = r.names()
+
+    def one(case: tuple[int, str]) -> None:
+        i, fault = case
+        n = names[i]
+        if fault == "missing":
+            r.bad(lambda w: {k: t for k, t in w.items() if k != n}, f"{n!r} missing", (n,))
+        elif fault == "unknown":
+            r.bad(lambda w: {**w, UNKNOWN: torch.zeros(2)}, "an unknown name", (UNKNOWN,))
+        else:
+            new = n + "_renamed"
+            r.bad(
+                lambda w: {(new if k == n else k): t for k, t in w.items()},
+                f"{n!r} renamed {new!r} (as many names as the model's)",
+                (n, new),
+            )
+
+    last = len(names) - 1
+    explore.for_all(
         ctx,
-        lambda w: {**w, "model.extra_head.weight": torch.zeros(2)},
-        "an unknown name",
-        "model.extra_head.weight",
+        st.tuples(st.integers(0, last), st.sampled_from(NAME_FAULTS)),
+        one,
+        examples=8,
+        boundaries=[(last, "missing"), (0, "unknown"), (last // 2, "renamed"), (0, "missing")],
     )
 
 
