@@ -121,8 +121,12 @@ def refuse_unreal(leaves: Iterable[tuple[tuple[str, ...], Any]], context: str) -
         ...
         ValueError: extend: key 'x': expected a tensor holding data, found a tensor on the meta device
     """
+    plain = torch.Tensor
     for k, t in leaves:
-        why = unreal(t) if isinstance(t, torch.Tensor) else None
+        # Every extend runs this: one type test per plain leaf, unreal() only for the others.
+        if type(t) is plain and not t.is_meta:
+            continue
+        why = unreal(t) if isinstance(t, plain) else None
         if why is not None:
             raise ValueError(
                 f"{context}: key {key_str(k)}: expected a tensor holding data, found {why}"
