@@ -266,3 +266,52 @@ def test_the_exchange_keeps_a_real_directory_at_the_path(tmp_path: Path) -> None
         assert ckpt.is_dir()
         assert not ckpt.is_symlink()
     assert _beside(ckpt) == ["ckpt"]
+
+
+_SAVER = """
+import sys
+from posttrain.reference_impls import RingBuffer
+from posttrain.testing import llm_batch
+bufs = []
+for uid in (100, 200):
+    rb = RingBuffer(6, seed=0)
+    rb.extend(llm_batch(4, 5, uid_start=uid))
+    bufs.append(rb)
+bufs[0].dumps(sys.argv[1])
+print("ready", flush=True)
+i = 1
+while True:
+    bufs[i % 2].dumps(sys.argv[1])
+    i += 1
+"""
+
+
+def test_a_process_killed_while_it_saves_over_and_over_leaves_a_whole_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The same with a real SIGKILL, at whatever point of a save it lands."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    want = [list(range(100, 104)), list(range(200, 204))]
+    for delay in (0.05, 0.17, 0.31):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(ckpt)],
+            stdout=subprocess.PIPE,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"ready\n"
+        time.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+        assert ckpt.is_dir()
+        fresh = RingBuffer(6)
+        fresh.loads(ckpt)
+        assert _uids(fresh) in want
+    _filled("RingBuffer", 300, 2).dumps(ckpt)
+    assert _beside(ckpt) == ["ckpt"]
