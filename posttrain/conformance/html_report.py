@@ -157,6 +157,7 @@ td.ids{width:13em} .id{white-space:nowrap}
  #summary th:nth-child(n+6),#summary td:nth-child(n+6){display:none}
  #summary td.name{width:auto} #summary td.ids{width:auto}
  #summary td.verdict,#summary td:nth-child(2){white-space:normal}
+ #summary td:nth-child(2),#summary td:nth-child(3){overflow-wrap:normal}
  .filters label{margin-right:.6em;display:inline-block}
 }
 """

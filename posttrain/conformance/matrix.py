@@ -531,8 +531,10 @@ def main(
     (args.out / "conformance.html").write_text(render_html(reports, left_out=left_out))
     (args.out / "conformance.json").write_text(reports_json(list(reports.values())))
     sys.stdout.write(md)
+    local = sum(not is_distributed(i) for i in select(args.contract, args.impl, args.rows).values())
+    how = f"{args.jobs} worker processes" if local else "each in a fresh process"
     print(
-        f"\n{len(reports)} rows in {wall_s:.0f} s ({args.jobs} worker processes); wrote "
+        f"\n{len(reports)} row{'' if len(reports) == 1 else 's'} in {wall_s:.0f} s ({how}); wrote "
         f"{args.out / 'conformance.md'}, {args.out / 'conformance.html'}, {args.out / 'conformance.json'}"
     )
     status = exit_status(reports)
