@@ -162,7 +162,8 @@ BUFFER = Contract(
         "the items it wrote, for `update_priority` (capability `priority`) and `read` (capability "
         "`read`). Out of scope in v1: leaves that are not tensors (strings, non-tensor data: a "
         "buffer may refuse them), and the sampling order under way as part of a saved state (after "
-        "`load_state_dict` or `loads`, sampling without replacement may start a new epoch)."
+        "`load_state_dict` or `loads`, sampling without replacement may start a new epoch), and "
+        "`sample(0)` (a buffer may return an empty batch or raise)."
     ),
     protocol=ReplayBufferV1,
     extra_protocols=(SupportsPriority, SupportsCheckpoint, SupportsRead),
@@ -184,7 +185,7 @@ BUFFER = Contract(
     requirements=(
         Requirement(id="BUF-001", level=_M, title="extend returns indices", tightened=("1.3", "1.5"),
             text="`extend(data)` with batch dims [N] MUST store the N items and return a 1-D integer tensor of the N storage indices written, in order.",
-            domain="random sequences of extends of 1 to 12 items (1, 2 and 9 always) into capacities 1, 2, 3, 5 and 8, T from 4 to 12, values ordinary, of every bit pattern of each dtype or its boundary values alone, contiguous or column-major, interleaved with samples; and the fill-wrap-replace-wrap sequence 3, 4, 3, 5, 8, 2 into capacity 8."),
+            domain="random sequences of extends of 1 to 12 items (1, 2 and 9 always) into capacities 1, 2, 3, 5 and 8, T from 4 to 12, values ordinary, of every bit pattern of each dtype or its boundary values alone, contiguous or column-major, interleaved with samples; and the fill-wrap-replace-wrap sequence 3, 4, 3, 5, 8, 2 into capacity 8. Keys inserted in a shuffled order."),
         Requirement(id="BUF-002", level=_M, title="len counts items", tightened=("1.5",),
             text="`len(buffer)` MUST equal the number of items stored and MUST never exceed the capacity.", depends_on=("BUF-001",),
             domain="the sequences of BUF-001; len read after every extend and restore."),
@@ -199,7 +200,7 @@ BUFFER = Contract(
             domain="a sample of 3 from 4 items of the LLM layout (every field)."),
         Requirement(id="BUF-006", level=_M, title="sample holds stored items", tightened=("1.3", "1.5"),
             text="Every sampled item MUST be bit-exactly an item that was written, as it was when `extend` was called (the caller may reuse its tensors afterwards), and is still stored.", depends_on=("BUF-004",),
-            domain="the sequences of BUF-001 with every sample checked bit-exactly (NaN payloads, -0.0, subnormals and integer extremes included), and the caller overwriting the batch it last extended at any point."),
+            domain="the sequences of BUF-001 with every sample checked bit-exactly (NaN payloads, -0.0, subnormals and integer extremes included), and the caller overwriting the batch it last extended at any point. Sampling need not reach every stored item here (BUF-007, BUF-016 ask that)."),
         Requirement(id="BUF-007", level=_M, title="sampling with replacement", tightened=("1.5",), option=("sampling", "with_replacement"),
             text="With replacement, `sample(n)` MUST accept n > len(buffer), and repeated sampling MUST reach every stored item.", depends_on=("BUF-006",),
             domain="the sequences of BUF-001 with samples of up to 16 items whatever len is (1 item stored included)."),
@@ -224,9 +225,9 @@ BUFFER = Contract(
         Requirement(id="BUF-014", level=_M, title="state round trip", tightened=("1.3", "1.5"),
             text="`load_state_dict(state_dict())` into a fresh buffer MUST reproduce contents and write position bit-exactly as they were when `state_dict()` was called (later writes to the original change neither), so the next `extend` writes where the original would have; the state MUST survive `torch.save` and `torch.load(weights_only=True)` (tensors and plain data: a checkpoint that loads without running code).", depends_on=("BUF-001",),
             domain="the sequences of BUF-001 with `state_dict()` restored (through torch.save) into a fresh buffer that carries on, at any point, empty included; and a snapshot restored after the original moved on."),
-        Requirement(id="BUF-015", level=_S, title="empty extend", tightened=("1.3",),
+        Requirement(id="BUF-015", level=_S, title="empty extend", tightened=("1.3", "1.5"),
             text="`extend` of a batch with N = 0 SHOULD be a no-op (contents, write position and the sampling order under way unchanged) that returns an empty index tensor.", depends_on=("BUF-001",),
-            domain="extends of 0 items into a buffer of 6, five times between the samples of an epoch without replacement."),
+            domain="extends of 0 items into a buffer of 6, five times between the samples of an epoch without replacement; and an extend of 0 items, of another T, into a fresh buffer, before its first items."),
         Requirement(id="BUF-016", level=_M, title="epochs without replacement", option=("sampling", "without_replacement"), tightened=("1.4",),
             text="Without replacement, consecutive samples MUST visit every stored item exactly once before any repeats.", depends_on=("BUF-006",),
             domain="five epochs of 6 items, and extends between the samples of an epoch."),
@@ -247,7 +248,7 @@ BUFFER = Contract(
             domain="4 items sampled back from CUDA storage."),
         Requirement(id="BUF-022", level=_M, title="read by index", tightened=("1.5",), capability="read", since="1.1",
             text="`read(indices)` MUST return, in the order asked, bit-exactly the item the latest write put at each index, and MUST raise an error naming the index for one that holds no item.", depends_on=("BUF-001",),
-            domain="the sequences of BUF-001 with reads of 1 to 10 stored indices in random orders, repeats included; an index holding no item."),
+            domain="the sequences of BUF-001 with reads of 1 to 10 stored indices in random orders, repeats included; an index holding no item. Bad indices: an unwritten slot, -1, -capacity, capacity and capacity + 3."),
         Requirement(id="BUF-023", level=_M, title="many producers, one learner", capability="remote_writers", since="1.2",
             text="Once a first write has fixed the schema, items extended concurrently through `client()` handles by 3 Ray tasks while this process samples MUST each be stored exactly once: `len` MUST equal the number written, the indices the extends returned MUST be distinct and cover exactly the positions written, every sample MUST hold only written items bit-exactly, and an extend with a missing key sent by a producer MUST raise there, naming the key, and leave the buffer unchanged.", depends_on=("BUF-006",),
             domain="3 Ray tasks extending concurrently while this process samples; one extend with a key missing."),

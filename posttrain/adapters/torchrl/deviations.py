@@ -86,6 +86,12 @@ DEVIATIONS: tuple[Deviation, ...] = (
         "buf_018_dumps_list_storage",
     ),
     Deviation(
+        ("BUF-015",),
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
+        "an extend of 0 items into a buffer nothing was written to raises IndexError",
+        "buf_015_empty_first_extend",
+    ),
+    Deviation(
         ("BUF-018",),
         "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
         "dumps of a buffer nothing was written to raises 'Cannot save a non-initialized storage'",

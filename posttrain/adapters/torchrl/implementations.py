@@ -113,7 +113,8 @@ def _impl(
         # (which blocks BUF-024, loads unpickling prefetch.pkl, and BUF-025 in a full run)
         | {"BUF-018"}
         # buffer 1.3: ListStorage keeps the caller's rows; tensor storages' state_dict is live
-        | ({"BUF-006"} if kind == "stack" else {"BUF-014"}),
+        # (buffer 1.5: and they refuse an extend of 0 items into an empty buffer)
+        | ({"BUF-006"} if kind == "stack" else {"BUF-014", "BUF-015"}),
     )
 
 
