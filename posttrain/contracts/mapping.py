@@ -62,7 +62,9 @@ LOSS_COUNT_FRAMEWORKS = ("TorchRL 0.14", "TRL 1.16 GRPOTrainer", "NeMo-RL", "ver
 # _compute_loss (loss_type) and _generate_and_score_completions (num_items_in_batch);
 # nemo_rl/algorithms/loss_functions.py (ClippedPGLossFn, masked_mean with
 # global_normalization_factor) and the workers' all-reduced counts; verl
-# trainer/ppo/core_algos.py agg_loss (batch_num_tokens, global_batch_size, dp_size).
+# trainer/ppo/core_algos.py agg_loss (batch_num_tokens, global_batch_size, dp_size,
+# loss_scale_factor) and trainer/ppo/ray_trainer.py RayPPOTrainer._update_actor (what the
+# trainer passes as global_batch_size), at verl 0.9.1.
 LOSS_COUNT_KEYS: dict[str, tuple[str, str, str, str]] = {
     "tokens": (
         "none: `GRPOLoss` divides by its own micro-batch's `mask.sum()`",
@@ -82,8 +84,12 @@ LOSS_COUNT_KEYS: dict[str, tuple[str, str, str, str]] = {
         "by rows x `max_completion_length`",
         "`global_valid_seqs`: sum of `sample_mask`, all-reduced; a sample with no valid token "
         "still counts (map: `sample_mask` = the row has an assistant token)",
-        "`global_batch_size`: rows with `response_mask.sum() > 0` (its `seq_mask`), the same "
-        "rule as posttrain; 'seq-mean-*' divide by it times `dp_size`",
+        "`global_batch_size`: verl's trainer passes `ppo_mini_batch_size x rollout.n`, every "
+        "row of the mini-batch, a row without response tokens included "
+        "(`RayPPOTrainer._update_actor`); `agg_loss` counts rows with `response_mask.sum() > 0` "
+        "(its `seq_mask`) only when the argument is None; 'seq-mean-*' divide by it times "
+        "`dp_size`, and 'seq-mean-token-sum-norm' by `loss_scale_factor`, the tensor's width "
+        "when unset",
     ),
 }
 """Where each framework takes the global batch's counts a loss normalizes by (loss 1.3)."""
