@@ -45,6 +45,11 @@ def hypothesis_settings(ctx: Context, examples: int, steps: int = 0) -> Any:
 
 def _failure(e: BaseException, heading: str) -> ConformanceError:
     notes = [n for n in getattr(e, "__notes__", ()) if n.strip()]
+    # A failure that replays differently (Hypothesis's FlakyFailure, an exception group: a
+    # remote error's traceback differs each time) is reported by the error it first raised.
+    while isinstance(getattr(e, "exceptions", None), tuple) and e.exceptions:  # type: ignore[attr-defined]
+        e = e.exceptions[0]  # type: ignore[attr-defined]
+        notes += [n for n in getattr(e, "__notes__", ()) if n.strip() and n not in notes]
     what = str(e) if isinstance(e, ConformanceError) else f"raised {type(e).__name__}: {e}"
     repro = "\n".join(notes)
     return ConformanceError(f"{what}\n{heading}:\n{repro}" if repro else what)

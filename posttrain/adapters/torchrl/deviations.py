@@ -275,6 +275,18 @@ RAY_DEVIATIONS: tuple[Deviation, ...] = (
         "ray_buf_009_client_missing_key",
     ),
     Deviation(
+        ("BUF-015",),
+        'TensorDictReplayBuffer(service_backend="ray") (RayReplayBuffer)',
+        "the served LazyTensorStorage raises on an extend of 0 items while nothing was written, as the local one does",
+        "buf_015_empty_first_extend",
+    ),
+    Deviation(
+        ("BUF-018",),
+        'TensorDictReplayBuffer(service_backend="ray") (RayReplayBuffer)',
+        "dumps of a served buffer nothing was written to raises, as the local storage's does",
+        "buf_018_dumps_empty_storage",
+    ),
+    Deviation(
         ("WS-004", "WS-005", "WS-006"),
         "RayWeightSyncScheme",
         "weights of the wrong size abort the receiving actor's process; same-size weights of another dtype are reinterpreted bit for bit and acknowledged",

@@ -155,7 +155,9 @@ def _ray_impl(*, adapted: bool) -> Implementation:
         "shared host actor; local Ray cluster)"
         + (", checked by the adapter in each client" if adapted else ""),
         # buffer 1.4: its loads is TorchRL's (prefetch.pkl unpickled, storage replaced first)
-        known_failures=frozenset() if adapted else _ATOMICITY | {"BUF-023", "BUF-024"},
+        # buffer 1.5: an empty buffer refuses an extend of 0 items and a dumps (which blocks
+        # BUF-024, loads unpickling prefetch.pkl, and BUF-025 in a full run)
+        known_failures=frozenset() if adapted else _ATOMICITY | {"BUF-015", "BUF-018", "BUF-023"},
     )
 
 
