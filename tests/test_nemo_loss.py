@@ -299,3 +299,29 @@ def test_round_trip_of_an_option_loss_equals_the_loss(cfg: dict[str, Any]) -> No
     wrapped = NemoLossModule(clipped_pg_loss(cfg), policy)(td)
     assert wrapped["loss_objective"].item() == pytest.approx(float(total.detach()), abs=1e-6)
     assert wrapped["token_mult_prob_error"].item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_sequence_sampling_importance_ratio_counts_sample_mask_as_nemo_rl_does() -> None:
+    # NeMo-RL 7ea279a, ClippedPGLossFn.__call__: masked_mean(weights [B, 1], sample_mask [B],
+    # global_normalization_factor=global_valid_seqs) = sum(weights) x sum(sample_mask) /
+    # global_valid_seqs. Row 1 is sampled but holds no token: NeMo-RL multiplies by 4 sampled
+    # rows, a port multiplying by the 3 rows with a token reads 3/4 of its value.
+    case = next(c for c in OPTS["cases"] if c["key"] == "sequence_level_importance_ratios")
+    data = _case_data(case, torch.float64)
+    data["token_mask"][1] = 0
+    sm = data["sample_mask"]
+    mask = data["token_mask"][:, 1:] * sm[:, None]
+    diff = data["prev_logprobs"][:, 1:] - data["generation_logprobs"][:, 1:]
+    weights = (diff * mask).sum(-1).exp()
+    n_seq = sm.sum()
+    nemo_rl = float(weights.sum() * sm.sum() / n_seq)
+    with_tokens = float((mask.sum(-1) > 0).sum())
+    assert (float(sm.sum()), with_tokens) == (4.0, 3.0)
+    _, metrics = clipped_pg_loss(case["config"])(
+        next_token_logprobs=torch.tensor(case["next_token_logprobs"], dtype=torch.float64),
+        data=data,
+        global_valid_seqs=n_seq,
+        global_valid_toks=mask.sum(),
+    )
+    assert metrics["sampling_importance_ratio"] == pytest.approx(nemo_rl, rel=1e-9)
+    assert nemo_rl == pytest.approx(4.3840539, rel=1e-6)  # rows with a token only: 3.2880405

@@ -94,6 +94,38 @@ def global_counts(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return sm.sum(), (data["token_mask"][:, 1:].float() * sm[:, None]).sum()
 
 
+def _sampling_importance_ratio(
+    value: float, d: Mapping[str, Any], loss: Any, global_valid_seqs: Any
+) -> float:
+    """NeMo-RL's ``sampling_importance_ratio`` from the wrapped loss's value.
+
+    Under sequence-level ratios NeMo-RL 7ea279a (``ClippedPGLossFn.__call__``) takes
+    ``masked_mean`` of a [B, 1] weight over the [B] ``sample_mask``: the sum of every row's
+    weight times ``sum(sample_mask)``, over ``global_valid_seqs``. The layout batch carries
+    only rows with a token (a sampled row without one has an empty assistant mask), so the
+    wrapped loss multiplies by those rows instead; the port rescales to ``sum(sample_mask)``.
+    Token-level ratios are a token mean in both: unchanged.
+    """
+    if getattr(loss, "ratio", None) not in ("sequence", "gspo_token"):
+        return value
+    sm = d["sample_mask"].float()
+    with_tokens = float(((d["token_mask"][:, 1:] > 0) & (sm > 0)[:, None]).any(-1).sum())
+    sampled = float(sm.sum())
+    if with_tokens > 0:
+        return float(value) * sampled / with_tokens
+    # No row holds a token: every row's weight is exp(0) = 1, truncated as configured.
+    one = 1.0
+    bounds = getattr(loss, "importance_bounds", None)
+    kind = getattr(loss, "importance_correction", None)
+    if bounds is not None and kind == "tis":
+        one = min(1.0, float(bounds[1]))
+    elif bounds is not None and kind in ("icepop", "seq_mask_tis"):
+        lo = float(bounds[0]) if bounds[0] is not None else 0.0
+        one = float(lo <= 1.0 <= float(bounds[1]))
+    n_seq = max(float(torch.as_tensor(global_valid_seqs)), 1e-8)
+    return one * float(d["sample_mask"].shape[0]) * sampled / n_seq
+
+
 class _GivenLogProbs(torch.nn.Module):
     """A stand-in causal LM whose log-prob of token 0 at each position is a given value.
 
@@ -207,6 +239,10 @@ class ContractAsNemoLoss:
             for k, v in out.items():
                 if isinstance(k, str) and isinstance(v, torch.Tensor) and v.numel() == 1:
                     metrics[k] = float(v.detach())
+            if "sampling_importance_ratio" in metrics:
+                metrics["sampling_importance_ratio"] = _sampling_importance_ratio(
+                    metrics["sampling_importance_ratio"], d, loss_module, global_valid_seqs
+                )
             metrics["num_valid_samples"] = float(seqs)
             return loss, metrics
         out = loss_module(td)
