@@ -101,12 +101,16 @@ _M, _S = Level.MUST, Level.SHOULD
 
 GENERATION = Contract(
     id="generation",
-    version="1.2",
+    version="1.3",
     title="Generation server",
     purpose=(
         "Serves generation requests pushed by many callers: batches them, generates with the "
         "current weights and answers every caller with exactly its own response, stamped with "
-        "the weights version. A bad request fails its caller only; shutdown never hangs."
+        "the weights version. A bad request fails its caller only; shutdown never hangs. A "
+        "request belongs to the server from `submit` until its future resolves: what a caller "
+        "that changes the request's tensors in that time gets is out of scope (a server may "
+        "read the prompt when it batches it); once the future resolved, the caller may reuse "
+        "them (GEN-002)."
     ),
     protocol=GenerationServerV1,
     extra_protocols=(GenerationClientV1,),
@@ -115,33 +119,45 @@ GENERATION = Contract(
         "LM the suite supplies; greedy decoding"
     ),
     capabilities=(
-        Capability(name="processes", text="Clients may live in other processes than the server."),
+        Capability(name="processes", text="Clients may live in other processes than the server.",
+            undeclared="Clients are checked in the server's own process, from concurrent threads (GEN-002); GEN-011 does not apply."),
     ),
     options=(
         Option(name="on_shutdown", values=("drain", "fail"), default="fail", text="What `shutdown` does with requests still pending: serve them, or fail their futures (an exception set, or the future cancelled as `ThreadPoolExecutor.shutdown(cancel_futures=True)` does)."),
     ),
     requirements=(
         Requirement(id="GEN-001", level=_M, title="response layout",
-            text="A response MUST hold `('tokens', 'response')` int64 [R] with 1 <= R <= max_new_tokens, `('log_probs', 'response')` float32 [R] and `policy_version` int64 []."),
+            text="A response MUST hold `('tokens', 'response')` int64 [R] with 1 <= R <= max_new_tokens, `('log_probs', 'response')` float32 [R] and `policy_version` int64 []; a response that generated EOS MUST end with that EOS (nothing after it, so a policy whose first token is EOS answers `[EOS]`).", tightened=("1.3",),
+            domain="The suite's eight prompts (1 to 4 tokens), then a policy whose first token is EOS."),
         Requirement(id="GEN-002", level=_M, title="own response",
-            text="With many clients in concurrent threads submitting distinct prompts, every caller MUST receive the response to its own prompt, never another's (nor that of another request in flight on its own client).", tightened=("1.1",), depends_on=("GEN-001",)),
+            text="With many clients in concurrent threads submitting distinct prompts, every caller MUST receive the response to its own prompt, never another's (nor that of another request in flight on its own client).", tightened=("1.1", "1.3"), depends_on=("GEN-001",),
+            domain="Eight clients in threads, three requests each; four clients with four requests in flight each behind a held batch; then any prompts (every token id of the 64-token vocabulary, the pad id 0, EOS and 63 included, 1 to 14 tokens; 1 to 6 prompts, the edge prompts first) submitted together on new clients, and one after another on one client that reuses its request and prompt tensor (a view at an offset into one storage) rewritten in place once answered."),
         Requirement(id="GEN-003", level=_M, title="batching does not change results",
-            text="A request served alone and the same request served inside a batch MUST give the same tokens (greedy) and log-probs within 1e-4 (a response that ends at EOS ends there, whatever the other rows of its batch generate).", tightened=("1.1",), depends_on=("GEN-001",)),
+            text="A request served alone and the same request served inside a batch MUST give the same tokens (greedy) and log-probs within 1e-4 (a response that ends at EOS ends there, whatever the other rows of its batch generate).", tightened=("1.1",), depends_on=("GEN-001",),
+            domain="The suite's eight prompts served alone and four times over in one burst; a row ending at EOS batched with rows going on to `max_new_tokens`."),
         Requirement(id="GEN-004", level=_M, title="behaviour log-probs",
-            text="`('log_probs', 'response')` MUST equal the serving weights' log-probs of the response tokens within 1e-4.", depends_on=("GEN-001",)),
+            text="`('log_probs', 'response')` MUST equal the serving weights' log-probs of the response tokens within 1e-4.", depends_on=("GEN-001",), tightened=("1.3",),
+            domain="Three of the suite's prompts, then any prompt (every token id, pad and EOS included, 1 to 14 tokens; the edge prompts first)."),
         Requirement(id="GEN-005", level=_M, title="version stamped",
-            text="Every response MUST carry the `policy_version` of the weights that produced it (all its tokens and log-probs, also for a batch in flight while an update arrives), and `policy_version` MUST rise with every update.", tightened=("1.1",), depends_on=("GEN-001",)),
+            text="Every response MUST carry the `policy_version` of the weights that produced it (all its tokens and log-probs, also for a batch in flight while an update arrives), and `policy_version` MUST rise with every update.", tightened=("1.1", "1.3"), depends_on=("GEN-001",),
+            domain="An update before and after a request; an update while a batch is held in flight; then random sequences (4, 10 steps, more with depth) of submits (any prompt, new or reused clients), updates (other weights, the same weights again, the policy changed in place and no argument) and answers awaited in any order, each response compared with the greedy answer of the weights its stamp names, each update's `policy_version` with the one before."),
         Requirement(id="GEN-006", level=_M, title="new weights used",
-            text="After `update_policy_weights_` returns, every later request MUST be served by the new weights: its tokens and log-probs are theirs (given as an argument, or, with no argument, the policy's own as changed in place).", tightened=("1.1",), depends_on=("GEN-001",)),
+            text="After `update_policy_weights_` returns, every later request MUST be served by the new weights: its tokens and log-probs are theirs (given as an argument, or, with no argument, the policy's own as changed in place).", tightened=("1.1",), depends_on=("GEN-001",),
+            domain="Every prompt served once, requests in flight during an update, then every prompt after `update_policy_weights_(weights)` and after the policy changed in place and `update_policy_weights_()`; GEN-005's random sequences also check each answer against its stamp's weights."),
         Requirement(id="GEN-007", level=_M, title="bad request isolated",
-            text="A request with a missing key or a wrong dtype MUST fail its own future with an error naming the key, while concurrent and later valid requests are served.", depends_on=("GEN-001",)),
+            text="A request with a missing key or a wrong dtype MUST fail its own future with an error naming the key, while concurrent and later valid requests are served.", depends_on=("GEN-001",), tightened=("1.3",),
+            domain="A missing key and a float prompt next to valid requests; then any prompt as float32, float64, float16, bfloat16, int32, int16, uint8 or bool, or under another key (`('tokens', 'prompts')`, `'prompt'`, `('tokens', 'response')`, `'input_ids'`), each next to a valid request of the same tokens."),
         Requirement(id="GEN-008", level=_M, title="shutdown",
-            text="`shutdown` MUST return within its timeout with requests still pending, leave no pending future unresolved (each served or failed, as the `on_shutdown` option says; a cancelled future counts as failed), and be idempotent.", tightened=("1.2",), depends_on=("GEN-001",)),
+            text="`shutdown` MUST return within its timeout with requests still pending, leave no pending future unresolved (each served or failed, as the `on_shutdown` option says; a cancelled future counts as failed), and be idempotent.", tightened=("1.2",), depends_on=("GEN-001",),
+            domain="32 requests pending at `shutdown(5.0)`, called twice; under `on_shutdown='fail'` (the default), requests queued behind forwards held at a gate."),
         Requirement(id="GEN-009", level=_M, title="closed server refuses",
-            text="A request submitted after `shutdown`, through any client (also one obtained before), MUST raise, or fail its future with a clear error or cancel it, instead of hanging.", tightened=("1.1",), depends_on=("GEN-008",)),
+            text="A request submitted after `shutdown`, through any client (also one obtained before), MUST raise, or fail its future with a clear error or cancel it, instead of hanging.", tightened=("1.1",), depends_on=("GEN-008",),
+            domain="A request after `shutdown` through a client taken (and used) before it and through a new client."),
         Requirement(id="GEN-010", level=_S, title="statistics",
-            text="After serving, `stats()` SHOULD report finite, non-negative `queue_wait_s`, `batch_size` and `forward_s`.", depends_on=("GEN-001",)),
+            text="After serving, `stats()` SHOULD report finite, non-negative `queue_wait_s`, `batch_size` and `forward_s`.", depends_on=("GEN-001",),
+            domain="`stats()` after eight requests served."),
         Requirement(id="GEN-011", level=_M, title="clients in other processes", capability="processes",
-            text="Clients in other processes MUST each receive the response to their own prompt.", depends_on=("GEN-002",)),
+            text="Clients in other processes MUST each receive the response to their own prompt.", depends_on=("GEN-002",),
+            domain="Three clients sent to spawned processes, one prompt each."),
     ),
 )  # fmt: skip

@@ -348,6 +348,54 @@ class DrainsDespiteFail(ThreadGenerationServer):
         super().__init__(policy, **{**kw, "on_shutdown": "drain"})
 
 
+class CachesByStorage(ThreadGenerationServer):
+    """Caches answers by the prompt tensor's storage address (a request seen before is not
+    generated again): a caller that reuses its prompt buffer for the next prompt gets the
+    previous prompt's answer."""
+
+    def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = self.__dict__.setdefault(
+            "_by_ptr", {}
+        )
+        todo = [p for p in prompts if p.data_ptr() not in cache]
+        for p, answer in zip(todo, super()._generate(todo) if todo else [], strict=True):
+            cache[p.data_ptr()] = answer
+        return [cache[p.data_ptr()] for p in prompts]
+
+
+class DropsPadTokens(ThreadGenerationServer):
+    """Treats the pad id as padding wherever it occurs (a mask built as ``ids != pad``): a
+    prompt holding token 0 is answered as if that token were not there."""
+
+    def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        kept = [p[p != self.pad] if bool((p != self.pad).any()) else p for p in prompts]
+        return super()._generate(kept)
+
+
+class CastsIntegerPrompts(ThreadGenerationServer):
+    """Rejects float prompts but casts any integer (or bool) prompt to int64 and serves it."""
+
+    def _submit(self, td: Any) -> Any:
+        prompt = td.get(("tokens", "prompt"), None)
+        if isinstance(prompt, torch.Tensor) and not prompt.is_floating_point():
+            td = td.clone()
+            td.set(("tokens", "prompt"), prompt.long())
+        return super()._submit(td)
+
+
+class SkipsUnchangedUpdate(ThreadGenerationServer):
+    """Skips an update whose weights equal the served ones, version included: the same
+    weights sent again leave ``policy_version`` where it was."""
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        own = self.policy.state_dict()
+        if weights is not None and all(
+            k in own and torch.equal(own[k], t) for k, t in weights.items()
+        ):
+            return
+        super().update_policy_weights_(weights)
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("options", {"on_shutdown": "fail"})
     return Implementation("generation", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -382,12 +430,18 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("GEN-008", _impl("GEN-008", HangsOnShutdown)),
     ("GEN-008", _impl("GEN-008", DrainsDespiteFail)),
     ("GEN-009", _impl("GEN-009", OldClientsKeepQueueing)),
+    ("GEN-002", _impl("GEN-002", CachesByStorage)),
+    ("GEN-002", _impl("GEN-002", DropsPadTokens)),
+    ("GEN-007", _impl("GEN-007", CastsIntegerPrompts)),
+    ("GEN-005", _impl("GEN-005", SkipsUnchangedUpdate)),
 ]
 """Named bugs beside the main mutants: a bad request that kills the server, a hang on shutdown,
 a server declaring on_shutdown='fail' that drains,
 answers swapped between one client's requests, padding after an EOS in a batch, a batch in
 flight stamped with the version of weights that did not produce it (or given new weights half
 way), stale weights behind an update (a scoring copy, a prefix cache, a private copy that the
-no-argument update never re-reads), and a client from before shutdown that still queues."""
+no-argument update never re-reads), a client from before shutdown that still queues, a cache
+keyed on the prompt's storage, pad ids dropped from prompts, integer prompts of another dtype
+cast and served, and an update with unchanged weights that keeps the version."""
 
 _ = RESPONSE_LOG_PROBS_KEY

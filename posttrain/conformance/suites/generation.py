@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain.conformance import explore
 from posttrain.conformance.context import Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
@@ -41,6 +42,46 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [20, 21], [30, 31, 32], [4
 EOS_PROMPT = [5, 6, 7]
 LONG_PROMPTS = [[8, 9], [20, 21], [30, 31, 32]]
 EOS_TABLE = {7: 11, 11: 2, 9: 12, 12: 13, 13: 14, 21: 22, 22: 23, 23: 24, 32: 33, 33: 34, 34: 35}
+EOS = 2  # the tiny policy's EOS token
+PAD = 0  # and its pad token
+# Prompts the domain starts from: the pad token, EOS and the largest id as real prompt tokens,
+# one token, and prompts longer than any of PROMPTS.
+EDGE_PROMPTS = [
+    [PAD],
+    [EOS],
+    [V - 1],
+    [PAD, PAD, 5],
+    [5, EOS, 6, PAD],
+    [V - 1] * 12,
+    list(range(14)),
+]
+
+
+def _prompts() -> Any:
+    """Any prompt: every token id of the vocabulary (pad and EOS included), 1 to 14 tokens."""
+    from hypothesis import strategies as st
+
+    return st.lists(st.integers(0, V - 1), min_size=1, max_size=14)
+
+
+class _Answers:
+    """Greedy answers of one weights set, each computed once, the model alone."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self._memo: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
+
+    def __call__(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+        key = tuple(prompt)
+        if key not in self._memo:
+            self._memo[key] = _alone(self.policy, prompt)
+        return self._memo[key]
+
+
+def _stop(server: Any) -> None:
+    t = threading.Thread(target=server.shutdown, daemon=True)
+    t.start()
+    t.join(5.0 + SHUTDOWN_GRACE)
 
 
 def _request(prompt: list[int]) -> TensorDict:
@@ -283,6 +324,50 @@ def own_response(ctx: Context) -> None:
                     f"client {i} with {len(per_client[i])} requests in flight "
                     f"({per_client[i]}): prompt {p} got {wrong}"
                 )
+    _own_response_domain(ctx)
+
+
+def _own_response_domain(ctx: Context) -> None:
+    """Any prompts, submitted together on new clients, then one after another on one client
+    whose request and prompt tensor are reused once answered (the caller's own buffer): the
+    prompt a view at an offset into one storage, rewritten in place with the next prompt."""
+    from hypothesis import strategies as st
+
+    answers = _Answers(tiny_causal_lm(vocab_size=V, seed=ctx.seed))  # a twin of the served
+
+    def one(prompts: list[list[int]]) -> None:
+        server = ctx.make(tiny_causal_lm(vocab_size=V, seed=ctx.seed), max_new_tokens=MAX_NEW)
+        try:
+            burst = [(p, server.client().submit(_request(p))) for p in prompts]
+            for p, f in burst:
+                wrong = _mismatch(_result(f, f"prompt {p}"), answers(p))
+                if wrong:
+                    raise _fail(f"prompts {prompts} submitted together: prompt {p} got {wrong}")
+            client = server.client()
+            store = torch.zeros(32, dtype=torch.int64)
+            request = TensorDict({PROMPT_KEY: store[1 : 1 + len(prompts[0])]}, batch_size=[])
+            for k, p in enumerate(prompts):
+                view = store[1 : 1 + len(p)]
+                view.copy_(torch.tensor(p, dtype=torch.int64))
+                if request.get(PROMPT_KEY).shape != view.shape:
+                    request.set(PROMPT_KEY, view)
+                out = _result(client.submit(request), f"prompt {p}")
+                wrong = _mismatch(out, answers(p))
+                if wrong:
+                    raise _fail(
+                        f"one client reusing its request (prompt rewritten in place once "
+                        f"answered), request {k + 1} of {prompts}: prompt {p} got {wrong}"
+                    )
+        finally:
+            _stop(server)
+
+    explore.for_all(
+        ctx,
+        st.lists(_prompts(), min_size=1, max_size=6),
+        one,
+        examples=6,
+        boundaries=[EDGE_PROMPTS, [[5, 6, 7], [8, 9, 10], [5, 6, 7], [PAD, EOS]]],
+    )
 
 
 @requirement("GEN-003")
@@ -348,6 +433,24 @@ def behaviour_log_probs(ctx: Context) -> None:
                 raise _fail(
                     f"prompt {p}: response log-probs differ from the model's by {float(diff):.2e}"
                 )
+        twin = tiny_causal_lm(vocab_size=V, seed=ctx.seed)  # the served weights, hook-free
+
+        def one(p: list[int]) -> None:
+            out = _result(server.client().submit(_request(p)), f"prompt {p}")
+            toks = out.get(RESPONSE_KEY)
+            full = torch.tensor([[*p, *toks.tolist()]])
+            with torch.no_grad():
+                lp = twin(input_ids=full).logits[0, :-1].float().log_softmax(-1)
+            want = lp[len(p) - 1 :].gather(-1, full[0, len(p) :, None])[:, 0]
+            got = out.get(RESPONSE_LOG_PROBS_KEY)
+            diff = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+            if not diff <= 1e-4:
+                raise _fail(
+                    f"prompt {p}, response {toks.tolist()}: log-probs differ from the model's "
+                    f"by {diff:.2e}"
+                )
+
+        explore.for_all(ctx, _prompts(), one, examples=10, boundaries=EDGE_PROMPTS)
 
 
 @requirement("GEN-005")
@@ -418,6 +521,96 @@ def version_stamped(ctx: Context) -> None:
                 f"{what} was stamped {stamp} ({by_stamp[stamp]}), but its answer is not "
                 f"theirs: {wrong}{hint}"
             )
+
+    explore.run_machine(ctx, _machine(ctx), examples=4, steps=10)
+
+
+def _machine(ctx: Context) -> type[Any]:
+    """Random request lives and updates against a model of the spec (GEN-005, GEN-006).
+
+    The model: the weights of every version the server reported, and for each pending request
+    the versions in force from its submit on. A response must be stamped with one of those and
+    be, token for token and log-prob for log-prob, that version's greedy answer alone; every
+    update (new weights, the same weights again, or the policy changed in place and no
+    argument) must raise ``policy_version``. Requests come from new or reused clients, with
+    any prompt, and are awaited in any order.
+    """
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+    pool = [tiny_causal_lm(vocab_size=V, seed=ctx.seed + k).state_dict() for k in range(3)]
+    twins = {k: _Answers(tiny_causal_lm(vocab_size=V, seed=ctx.seed + k)) for k in range(3)}
+
+    class GenerationMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+            self.server = ctx.make(self.policy, max_new_tokens=MAX_NEW)
+            self.clients = [self.server.client()]
+            self.version = int(self.server.policy_version)
+            self.weights = {self.version: 0}  # version -> index into pool
+            self.pending: list[tuple[list[int], Any, list[int]]] = []
+
+        @rule(prompt=_prompts(), new_client=st.booleans())
+        def submit(self, prompt: list[int], new_client: bool) -> None:
+            if new_client:
+                self.clients.append(self.server.client())
+            future = self.clients[-1].submit(_request(prompt))
+            self.pending.append((prompt, future, [self.version]))
+
+        @rule(which=st.sampled_from(("another", "the same", "in place")), k=st.integers(1, 2))
+        def update(self, which: str, k: int) -> None:
+            if which == "in place" and self.pending:
+                which = "another"  # the policy changes under no request in flight
+            now = self.weights[self.version]
+            target = now if which == "the same" else (now + k) % len(pool)
+            before = int(self.server.policy_version)
+            if which == "in place":
+                self.policy.load_state_dict(pool[target])
+                self.server.update_policy_weights_()
+                call = "the policy changed in place, then update_policy_weights_()"
+            else:
+                self.server.update_policy_weights_(pool[target])
+                call = f"update_policy_weights_({which} weights)"
+            after = int(self.server.policy_version)
+            if after <= before:
+                raise _fail(f"policy_version went from {before} to {after} after {call}")
+            self.version = after
+            self.weights[after] = target
+            for _p, _f, allowed in self.pending:
+                allowed.append(after)
+
+        @precondition(lambda self: bool(self.pending))
+        @rule(data=st.data())
+        def answer(self, data: Any) -> None:
+            self._answer(data.draw(st.integers(0, len(self.pending) - 1), label="request"))
+
+        def _answer(self, i: int) -> None:
+            prompt, future, allowed = self.pending.pop(i)
+            out = _result(future, f"prompt {prompt}")
+            _check_layout(out, f"prompt {prompt}")
+            stamp = int(out.get("policy_version"))
+            if stamp not in allowed:
+                raise _fail(
+                    f"prompt {prompt} was stamped {stamp}; the versions in force from its "
+                    f"submit to its answer were {allowed}"
+                )
+            wrong = _mismatch(out, twins[self.weights[stamp]](prompt))
+            if wrong:
+                raise _fail(
+                    f"prompt {prompt} was stamped {stamp}, but its answer is not the greedy "
+                    f"answer of version {stamp}'s weights: {wrong}"
+                )
+
+        def teardown(self) -> None:
+            try:
+                while self.pending:
+                    self._answer(0)
+            finally:
+                _stop(self.server)
+
+    GenerationMachine.__name__ = "GenerationMachine"
+    return GenerationMachine
 
 
 def _served_by(sent: list[tuple[list[int], Any]], want: dict[Any, Any], when: str) -> None:
@@ -496,6 +689,66 @@ def bad_request_isolated(ctx: Context) -> None:
         )
         if later.get(RESPONSE_KEY).tolist() != _alone(policy, PROMPTS[2])[0]:
             raise _fail("after bad requests the server answers wrongly")
+        answers = _Answers(tiny_causal_lm(vocab_size=V, seed=ctx.seed))
+
+        def one(case: tuple[str, Any, list[int]]) -> None:
+            kind, fault, p = case
+            if kind == "dtype":
+                bad = TensorDict({PROMPT_KEY: torch.tensor(p).to(fault)}, batch_size=[])
+                what = f"prompt {p} as {fault}"
+            else:
+                bad = TensorDict({fault: torch.tensor(p)}, batch_size=[])
+                what = f"prompt {p} under key {fault!r} instead of {PROMPT_KEY!r}"
+            f_bad = server.client().submit(bad)
+            f_good = server.client().submit(_request(p))
+            try:
+                f_bad.result(timeout=REFUSE_WAIT)
+            except (TimeoutError, FuturesTimeout):
+                raise _fail(f"{what}: the bad request's future never resolved") from None
+            except (Exception, CancelledError) as e:
+                if repr(PROMPT_KEY) not in str(e) and "tokens.prompt" not in str(e):
+                    raise _fail(
+                        f"{what}: failed without naming the key {PROMPT_KEY!r}: {e}"
+                    ) from None
+            else:
+                raise _fail(f"{what}: the bad request was answered instead of failing")
+            wrong = _mismatch(_result(f_good, f"valid request {p} next to {what}"), answers(p))
+            if wrong:
+                raise _fail(f"valid request {p} next to a bad one ({what}) got {wrong}")
+
+        from hypothesis import strategies as st
+
+        faults = st.one_of(
+            st.tuples(st.just("dtype"), st.sampled_from(BAD_DTYPES), _prompts()),
+            st.tuples(st.just("key"), st.sampled_from(BAD_KEYS), _prompts()),
+        )
+        explore.for_all(
+            ctx,
+            faults,
+            one,
+            examples=8,
+            boundaries=[
+                ("dtype", torch.int32, [5, 6]),
+                ("dtype", torch.uint8, [PAD, EOS]),
+                ("dtype", torch.bool, [1, 0]),
+                ("key", ("prompt",), [5]),
+            ],
+        )
+
+
+# Wrong prompt dtypes (GEN-007's domain): floats, narrower integers (a server that casts
+# int32 to int64 takes them), bytes and booleans; keys a prompt may be misfiled under.
+BAD_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int16,
+    torch.uint8,
+    torch.bool,
+)
+BAD_KEYS = (("tokens", "prompts"), ("prompt",), ("tokens", "response"), ("input_ids",))
 
 
 @requirement("GEN-008")
