@@ -133,7 +133,7 @@ class Catalogue(BaseModel):
 
     Example:
         >>> CATALOGUE_V1.version, len(CATALOGUE_V1.metrics) > 40
-        ('1.2', True)
+        ('1.3', True)
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -191,7 +191,7 @@ _TOKMEAN = "over asst tokens of the whole global batch (one (sum, count) pair ac
 
 CATALOGUE_V1 = Catalogue(
     name="posttrain-metrics",
-    version="1.2",
+    version="1.3",
     metrics=(
         # --- rollout: rewards, groups, advantages, lengths -------------------------------
         _m("rollout/reward/mean", "1", "seq", "sum_i r_i / n over sequences with a finite reward (NaN rewards excluded from both)", ("reward",),
@@ -286,6 +286,8 @@ CATALOGUE_V1 = Catalogue(
            verl="actor/kl_loss times actor/kl_coef (logged apart)"),
         _m("loss/entropy", "1", "sum", "minus coefficient times the entropy term", ("loss:loss_entropy",), torchrl="loss_entropy",
            verl="actor/entropy_loss (new worker engine; before the coefficient)"),
+        _m("loss/nll", "1", "sum", "the negative log-likelihood term of supervised fine-tuning: sum over asst tokens (position 0 excluded) of -logp, divided by the global batch's count of those tokens (logp at temperature 1)", ("loss:loss_nll",),
+           since="1.3", trl="loss (SFTTrainer, completion-only loss)"),
         _m("optim/grad_norm", "1", "last", "global L2 norm of the gradients before clipping", ("optimizer",), trl="grad_norm", nemo_rl="train/grad_norm",
            verl="actor/grad_norm (before clipping; mean over mini-batches)"),
         _m("optim/lr", "1", "last", "learning rate of the step", ("optimizer",), trl="learning_rate", nemo_rl="train/lr",
@@ -334,6 +336,90 @@ CATALOGUE_V1 = Catalogue(
         # --- reward model ---------------------------------------------------------------------
         _m("reward_model/accuracy", "1", "seq", "fraction of pairs with score(chosen) > score(rejected)", ("pairs",), trl="accuracy (RewardTrainer)"),
         _m("reward_model/margin", "1", "seq", "mean over pairs of score(chosen) - score(rejected)", ("pairs",), trl="margin (RewardTrainer)"),
+        _m("reward_model/loss", "1", "seq", "Bradley-Terry loss: mean over pairs of -log sigmoid(score(chosen) - score(rejected)), computed as softplus(score(rejected) - score(chosen))", ("pairs",),
+           since="1.3", trl="loss (RewardTrainer without a margin column or center_rewards_coefficient; a mean of micro-batch means)"),
+        _m("reward_model/margin/std", "1", "seq", "population std over pairs of score(chosen) - score(rejected), from merged (count, mean, M2) moments in float64", ("pairs",),
+           since="1.3"),
+        # --- selection (best-of-n rejection sampling, expert iteration) ------------------------
+        _m("selection/rate", "1", "seq", "fraction of generated sequences kept by the selection (best-of-n keeping the top k of each group of n: k / n)", ("reward", "selected"),
+           since="1.3"),
+        _m("selection/reward/mean", "1", "seq", "mean over the kept sequences with a finite reward of r_i (rollout/reward/mean is the same before selection)", ("reward", "selected"),
+           since="1.3"),
+        _m("selection/reward/std", "1", "seq", "population std of the kept sequences' finite rewards, from merged moments in float64", ("reward", "selected"),
+           since="1.3"),
+        _m("selection/reward/min", "1", "min", "min over the kept sequences' finite rewards", ("reward", "selected"),
+           since="1.3"),
+        _m("selection/reward/max", "1", "max", "max over the kept sequences' finite rewards", ("reward", "selected"),
+           since="1.3"),
+        _m("selection/response_len/mean", "tokens", "seq", "mean over the kept sequences of sum_t asst[t]", ("assistant_mask", "selected"),
+           since="1.3"),
     ),
 )  # fmt: skip
 """The catalogue v1 (spec: ``specs/metrics_catalogue-v1.md``)."""
+
+RECIPES = ("grpo", "expert_iteration", "reward_model")
+"""The recipes :func:`recipe_metrics` covers: GRPO, expert iteration (best-of-n rejection
+sampling then SFT on the kept answers) and reward-model training (Bradley-Terry on pairs)."""
+
+_NOT_IN = {
+    # Expert iteration: no advantage (a flat group still shows: nothing to choose between), no reference, no importance weights (SFT on kept answers).
+    "expert_iteration": (
+        "rollout/advantage",
+        "policy/kl_ref/",
+        "policy/ratio/",
+        "policy/clip_frac/",
+        "policy/mismatch_kl",
+        "policy/update_kl/",
+        "loss/policy",
+        "loss/kl",
+        "loss/entropy",
+        "reward_model/",
+    ),
+    # GRPO: nothing is selected and nothing is imitated.
+    "grpo": ("selection/", "loss/nll", "reward_model/"),
+}
+# Reward-model training generates nothing: no rollout, policy, staleness or server metric.
+_RM_ONLY = (
+    "reward_model/",
+    "loss/total",
+    "optim/",
+    "time/train_s",
+    "time/step_s",
+    "perf/train_tokens_per_s",
+    "buffer/",
+)
+
+
+def recipe_metrics(recipe: str, cat: Catalogue = CATALOGUE_V1) -> tuple[str, ...]:
+    """The catalogue metrics a recipe's loop emits when it calls every hook that applies;
+    the others do not apply to it.
+
+    Example:
+        >>> "selection/rate" in recipe_metrics("expert_iteration"), "selection/rate" in recipe_metrics("grpo")
+        (True, False)
+        >>> recipe_metrics("ppo")
+        Traceback (most recent call last):
+        ...
+        KeyError: "recipe: expected one of ('grpo', 'expert_iteration', 'reward_model'), found 'ppo'"
+    """
+    if recipe not in RECIPES:
+        raise KeyError(f"recipe: expected one of {RECIPES}, found {recipe!r}")
+    names = [m.name for m in cat.metrics]
+    if recipe == "reward_model":
+        return tuple(n for n in names if n.startswith(_RM_ONLY))
+    return tuple(n for n in names if not n.startswith(_NOT_IN[recipe]))
+
+
+def recipe_table(cat: Catalogue = CATALOGUE_V1) -> str:
+    """The recipe x metric table (Markdown) of :func:`recipe_metrics`.
+
+    Example:
+        >>> recipe_table().splitlines()[0]
+        '| metric | grpo | expert_iteration | reward_model |'
+    """
+    emitted = {r: set(recipe_metrics(r, cat)) for r in RECIPES}
+    lines = ["| metric | " + " | ".join(RECIPES) + " |", "|---|" + "---|" * len(RECIPES)]
+    for m in cat.metrics:
+        cells = ["emitted" if m.name in emitted[r] else "n/a" for r in RECIPES]
+        lines.append(f"| `{m.name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -15,7 +15,9 @@ from posttrain.observability.hooks import (
     loss_metrics,
     optim_metrics,
     policy_metrics,
+    reward_model_metrics,
     rollout_metrics,
+    selection_metrics,
 )
 from posttrain.observability.reduce import Accumulator
 from posttrain.observability.sinks import MlflowSink, WandbSink
@@ -31,5 +33,7 @@ __all__ = [
     "loss_metrics",
     "optim_metrics",
     "policy_metrics",
+    "reward_model_metrics",
     "rollout_metrics",
+    "selection_metrics",
 ]

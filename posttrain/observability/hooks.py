@@ -319,6 +319,7 @@ def loss_metrics(out: Mapping[str, Any], acc: Accumulator | None = None) -> Accu
         ("loss_objective", "loss/policy"),
         ("loss_kl_to_ref", "loss/kl"),
         ("loss_entropy", "loss/entropy"),
+        ("loss_nll", "loss/nll"),
     ):
         if key in terms:
             acc.add(name, terms[key])
@@ -349,6 +350,55 @@ def reward_model_metrics(
         )
     acc.add("reward_model/accuracy", (c > r).sum(dtype=torch.float64), c.numel())
     acc.add("reward_model/margin", (c - r).sum(), c.numel())
+    acc.add_values("reward_model/margin/std", c - r)
+    # softplus(r - c) = -log sigmoid(c - r) without the overflow of exp at large margins.
+    acc.add("reward_model/loss", torch.nn.functional.softplus(r - c).sum(), c.numel())
+    return acc
+
+
+@torch.no_grad()
+def selection_metrics(
+    td: TensorDictBase,
+    selected: torch.Tensor,
+    acc: Accumulator | None = None,
+    *,
+    layout: Layout = LLM_LAYOUT_V1,
+) -> Accumulator:
+    """What a selection (best-of-n rejection sampling, expert iteration) kept of a batch:
+    ``selection/rate`` and the kept sequences' reward statistics and response length.
+
+    ``td`` is the batch before selection (call :func:`rollout_metrics` on it for the same
+    statistics before), ``selected`` one bool per sequence. A selection that keeps nothing
+    reports rate 0 and no reward statistic.
+
+    Example:
+        >>> import torch
+        >>> from posttrain.testing import llm_batch
+        >>> td = llm_batch(4, 8)
+        >>> td["next", "reward"] = torch.tensor([0.0, 1.0, 2.0, 3.0])
+        >>> vals = selection_metrics(td, torch.tensor([False, True, False, True])).values()
+        >>> vals["selection/rate"], vals["selection/reward/mean"], vals["selection/reward/min"]
+        (0.5, 2.0, 1.0)
+    """
+    acc = acc if acc is not None else Accumulator()
+    td, n_seq = _checked(td, layout, "selection_metrics")
+    _per_sequence("selected", selected, n_seq)
+    if selected.dtype != torch.bool:
+        raise ValueError(f"selected: expected a bool tensor, found dtype {selected.dtype}")
+    keep = selected.reshape(-1)
+    k = layout.key
+    asst = td.get(k("assistant_mask")) & td.get(k("attention_mask"))
+    _seq(acc, "selection/rate", keep.double())
+    _seq(acc, "selection/response_len/mean", asst.sum(-1).double()[keep])
+    reward = td.get(k("reward"), None)
+    if reward is not None:
+        r = reward.double().reshape(-1)[keep]
+        ok = r[torch.isfinite(r)]
+        _seq(acc, "selection/reward/mean", ok)
+        acc.add_values("selection/reward/std", ok)
+        if ok.numel():
+            acc.add("selection/reward/min", ok.min())
+            acc.add("selection/reward/max", ok.max())
     return acc
 
 
