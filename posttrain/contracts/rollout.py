@@ -52,7 +52,12 @@ ROLLOUT = Contract(
     purpose=(
         "Produces batches of generated sequences in the LLM layout from a policy whose weights "
         "the trainer updates. Every item says which weights produced it, so staleness is "
-        "measurable and off-policy corrections are possible."
+        "measurable and off-policy corrections are possible. Out of scope: whether "
+        "`update_policy_weights_(weights)` copies `weights` or keeps the tensors it was given "
+        "(a colocated source shares them with the trainer by design; a trainer that then "
+        "changes them in place owes the source another update for the change to be stamped), "
+        "and what it does with a name its policy does not have (raise, or ignore it); either "
+        "way `policy_version` names the weights the source generates with (ROLL-003, ROLL-005)."
     ),
     protocol=RolloutSourceV1,
     factory=(
@@ -62,30 +67,43 @@ ROLLOUT = Contract(
     uses_layout=True,
     version="1.2",
     capabilities=(
-        Capability(name="ragged", text="Yields ragged batches (lazy stacks / jagged tensors) instead of padded ones."),
-        Capability(name="log_probs", text="Stamps the behaviour log-probs (`sample_log_probs`) of generated tokens."),
-        Capability(name="groups", text="Generates several responses per prompt and stamps `group_id`."),
+        Capability(name="ragged", text="Yields ragged batches (lazy stacks / jagged tensors) instead of padded ones.",
+            undeclared="Batches are checked as padded ones (ROLL-001's layout, prompts right- or left-padded); ROLL-010 does not apply."),
+        Capability(name="log_probs", text="Stamps the behaviour log-probs (`sample_log_probs`) of generated tokens.",
+            undeclared="`sample_log_probs` is not read; ROLL-005 checks the new weights through the generated tokens alone; ROLL-008 does not apply."),
+        Capability(name="groups", text="Generates several responses per prompt and stamps `group_id`.",
+            undeclared="`group_id` is not read; every item must still answer one of the prompts given (ROLL-002); ROLL-009 does not apply."),
     ),
     requirements=(
         Requirement(id="ROLL-001", level=_M, title="batches meet the layout",
-            text="Every batch MUST meet the LLM layout v1 (tokens, attention mask, assistant mask, policy_version) with the assistant mask covering exactly the generated tokens: every generated token (the EOS that ends a response included, also where the pad token is EOS), and no prompt or padding token. Prompts MAY be left-padded (TRL's arrangement).", tightened=("1.1", "1.2")),
+            text="Every batch MUST meet the LLM layout v1 (tokens, attention mask, assistant mask, policy_version) with the assistant mask covering exactly the generated tokens: every generated token (the EOS that ends a response included, also where the pad token is EOS), and no prompt or padding token. Prompts MAY be left-padded (TRL's arrangement).", tightened=("1.1", "1.2"),
+            domain="Two batches of a source over the suite's four prompts (2 to 4 tokens) with scripted weights: two responses end early at EOS, and the pad token is EOS."),
         Requirement(id="ROLL-002", level=_M, title="prompt preserved",
-            text="The real tokens (attention mask True) before the first assistant token MUST be the prompt the source was given.", depends_on=("ROLL-001",)),
+            text="The real tokens (attention mask True) before the first assistant token MUST be the prompt the source was given.", depends_on=("ROLL-001",),
+            domain="The first batch of a source over the suite's four prompts (token ids 5 to 16, 1 to 4 tokens)."),
         Requirement(id="ROLL-003", level=_M, title="version stamped",
-            text="Every item MUST carry `policy_version` equal to the source's `policy_version` when it was generated; that version names the weights, so without `update_policy_weights_` it MUST stay the same from batch to batch.", tightened=("1.1", "1.2"), depends_on=("ROLL-001",)),
+            text="Every item MUST carry `policy_version` equal to the source's `policy_version` when it was generated; that version names the weights, so without `update_policy_weights_` it MUST stay the same from batch to batch.", tightened=("1.1", "1.2"), depends_on=("ROLL-001",),
+            domain="Three batches without an update, then three after `update_policy_weights_(weights)` with scripted weights whose tokens name them."),
         Requirement(id="ROLL-004", level=_M, title="version rises on update",
-            text="After `update_policy_weights_`, `policy_version` and the stamps of later batches MUST be greater than before.", depends_on=("ROLL-003",)),
+            text="After `update_policy_weights_`, `policy_version` and the stamps of later batches MUST be greater than before.", depends_on=("ROLL-003",),
+            domain="One batch, `update_policy_weights_` with the policy's own `state_dict()` (unchanged values), one batch."),
         Requirement(id="ROLL-005", level=_M, title="new weights used",
-            text="Batches generated after `update_policy_weights_` returns MUST come from the new weights (checked through the generated tokens or log-probs).", depends_on=("ROLL-004",)),
+            text="Batches generated after `update_policy_weights_` returns MUST come from the new weights (checked through the generated tokens or log-probs).", depends_on=("ROLL-004",),
+            domain="One batch, then `update_policy_weights_` with weights that emit one forced token, one batch."),
         Requirement(id="ROLL-006", level=_M, title="declared end",
-            text="When a total is declared, iteration MUST stop after exactly that many batches.", depends_on=("ROLL-001",)),
+            text="When a total is declared, iteration MUST stop after exactly that many batches.", depends_on=("ROLL-001",),
+            domain="A declared total of 3 batches, iterated to its end (counted up to 10)."),
         Requirement(id="ROLL-007", level=_M, title="shutdown",
-            text="`shutdown()` MUST be idempotent, and iterating after it MUST raise a clear error instead of hanging."),
+            text="`shutdown()` MUST be idempotent, and iterating after it MUST raise a clear error instead of hanging.",
+            domain="A source without a total that yielded one batch: `shutdown()` twice, then a new iteration (20 s to raise)."),
         Requirement(id="ROLL-008", level=_M, title="behaviour log-probs", capability="log_probs",
-            text="`sample_log_probs` MUST equal the generating policy's log-probs of the generated tokens within 1e-4.", depends_on=("ROLL-001",)),
+            text="`sample_log_probs` MUST equal the generating policy's log-probs of the generated tokens within 1e-4.", depends_on=("ROLL-001",),
+            domain="The first batch's `sample_log_probs` against the policy's log-probs of its generated tokens."),
         Requirement(id="ROLL-009", level=_M, title="groups stamped", capability="groups",
-            text="Items generated from the same prompt MUST share a `group_id` and items from different prompts MUST NOT.", depends_on=("ROLL-001",)),
+            text="Items generated from the same prompt MUST share a `group_id` and items from different prompts MUST NOT.", depends_on=("ROLL-001",),
+            domain="The `group_id` of the first batch's items against the prompts they answer."),
         Requirement(id="ROLL-010", level=_M, title="ragged batches", capability="ragged",
-            text="Ragged batches MUST hold, per item, exactly its real tokens: no padding, the attention mask True throughout.", depends_on=("ROLL-001",)),
+            text="Ragged batches MUST hold, per item, exactly its real tokens: no padding, the attention mask True throughout.", depends_on=("ROLL-001",),
+            domain="The first batch's items: real tokens only, attention mask True throughout."),
     ),
 )  # fmt: skip
