@@ -372,3 +372,127 @@ def test_wall_times_and_rates_combine_across_ranks() -> None:
     v = full.values()
     assert (v["rollout/reward/min"], v["rollout/reward/std"]) == (0.5, 1.0)
     assert math.isnan(v["policy/ratio/max"])  # a NaN on any rank is seen
+
+
+# --- the recipes beyond GRPO: selection (expert iteration), reward-model pairs, SFT NLL ------
+
+SELECTIONS = {
+    "keep_nan_and_empty": [True, True, False, True],  # a NaN reward and a zero-length answer kept
+    "keep_one": [False, False, True, False],
+    "keep_none": [False, False, False, False],
+}
+
+
+def _selection_reference(rows: list[dict[str, Any]], keep: list[bool]) -> dict[str, float]:
+    """The selection/* formulas in float64 Python."""
+    kept = [r for r, k in zip(rows, keep, strict=True) if k]
+    out = {"selection/rate": sum(keep) / len(keep)}
+    if kept:
+        lens = [sum(a and b for a, b in zip(r["asst"], r["attn"], strict=True)) for r in kept]
+        out["selection/response_len/mean"] = sum(lens) / len(lens)
+    rewards = [r["reward"] for r in kept if math.isfinite(r["reward"])]
+    if rewards:
+        out["selection/reward/mean"] = sum(rewards) / len(rewards)
+        out["selection/reward/std"] = statistics.pstdev(rewards)
+        out["selection/reward/min"], out["selection/reward/max"] = min(rewards), max(rewards)
+    return out
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "two-microbatches"])
+@pytest.mark.parametrize("selection", sorted(SELECTIONS))
+@pytest.mark.parametrize("case", ["padded", "ragged", "offset"])
+def test_selection_metrics_match_a_float64_reference(
+    case: str, selection: str, split: bool
+) -> None:
+    from posttrain.observability import selection_metrics
+
+    rows, keep = _rows(case), SELECTIONS[selection]
+    td = _td(rows, ragged=case == "ragged")
+    acc = Accumulator()
+    for sl in [slice(0, 2), slice(2, 4)] if split else [slice(0, 4)]:
+        selection_metrics(td[sl], torch.tensor(keep[sl]), acc)
+    got, want = acc.values(), _selection_reference(rows, keep)
+    # Nothing kept: a (0, 0) mean pair reads NaN, as any mean over no sequence.
+    got = {k: v for k, v in got.items() if not math.isnan(v)}
+    assert sorted(got) == sorted(want)
+    bad = {k: (got[k], want[k]) for k in want if not math.isclose(got[k], want[k], abs_tol=1e-12)}
+    assert not bad, bad
+
+
+def test_selection_metrics_refuse_a_wrong_selection_and_keep_the_accumulator() -> None:
+    from posttrain.observability import selection_metrics
+
+    td, acc = _td(_rows("padded"), ragged=False), Accumulator()
+    with pytest.raises(ValueError, match=r"selected: expected a tensor of 4 values .* shape \[3\]"):
+        selection_metrics(td, torch.ones(3, dtype=torch.bool), acc)
+    with pytest.raises(
+        ValueError, match=r"selected: expected a bool tensor, found dtype torch\.int64"
+    ):
+        selection_metrics(td, torch.ones(4, dtype=torch.long), acc)
+    assert acc.values() == {}
+
+
+def _pairs_reference(chosen: list[float], rejected: list[float]) -> dict[str, float]:
+    """reward_model/* in float64 Python: -log sigmoid(d) = log(1 + exp(-d))."""
+    d = [c - r for c, r in zip(chosen, rejected, strict=True)]
+    return {
+        "reward_model/accuracy": sum(x > 0 for x in d) / len(d),
+        "reward_model/margin": sum(d) / len(d),
+        "reward_model/margin/std": statistics.pstdev(d),
+        "reward_model/loss": sum(math.log1p(math.exp(-x)) for x in d) / len(d),
+    }
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "two-microbatches"])
+def test_reward_model_metrics_match_a_float64_reference(split: bool) -> None:
+    from posttrain.observability import reward_model_metrics
+
+    g = torch.Generator().manual_seed(5)
+    chosen = [*(torch.randn(9, generator=g) * 3).tolist(), 40.0, -40.0, 2.5]
+    rejected = [*(torch.randn(9, generator=g) * 3).tolist(), -40.0, 40.0, 2.5]  # +-80, a tie
+    acc = Accumulator()
+    for sl in [slice(0, 5), slice(5, 12)] if split else [slice(0, 12)]:
+        reward_model_metrics(
+            torch.tensor(chosen[sl], dtype=torch.float64),
+            torch.tensor(rejected[sl], dtype=torch.float64),
+            acc,
+        )
+    got, want = acc.values(), _pairs_reference(chosen, rejected)
+    assert sorted(got) == sorted(want)
+    bad = {k: (got[k], want[k]) for k in want if not math.isclose(got[k], want[k], rel_tol=1e-12)}
+    assert not bad, bad
+    assert math.isfinite(got["reward_model/loss"])  # exp(80) would overflow float32
+
+
+def test_sft_nll_of_the_expert_iteration_example_matches_the_formula() -> None:
+    """``loss/nll`` as the example's SFT step logs it, against the catalogue's formula from
+    the same logits in float64 Python: -log softmax at the next token, over asst tokens after
+    position 0, divided by their count."""
+    import runpy
+    from pathlib import Path
+
+    from posttrain.testing import tiny_causal_lm
+
+    ex = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "expert_iteration.py"))
+    rows = _rows("padded")
+    td = _td(rows, ragged=False).exclude(K("sample_log_probs"), K("ref_log_probs"))
+    tokens = td.get(K("tokens"))
+    attn = td.get(K("attention_mask"))
+    policy = tiny_causal_lm(vocab_size=V)
+    with torch.no_grad():
+        logits = policy(input_ids=tokens, attention_mask=attn.long()).logits.double().tolist()
+    total, count = 0.0, 0
+    for b, r in enumerate(rows):
+        for t in range(1, len(r["tokens"])):
+            if r["asst"][t] and r["attn"][t]:
+                row = logits[b][t - 1]
+                top = max(row)
+                lse = top + math.log(sum(math.exp(x - top) for x in row))
+                total += lse - row[r["tokens"][t]]
+                count += 1
+    acc = Accumulator()
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    ex["sft_step"](policy, opt, td, acc)
+    got = acc.values()
+    assert math.isclose(got["loss/nll"], total / count, rel_tol=1e-5)
+    assert got["loss/total"] == got["loss/nll"]
