@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from posttrain.contracts.catalogue import CATALOGUE_V1
+from posttrain.contracts.catalogue import CATALOGUE_V1, RECIPES
 from posttrain.observability.plot import (
     PANELS,
     dashboard,
@@ -204,3 +204,76 @@ def test_update_kl_and_ess_have_their_panels() -> None:
     assert [s.metric for s in kl.series] == ["policy/update_kl/k3", "policy/update_kl/k1"]
     (ess,) = by_title["effective sample size [1]"].series
     assert (ess.steps, ess.values) == ([1, 2], [1.0, 0.9])
+
+
+def _recipe_run(recipe: str) -> dict[str, list[tuple[int, float]]]:
+    """A run holding every scalar its recipe emits (catalogue names; distributions aside)."""
+    from posttrain.contracts.catalogue import recipe_metrics
+
+    return {
+        n.replace("<reward_fn>", "fmt"): [(s, 0.1 * (s + 1)) for s in STEPS]
+        for n in recipe_metrics(recipe)
+        if CATALOGUE_V1.metric(n).reduction != "hist"
+    }
+
+
+def test_each_recipe_gets_its_panels_and_only_those() -> None:
+    from posttrain.observability.plot import drawn_panels, recipes_of
+
+    titles = {}
+    for recipe in RECIPES:
+        run = _recipe_run(recipe)
+        assert recipes_of(run) == (recipe,)
+        drawn = drawn_panels({recipe: run}, smoothing=0.0)
+        assert all(p.series for p in drawn), recipe  # every panel drawn has its lines
+        titles[recipe] = {p.title.split(" [")[0] for p in drawn}
+    grpo, ei, rm = titles["grpo"], titles["expert_iteration"], titles["reward_model"]
+    assert {"selection rate", "reward kept", "pair accuracy", "reward margin"}.isdisjoint(grpo)
+    assert {"KL to reference", "clip fraction", "advantage"} <= grpo
+    assert {"selection rate", "reward kept", "reward", "entropy", "buffer", "staleness"} <= ei
+    assert {"KL to reference", "clip fraction", "advantage", "pair accuracy"}.isdisjoint(ei)
+    assert rm == {
+        "loss",
+        "grad norm",
+        "learning rate",
+        "throughput",
+        "time",
+        "pair accuracy",
+        "reward margin",
+        "buffer",
+    }
+
+
+def test_the_reward_margin_has_its_spread_as_a_band_and_losses_share_a_panel() -> None:
+    run = _recipe_run("reward_model")
+    by_title = {p.title: p for p in panels({"rm": run}, smoothing=0.0)}
+    (margin,) = by_title["reward margin [1]"].series
+    assert margin.band is not None
+    lo, hi = margin.band
+    assert [b - a for a, b in zip(lo, hi, strict=True)] == pytest.approx(
+        [2 * v for _, v in run["reward_model/margin/std"]]
+    )
+    assert {s.metric for s in by_title["loss [1]"].series} == {"loss/total", "reward_model/loss"}
+
+
+def test_the_command_draws_a_run_of_each_recipe(tmp_path: Path) -> None:
+    for recipe in RECIPES:
+        sink = JsonlSink(tmp_path / recipe)
+        for name, points in _recipe_run(recipe).items():
+            for s, v in points:
+                sink.log_scalar(name, v, step=s)
+        sink.close()
+    for recipe in ("expert_iteration", "reward_model"):
+        out = tmp_path / f"{recipe}.png"
+        assert main([str(tmp_path / recipe), "--out", str(out)]) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = figure({"rm": read_run(tmp_path / "reward_model")}, smoothing=0.0)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert len(titles) == 8
+    assert "pair accuracy [1]" in titles
+    assert not [t for t in titles if t.startswith(("reward [", "KL", "entropy"))]
+    # Three recipes at once: the panels of all three, each drawn by the runs that have it.
+    fig = figure({r: read_run(tmp_path / r) for r in RECIPES}, smoothing=0.0)
+    assert {"selection rate [1]", "pair accuracy [1]", "KL to reference [nats]"} <= {
+        ax.get_title() for ax in fig.axes
+    }

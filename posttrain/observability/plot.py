@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain._deps import optional_deps
-from posttrain.contracts.catalogue import CATALOGUE_V1
+from posttrain.contracts.catalogue import CATALOGUE_V1, RECIPES, recipe_metrics
 
 Scalars = dict[str, list[tuple[int, float]]]
 
@@ -39,7 +39,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sampler-trainer mismatch KL", ("policy/mismatch_kl",)),
     ("lengths", ("rollout/response_len/mean", "rollout/prompt_len/mean")),
     ("truncated", ("rollout/truncated_frac",)),
-    ("loss", ("loss/total", "loss/policy")),
+    ("loss", ("loss/total", "loss/policy", "loss/nll", "reward_model/loss")),
     ("grad norm", ("optim/grad_norm",)),
     ("learning rate", ("optim/lr",)),
     ("throughput", ("perf/gen_tokens_per_s", "perf/train_tokens_per_s")),
@@ -47,8 +47,14 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("time", ("time/step_s", "time/rollout_s", "time/train_s")),
     ("policy-update KL", ("policy/update_kl/k3", "policy/update_kl/k1")),
     ("effective sample size", ("policy/ratio/ess",)),
+    ("selection rate", ("selection/rate",)),
+    ("reward kept", ("selection/reward/mean", "selection/reward/min", "selection/reward/max")),
+    ("pair accuracy", ("reward_model/accuracy",)),
+    ("reward margin", ("reward_model/margin",)),
+    ("buffer", ("buffer/utilization",)),
 )
-"""Panel title -> the catalogue metrics it draws (a ``/mean`` with a ``/std`` gets a band)."""
+"""Panel title -> the catalogue metrics it draws (a ``/mean`` with a ``/std``, or a metric
+with a ``<name>/std``, gets a band)."""
 
 DEFAULT_SMOOTHING = 0.6
 """The EMA weight of the previous smoothed value (TensorBoard's slider): 0 draws the points."""
@@ -328,8 +334,9 @@ def panels(runs: Mapping[str, Scalars], *, smoothing: float = DEFAULT_SMOOTHING)
                 values = [v for _, v in points]
                 smooth = ema(values, smoothing)
                 band = None
-                if m.endswith("/mean") and scalars.get(m[: -len("mean")] + "std"):
-                    std = dict(scalars[m[: -len("mean")] + "std"])
+                sd_name = m[: -len("mean")] + "std" if m.endswith("/mean") else m + "/std"
+                if scalars.get(sd_name):
+                    std = dict(scalars[sd_name])
                     sd = ema([std.get(s, math.nan) for s in steps], smoothing)
                     band = (
                         [a - b for a, b in zip(smooth, sd, strict=True)],
@@ -342,6 +349,41 @@ def panels(runs: Mapping[str, Scalars], *, smoothing: float = DEFAULT_SMOOTHING)
 
 
 _STYLES = ("-", "--", ":", "-.")
+
+
+def recipes_of(scalars: Scalars) -> tuple[str, ...]:
+    """The recipes (:data:`~posttrain.contracts.catalogue.RECIPES`) whose metrics hold every
+    catalogue name the run logged: what the run can be (all of them when none can).
+
+    Example:
+        >>> recipes_of({"selection/rate": [(0, 0.25)], "loss/nll": [(0, 3.0)]})
+        ('expert_iteration',)
+        >>> recipes_of({"optim/lr": [(0, 1e-3)]})
+        ('grpo', 'expert_iteration', 'reward_model')
+    """
+    known = {m.name for m in CATALOGUE_V1.metrics}
+    names = {n for n in scalars if n in known}
+    fits = tuple(r for r in RECIPES if names <= set(recipe_metrics(r)))
+    return fits or RECIPES
+
+
+def drawn_panels(
+    runs: Mapping[str, Scalars], *, smoothing: float = DEFAULT_SMOOTHING
+) -> list[Panel]:
+    """The panels :func:`figure` draws: those of :func:`panels` that apply to the recipes the
+    runs can be (:func:`recipes_of`), so a reward-model run shows no rollout panels and a GRPO
+    run no selection panel; a panel that applies but holds nothing says "not logged".
+
+    Example:
+        >>> rm = {"reward_model/accuracy": [(0, 0.5)], "loss/total": [(0, 0.7)]}
+        >>> [p.title for p in drawn_panels({"rm": rm})][:3]
+        ['loss [1]', 'grad norm [1]', 'learning rate [1]']
+    """
+    applies: set[str] = set()
+    for scalars in runs.values():
+        for recipe in recipes_of(scalars):
+            applies |= set(recipe_metrics(recipe))
+    return [p for p in panels(runs, smoothing=smoothing) if applies & set(p.metrics)]
 
 
 def dashboard(
@@ -396,12 +438,13 @@ def figure(
     by_run = _as_runs(runs)
     colours = {label: f"C{i % 10}" for i, label in enumerate(by_run)}
     several = len(by_run) > 1
+    drawn = drawn_panels(by_run, smoothing=smoothing)
     cols = 4
-    rows = -(-len(PANELS) // cols)
+    rows = -(-len(drawn) // cols)
     fig = Figure(figsize=(4.2 * cols, 3 * rows))
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False)
-    for ax, panel in zip(axes.flat, panels(by_run, smoothing=smoothing), strict=False):
+    for ax, panel in zip(axes.flat, drawn, strict=False):
         for s in panel.series:
             c = colours[s.run]
             style = _STYLES[panel.metrics.index(s.metric) % len(_STYLES)]
@@ -422,7 +465,7 @@ def figure(
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
         ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(PANELS) :]:
+    for ax in list(axes.flat)[len(drawn) :]:
         ax.axis("off")
     if title:
         fig.suptitle(title)
