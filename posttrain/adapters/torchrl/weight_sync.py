@@ -160,7 +160,9 @@ class CheckedSender:
         problems = weight_problems(self._signature, weights)
         if problems:
             raise ValueError("weights rejected (receiver unchanged): " + "; ".join(problems))
-        self.raw.send(weights, version=version)
+        # torch.distributed sends only contiguous tensors (a transposed or strided view raises
+        # there); a contiguous one is passed as it is.
+        self.raw.send({n: t.contiguous() for n, t in weights.items()}, version=version)
 
     def completed(self) -> tuple[int, float]:
         """The version and duration of the last send that returned."""
