@@ -36,3 +36,10 @@ def test_every_loss_type_trl_offers_has_rows() -> None:
     listed = field.metadata["help"].split("Supported values are")[1].split(".")[0]
     assert set(re.findall(r"'(\w+)'", listed)) == set(LOSS_TYPES)
     assert len(ROWS) == 2 * len(LOSS_TYPES)
+
+
+@pytest.mark.parametrize("name", ["trl-adapted-cispo-default", "trl-users-bnpo", "trl-users-dapo"])
+def test_trl_default_and_users_rows_fail_what_they_declare(name: str) -> None:
+    from posttrain.adapters.trl.implementations import ROWS as MORE
+
+    assert set(own_failures(MORE[name])) == set(MORE[name].known_failures)

@@ -159,3 +159,27 @@ for _mode in MODES:
             ROWS[_name] = _row(_mode, _agg, adapted=_adapted)
             # A module attribute per row: the runner's repro command names it.
             globals()[_name.removeprefix("verl-").replace("-", "_").upper()] = ROWS[_name]
+
+
+def _users_loss(policy: Any, aggregation: str = "seq_mean_token_sum_norm", **options: Any) -> Any:
+    return VerlLoss(policy, "vanilla", aggregation, adapted=True, t_norm=None, **options)
+
+
+USERS_ROWS: dict[str, Implementation] = {
+    "verl-users-vanilla-seq-mean-token-sum-norm": Implementation(
+        "loss",
+        partial(_users_loss, aggregation="seq_mean_token_sum_norm"),
+        name="VerlLoss(verl compute_policy_loss_vanilla(loss_agg_mode='seq-mean-token-sum-norm'), "
+        "loss_scale_factor unset)",
+        capabilities={"per_token_advantage", "global_counts", "clip"},
+        options={"aggregation": "seq_mean_token_sum_norm", "ratio": RATIOS["vanilla"]},
+        extras={"t_norm": T_NORM, **_CLIP["vanilla"]},
+        description="verl 0.9.1's vanilla loss as its trainer runs it: global counts as "
+        "batch_num_tokens / global_batch_size (dp_size 1) and ActorConfig.loss_scale_factor at "
+        "its default (None): agg_loss divides by the response tensor's width.",
+        known_failures=frozenset({"LOSS-003", "LOSS-005", "LOSS-016", "LOSS-017", "LOSS-021"}),
+    )
+}
+"""verl rows at verl's own defaults where the rows above set a value (``loss_scale_factor``)."""
+for _name, _impl in USERS_ROWS.items():
+    globals()[_name.removeprefix("verl-").replace("-", "_").upper()] = _impl
