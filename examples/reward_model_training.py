@@ -203,9 +203,16 @@ class CatalogueLog(TrainerCallback):
 
 
 def trl_loop(
-    buffer: RingBuffer, pairs: Any, out: Path, *, steps: int = STEPS, seed: int = 1
+    buffer: RingBuffer,
+    pairs: Any,
+    out: Path,
+    *,
+    steps: int = STEPS,
+    seed: int = 1,
+    history: list[dict[str, Any]] | None = None,
 ) -> list[float]:
-    """TRL's RewardTrainer on the same pairs (no margin column: the plain Bradley-Terry loss)."""
+    """TRL's RewardTrainer on the same pairs (no margin column: the plain Bradley-Terry loss);
+    TRL's own logs go into ``history`` when given."""
     with tempfile.TemporaryDirectory() as tmp:
         trainer = HookedRewardTrainer(
             model=tiny_reward_model(seed=seed),
@@ -232,6 +239,8 @@ def trl_loop(
         trainer.train()
         sink.close()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if history is not None:
+        history.extend(trainer.state.log_history)
     print("RewardTrainer losses:", losses)
     return losses
 

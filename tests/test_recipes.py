@@ -113,6 +113,29 @@ def test_the_reward_model_example_emits_its_recipes_metrics_in_both_loops(tmp_pa
     assert [v for _, v in trl["reward_model/loss"]] == pytest.approx(losses[2:], rel=1e-6)
 
 
+def test_the_hooks_in_reward_trainer_read_what_trl_logs(tmp_path: Path) -> None:
+    """Accuracy, margin and loss from TRL's own scores equal TRL's logged accuracy, margin and
+    loss at every step (one micro-batch a step: TRL's step mean is the pairs' mean)."""
+    ex = _example("reward_model_training")
+    buffer = ex["fill_buffer"]()
+    pairs = reward_dataset(buffer, len(buffer), pairs="all")
+    history: list[dict[str, Any]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ex["trl_loop"](buffer, pairs, tmp_path, steps=3, history=history)
+    logged = [h for h in history if "accuracy" in h]
+    ours = read_jsonl(tmp_path)
+    assert len(logged) == 3
+    for ours_name, trl_name in (
+        ("reward_model/accuracy", "accuracy"),
+        ("reward_model/margin", "margin"),
+        ("reward_model/loss", "loss"),
+        ("optim/grad_norm", "grad_norm"),
+    ):
+        got = [v for _, v in ours[ours_name]]
+        assert got == pytest.approx([h[trl_name] for h in logged], rel=1e-6), ours_name
+
+
 def _recipe_values() -> dict[str, dict[str, float]]:
     """One step of each recipe on one batch: 4 prompts x 4 answers sampled by one policy.
 
