@@ -232,6 +232,8 @@ def test_each_recipe_gets_its_panels_and_only_those() -> None:
     assert {"KL to reference", "clip fraction", "advantage"} <= grpo
     assert {"selection rate", "reward kept", "reward", "entropy", "buffer", "staleness"} <= ei
     assert {"KL to reference", "clip fraction", "advantage", "pair accuracy"}.isdisjoint(ei)
+    by_title = {p.title: p for p in panels({"ei": _recipe_run("expert_iteration")})}
+    assert "time/weight_sync_s" in {s.metric for s in by_title["time [s]"].series}
     assert rm == {
         "loss",
         "grad norm",

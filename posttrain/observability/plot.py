@@ -44,7 +44,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("learning rate", ("optim/lr",)),
     ("throughput", ("perf/gen_tokens_per_s", "perf/train_tokens_per_s")),
     ("staleness", ("staleness/mean", "staleness/max")),
-    ("time", ("time/step_s", "time/rollout_s", "time/train_s")),
+    ("time", ("time/step_s", "time/rollout_s", "time/train_s", "time/weight_sync_s")),
     ("policy-update KL", ("policy/update_kl/k3", "policy/update_kl/k1")),
     ("effective sample size", ("policy/ratio/ess",)),
     ("selection rate", ("selection/rate",)),
