@@ -430,7 +430,7 @@ def _machine(ctx: Context, *, aliasing: bool = False) -> type[Any]:
         def receive(self) -> None:
             if not self.unadopted:
                 with contextlib.suppress(TimeoutError, FuturesTimeout):
-                    self.receiver.receive(timeout=0.05)
+                    self.receiver.receive(timeout=0.01)
                 self._check("after a receive() with nothing sent since the last one")
                 return
             self.receiver.receive(timeout=10.0)
