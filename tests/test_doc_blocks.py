@@ -219,7 +219,7 @@ def deprecated_names(text: str) -> list[str]:
 
 # docs/api.md's table of deprecated aliases names each on purpose.
 _NAMES_DEPRECATED_ON_PURPOSE = {"docs/api.md"}
-DEPRECATED_NAMED_YET = {"docs/architecture.md": ["posttrain.conformance.Implementation"]}
+DEPRECATED_NAMED_YET: dict[str, list[str]] = {}
 """Pages that still name a deprecated alias in their prose, and which."""
 
 
