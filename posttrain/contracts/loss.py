@@ -31,10 +31,11 @@ AGGREGATIONS = (
     "seq_mean_token_sum_norm",
 )
 """How per-token terms become one scalar; the weight of token t of sequence i (m = assistant
-mask, L_i = its count in row i, B = rows, T_norm = a declared constant):
-token_mean m/sum(m); seq_mean_token_mean m/(B*L_i); seq_mean_token_sum m/B;
-seq_mean_token_sum_norm m/(B*T_norm). Under capability ``global_counts`` sum(m) is
-``counts.tokens`` and B is ``counts.sequences`` (see :class:`GlobalCounts`).
+mask and attention mask, position 0 excluded; L_i = its count in row i; N = sum(m); B = the
+rows with L_i > 0, a row without an assistant token weighs nothing and is not counted
+(without capability ``global_counts`` B may count every row instead); T_norm = a declared
+constant): token_mean m/N; seq_mean_token_mean m/(B*L_i); seq_mean_token_sum m/B; seq_mean_token_sum_norm m/(B*T_norm). N and B are
+``GlobalCounts.of(td)``; under capability ``global_counts`` a call's ``counts`` replaces them.
 
 Example:
     >>> AGGREGATIONS[0]
@@ -205,26 +206,26 @@ LOSS = Contract(
     ),
     protocol=LossModuleV1,
     extra_protocols=(SupportsGlobalCounts, GlobalCounts),
-    version="1.5",
+    version="1.6",
     factory=(
         "factory(policy, **overrides) -> LossModuleV1  # policy: an HF-style causal LM the suite "
         "supplies; overrides only in LOSS-008 (a declared option's name, a misspelt keyword); "
         "seq_mean_token_sum_norm reads Implementation.extras['t_norm'], capability clip "
         "extras['clip_epsilon'] (and 'dual_clip'); capability global_counts: "
         "loss(td, counts=GlobalCounts(...)) on micro-batches (LOSS-016 to LOSS-018); "
-        "extras['precision'] the dtype of the policy's weights (see Precision)"
+        "extras['precision'] the dtype of the policy's weights (see Precision); capability diagnostics: extras['kl_approx'] (LOSS-024)"
     ),
     uses_layout=True,
     capabilities=(
-        Capability(name="kl_to_ref", text="Adds a KL penalty to the reference log-probs (`ref_log_probs`)."),
-        Capability(name="per_token_advantage", text="Accepts advantages of shape [B, T] as well as [B]."),
-        Capability(name="ragged", text="Accepts ragged batches (lazy stacks / jagged tensors)."),
-        Capability(name="diagnostics", text="Returns `clip_fraction`, `kl_approx` and `entropy` alongside the loss terms."),
-        Capability(name="clip", text="Clips the ratio r = exp(logp - sample_log_probs) PPO-style: per token max(-A·r, -A·clip(r, 1 - ε_low, 1 + ε_high)), and with dual clip c > 1 its min with -A·c where A < 0. The bounds are declared in `Implementation.extras`: `clip_epsilon` (ε, or the pair (ε_low, ε_high)) and, for dual clip, `dual_clip` (c)."),
-        Capability(name="global_counts", text="`loss(td, counts=GlobalCounts(tokens=..., sequences=...))` normalizes by the global batch's counts (all micro-batches, all data-parallel ranks): sum(m) becomes `counts.tokens` and B `counts.sequences` in the aggregation weights, and diagnostics are sums divided by `counts.tokens`; without `counts`, by `GlobalCounts.of(td)`. Since 1.3."),
+        Capability(name="kl_to_ref", text="Adds a KL penalty to the reference log-probs (`ref_log_probs`).", undeclared="No KL term is asked for; `ref_log_probs` are an input like any other: LOSS-004 to LOSS-007 and LOSS-017 feed them off the policy's."),
+        Capability(name="per_token_advantage", text="Accepts advantages of shape [B, T] as well as [B].", undeclared="Only [B] advantages are fed; every check that feeds [B, T] ones (LOSS-003, 011, 017, 021) feeds [B] ones as well."),
+        Capability(name="ragged", text="Accepts ragged batches (lazy stacks / jagged tensors).", undeclared="Only padded batches are fed (micro-batches padded to their own width in LOSS-017)."),
+        Capability(name="diagnostics", text="Returns `clip_fraction`, `kl_approx` and `entropy` alongside the loss terms. `kl_approx` estimates the KL between the behaviour policy and the policy (LOSS-024); `Implementation.extras['kl_approx']` may name the estimator (since 1.6).", undeclared="No diagnostic is asked for; one returned anyway is an output like any other, held to LOSS-004 to LOSS-007."),
+        Capability(name="clip", text="Clips the ratio r = exp(logp - sample_log_probs) PPO-style: per token max(-A·r, -A·clip(r, 1 - ε_low, 1 + ε_high)), and with dual clip c > 1 its min with -A·c where A < 0. The bounds are declared in `Implementation.extras`: `clip_epsilon` (ε, or the pair (ε_low, ε_high)) and, for dual clip, `dual_clip` (c).", undeclared="The surrogate is checked at ratio 1 (LOSS-003, LOSS-016) and, off policy, with log r within ±0.1, where no PPO clip bound of 0.2 acts (LOSS-017, LOSS-021)."),
+        Capability(name="global_counts", text="`loss(td, counts=GlobalCounts(tokens=..., sequences=...))` normalizes by the global batch's counts (all micro-batches, all data-parallel ranks): sum(m) becomes `counts.tokens` and B `counts.sequences` in the aggregation weights, and diagnostics are sums divided by `counts.tokens`; without `counts`, by `GlobalCounts.of(td)`. Since 1.3.", undeclared="`loss(td)` alone: LOSS-003 checks on every loss (since 1.6) that a row without an assistant token weighs nothing, B counting the rows that hold one or every row (the capability pins the former: LOSS-016); LOSS-017 measures and reports (NOT_APPLICABLE) how the gradient depends on the micro-batch split."),
     ),
     options=(
-        Option(name="aggregation", values=AGGREGATIONS, default="token_mean", text="How per-token terms are reduced to a scalar (see the weights above)."),
+        Option(name="aggregation", values=AGGREGATIONS, default="token_mean", text="How per-token terms are reduced to a scalar. With m_t the assistant mask (and the attention mask; position 0 excluded: no logit predicts it), L_i = Σ_t m_t of row i, N = Σ_i L_i and B the number of rows with L_i > 0 (a row without an assistant token weighs nothing and is not counted; without capability global_counts B may instead count every row of the batch, as TRL's and TorchRL's means do, the row still weighing nothing), token t of row i weighs `token_mean` w = m/N; `seq_mean_token_mean` w = m/(B·L_i); `seq_mean_token_sum` w = m/B; `seq_mean_token_sum_norm` w = m/(B·T_norm), T_norm = `Implementation.extras['t_norm']`. A term is Σ_i,t w·x_t of its per-token value x (`loss_objective`: x = -A·ρ, ρ the declared ratio). N and B are `GlobalCounts.of(td)`, or under capability global_counts the `counts` passed (formulas stated here since 1.6)."),
         Option(name="kl_estimator", values=("k1", "k2", "k3"), default="k3", text="Capability kl_to_ref: the per-token estimate of KL(pi || pi_ref) from log r = log pi_ref - log pi (Schulman): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. Since 1.4; checked only where declared (LOSS-019)."),
         Option(name="kl_gradient", values=("pathwise", "score"), default="pathwise", text="Capability kl_to_ref: how the KL estimate is differentiated: as written (`pathwise`), or times exp(log pi - sg(log pi)) (`score`: the same value, plus the score-function term k per token; NeMo-RL's form). Since 1.4; checked only where declared (LOSS-020)."),
         Option(name="ratio", values=("token", "sequence", "on_policy", "none", "gspo_token", "cispo"), default="token", text="The ratio the surrogate clips: per token r_t = exp(log pi - sample_log_probs); `sequence` the row's geometric mean exp(mean_t log r_t) at every token (GSPO); `on_policy` exactly 1 with the gradient of log pi (NeMo-RL force_on_policy_ratio); `none` the log-prob itself, the surrogate -A log pi (REINFORCE, NeMo-RL disable_ppo_ratio); `gspo_token` GSPO's token form sg(ρ_seq)·pi/sg(pi): the sequence ratio's value, each token's gradient its own (GSPO-token, verl's gspo); `cispo` sg(clip(r_t, 1 - ε_low, 1 + ε_high))·log pi, the surrogate -A·sg(clip(r))·log pi (CISPO, MiniMax-M1). Since 1.4 (`gspo_token` and `cispo` since 1.5); checked only where declared (LOSS-021, LOSS-022, LOSS-023)."),
@@ -234,8 +235,9 @@ LOSS = Contract(
             text="`loss(td)` MUST return a TensorDict or mapping whose `loss_*` entries are finite scalar tensors, including `loss_objective`."),
         Requirement(id="LOSS-002", level=_M, title="gradients reach the policy",
             text="The sum of the `loss_*` entries MUST have a gradient that reaches the policy's parameters.", depends_on=("LOSS-001",)),
-        Requirement(id="LOSS-003", level=_M, title="aggregation weights", tightened=("1.2", "1.3"),
-            text="At ratio 1, the gradient of `loss_objective` with respect to each token's log-prob MUST equal minus the token's advantage (its row's value for a [B] advantage, its own position's value for a [B, T] one under capability per_token_advantage) times the declared aggregation's weight, however the loss calls the policy (one batched call, or several over rows or parts of rows) and however it computes log-probs from the logits; a `loss_objective` that reaches the logits other than through the tokens' log-probs (a temperature, a vocabulary entropy inside it) has no such gradient and fails, saying so.", depends_on=("LOSS-002",)),
+        Requirement(id="LOSS-003", level=_M, title="aggregation weights", tightened=("1.2", "1.3", "1.6"),
+            text="At ratio 1, the gradient of `loss_objective` with respect to each token's log-prob MUST equal minus the token's advantage (its row's value for a [B] advantage, its own position's value for a [B, T] one under capability per_token_advantage) times the declared aggregation's weight, however the loss calls the policy (one batched call, or several over rows or parts of rows) and however it computes log-probs from the logits; a `loss_objective` that reaches the logits other than through the tokens' log-probs (a temperature, a vocabulary entropy inside it) has no such gradient and fails, saying so.", depends_on=("LOSS-002",),
+            domain="The suite's batch of 4 rows ([B] advantages, none within 0.1 of 0; [B, T] ones different at every position under per_token_advantage) and, since 1.6, a batch of 5 rows one of which holds no assistant token (finite log-probs everywhere), whatever capability global_counts says."),
         Requirement(id="LOSS-004", level=_M, title="masked positions are inert",
             text="Changing tokens, log-probs or advantages outside the assistant mask (NaN included) MUST NOT change any output.", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-005", level=_M, title="padding is inert",
@@ -262,8 +264,9 @@ LOSS = Contract(
             text="A batch whose advantage or log-probs it reads have a shape outside the layout's (an advantage [B, 1] or [B, T - 1], log-probs one position short or long of the tokens) SHOULD raise an error naming the key: nothing is broadcast, padded or cut into place (a SHOULD until v2: no 1.0 sentence asked for it)."),
         Requirement(id="LOSS-016", level=_M, title="global counts normalize", capability="global_counts", since="1.3",
             text="`loss(td, counts=GlobalCounts(tokens=N, sequences=S))` MUST weight every term as the declared aggregation does with the token count sum(m) replaced by N and the row count B by S, whatever the batch's own counts; `loss(td)` MUST equal `loss(td, counts=GlobalCounts.of(td))`, whose `sequences` holds only rows with at least one assistant token (a row without one weighs nothing and is not counted).", depends_on=("LOSS-001",)),
-        Requirement(id="LOSS-017", level=_M, title="micro-batches add up", since="1.3",
-            text="Under capability `global_counts`, for every aggregation and any split of a batch into micro-batches (uneven, a single row, one without any assistant token), each called with the whole batch's `GlobalCounts`, the micro-batches' `loss_*` terms MUST sum to the whole batch's (called without counts) and the policy-parameter gradients of their sums to its gradient, within the declared precision's tolerance of the largest magnitude (1e-5 in float32, 1e-10 in float64; see Precision). A loss without the capability is not failed but measured: the suite reports (NOT_APPLICABLE) the gradient weight one token of a short and of a long answer gets in one batch and when they land in different micro-batches accumulated as users write it (the mean of the micro-batch losses).", depends_on=("LOSS-002",)),
+        Requirement(id="LOSS-017", level=_M, title="micro-batches add up", since="1.3", tightened=("1.6",),
+            text="Under capability `global_counts`, for every aggregation and any split of a batch into micro-batches (any order of the rows, cut anywhere: uneven, a single row, one without any assistant token), with every term live (off policy, reference log-probs off the policy's so a KL term is not zero, a [B, T] advantage under capability per_token_advantage, ragged micro-batches under capability ragged), each called with the whole batch's `GlobalCounts`, the micro-batches' `loss_*` terms MUST sum to the whole batch's (called without counts) and the policy-parameter gradients of their sums to its gradient, within the declared precision's tolerance of the largest magnitude (1e-5 in float32, 1e-10 in float64; see Precision). A loss without the capability is not failed but measured: the suite reports (NOT_APPLICABLE) the gradient weight one token of a short and of a long answer gets in one batch and when they land in different micro-batches accumulated as users write it (the mean of the micro-batch losses).", depends_on=("LOSS-002",),
+            domain="A batch of 5 rows (row 2 without an assistant token, row 0 assistant from position 0 on), sample log-probs the policy's own minus offsets within ±0.1 (inside the declared clip bounds), reference log-probs the policy's own plus 0.54 / 0.06 alternating; splits [0] + [1..4], [0, 1, 3] + [2] + [4] and [3, 1] + [4, 0, 2] first, then Hypothesis draws of a row order and cut points (4 at depth 1, times --conformance-depth), each micro-batch padded to its own width or, under ragged, also a lazy stack of rows cut to their lengths."),
         Requirement(id="LOSS-018", level=_M, title="diagnostics add up", capability="global_counts", since="1.3",
             text="Under capabilities `global_counts` and `diagnostics`, with `counts`, `clip_fraction`, `kl_approx` and `entropy` MUST be sums over the micro-batch's assistant tokens divided by `counts.tokens`, so the micro-batches' values sum to the whole batch's and the metric catalogue's `tok` reduction of the pairs (value x `counts.tokens`, the micro-batch's token count) gives it exactly, never a mean of micro-batch means (within the tolerance of LOSS-017).", depends_on=("LOSS-001",)),
         Requirement(id="LOSS-019", level=_M, title="declared KL estimator", capability="kl_to_ref", since="1.4",
@@ -276,5 +279,8 @@ LOSS = Contract(
             text="Where option `ratio` is declared `sequence` or `gspo_token`, with sample log-probs that put each row's sequence ratio ρ outside the declared clip bounds (above 1 + ε_high and below 1 - ε_low, advantages of both signs), `loss_objective` MUST equal Σ w·max(-A·ρ, -A·clip(ρ, 1 - ε_low, 1 + ε_high)) (and its min with -A·c where A < 0 under dual clip c), and its gradient with respect to each token's log-prob MUST be zero in the rows where the clipped term is active and -A·ρ·(Σ_row w)/L elsewhere, L the row's assistant-token count (every aggregation's weight is constant along a row, so for `gspo_token`, -A·ρ·w_t, this is the same number)."),
         Requirement(id="LOSS-023", level=_M, title="CISPO weight clipped", capability="clip", since="1.5",
             text="Where option `ratio` is declared `cispo`, with sample log-probs that put token ratios r above 1 + ε_high, below 1 - ε_low (where that is above 0) and inside the bounds, advantages of both signs, `loss_objective` MUST equal Σ w·(-A·c·log pi) with c = clip(r, 1 - ε_low, 1 + ε_high), and its gradient with respect to each token's log-prob MUST be -A·c·w: a clipped weight bounds the token's gradient, it never zeroes it (PPO's clipped term would)."),
+        Requirement(id="LOSS-024", level=_M, title="kl_approx estimates the behaviour KL", capability="diagnostics", since="1.6",
+            text="`kl_approx` MUST be the mean over assistant tokens of one per-token estimate of the KL between the behaviour policy and the policy, of y_t = log pi_t - sample_log_probs_t: KL(pi_sample ‖ pi) by `k1` = -y, `k2` = y²/2 or `k3` = e^y - 1 - y, or KL(pi ‖ pi_sample) by `k1_reverse` = y or `k3_reverse` = e^-y - 1 + y (the one `Implementation.extras['kl_approx']` names where declared, any of them where not), and MUST NOT read `ref_log_probs` (a KL to the reference is `loss_kl_to_ref`'s).", depends_on=("LOSS-012",),
+            domain="The suite's batch with y_t cycling 0.6, -0.3, 0.9, -0.5, 0.2, -0.8 along each row (every estimator then gives another mean), reference log-probs the policy's own and then moved by 0.7."),
     ),
 )  # fmt: skip

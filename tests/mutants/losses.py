@@ -419,6 +419,32 @@ class CountsEveryRow(_Counted):
         return counts or GlobalCounts(GlobalCounts.of(td).tokens, td.batch_size[0])
 
 
+class KlApproxOtherThanDeclared(PolicyGradientLoss):
+    """Declares ``extras['kl_approx'] = "k1"`` (the mean of sample_log_probs - log pi, as
+    TorchRL and verl report it) but reports k3 of that log-ratio, the reference's estimator."""
+
+
+class KlTermLocal(PolicyGradientLoss):
+    """The policy-gradient term over the global counts, the KL term over the micro-batch's
+    own tokens: the same as the whole batch's wherever the KL is zero (at ratio 1 with the
+    reference equal to the policy), off by the micro-batch's share of tokens elsewhere."""
+
+    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        out = super().forward(td, counts=counts)
+        if counts is not None and "loss_kl_to_ref" in out.keys():  # noqa: SIM118
+            out["loss_kl_to_ref"] = super().forward(td).get("loss_kl_to_ref")
+        return out
+
+
+class KlApproxToReference(_Edit):
+    """``kl_approx`` reports the KL to the reference (the ``kl_to_ref`` diagnostic): zero at
+    ratio 1 with the reference equal to the policy, as the behaviour KL is."""
+
+    def post(self, out: TensorDict, td: TensorDictBase) -> TensorDict:
+        out["kl_approx"] = out.get("kl_to_ref")
+        return out
+
+
 class DiagnosticsPerMicroBatch(PolicyGradientLoss):
     """Loss terms over the global counts, but diagnostics averaged over the micro-batch alone
     (a mean of means once micro-batches are combined)."""
@@ -660,6 +686,7 @@ MUTANTS: dict[str, Implementation] = {
     "LOSS-021": _opt_impl("LOSS-021", IgnoresRatio, ratio="sequence"),
     "LOSS-022": _opt_impl("LOSS-022", GspoNeverClips, ratio="sequence"),
     "LOSS-023": _opt_impl("LOSS-023", CispoClippedWeightStopsGradient, ratio="cispo"),
+    "LOSS-024": _impl("LOSS-024", KlApproxToReference),
 }
 """Requirement id -> a loss that breaks exactly that requirement."""
 
@@ -679,6 +706,7 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-017", _impl("LOSS-017", IgnoresCounts, agg="token_mean", capabilities=_COUNTED)),
     ("LOSS-017", _impl("LOSS-017", PaddedWidthCounts, agg="token_mean", capabilities=_COUNTED)),
     ("LOSS-016", _impl("LOSS-016", CountsEveryRow, capabilities=_COUNTED)),
+    ("LOSS-017", _impl("LOSS-017", KlTermLocal, agg="token_mean", capabilities=_COUNTED)),
     ("LOSS-019", _opt_impl("LOSS-019", K1SignFlipped, kl_estimator="k1")),
     ("LOSS-020", _opt_impl("LOSS-020", AlwaysScoreKl, kl_gradient="pathwise")),
     ("LOSS-021", _opt_impl("LOSS-021", ArithmeticSequenceRatio, ratio="sequence")),
@@ -694,6 +722,10 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-021", _opt_impl("LOSS-021", CispoWeightNotDetached, ratio="cispo")),
     ("LOSS-021", _opt_impl("LOSS-021", CispoAsClippedSurrogate, ratio="cispo")),
     ("LOSS-023", _opt_impl("LOSS-023", CispoUnclippedWeight, ratio="cispo")),
+    # loss 1.6: every term live under micro-batching, the sequence means' rule by default,
+    # kl_approx pinned down
+    ("LOSS-003", _impl("LOSS-003", CountsEveryRow, capabilities=_COUNTED)),
+    ("LOSS-024", _impl("LOSS-024", KlApproxOtherThanDeclared, extras={"kl_approx": "k1"})),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
 

@@ -12,6 +12,7 @@ differs from position to position, so an entropy read at the wrong position show
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import re
@@ -424,20 +425,50 @@ def aggregation_weights(ctx: Context) -> None:
         per_token = td.clone()
         per_token.set(ADV, _token_advantages(td, ctx.seed), inplace=False)
         cases.append(("a [B, T] advantage, different at every position", per_token))
-    mask = td.get(ASST)
-    weights = _expected_weights(ctx, mask)
+    # A row without assistant tokens weighs nothing whether or not capability global_counts
+    # is declared (since 1.6); the capability pins B to the rows holding one (LOSS-016),
+    # without it B may count every row (TRL's and TorchRL's means) or those rows.
+    counted = _counted_batch(policy, ctx, from_zero=False)
+    own = _own_log_probs(policy, counted)  # finite everywhere: counting here, NaN is LOSS-004's
+    counted.set(SLP, own)
+    counted.set(RLP, own.clone())
+    empty = f"a batch of {counted.shape[0]} rows whose row {_EMPTY_ROW} has no assistant token"
+    cases.append((empty, counted))
+    every_row_ok = "global_counts" not in ctx.capabilities
+
+    def close(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return torch.allclose(x, y, atol=1e-6 * _tol(ctx), rtol=1e-4 * _tol(ctx))
+
     for what, batch in cases:
+        mask = batch.get(ASST)
+        n, s = _counts_of(mask)
         _, got = _logp_grads(policy, loss, batch, _tol(ctx))
         adv = batch.get(ADV)
-        want = -(adv[:, None] if adv.ndim == 1 else adv) * weights
-        if not torch.allclose(got, want, atol=1e-6 * _tol(ctx), rtol=1e-4 * _tol(ctx)):
-            i, t = divmod(int((got - want).abs().argmax()), T)
-            where = "an assistant token" if mask[i, t] else "a position outside the assistant mask"
-            raise _fail(
-                f"aggregation {ctx.options['aggregation']!r}, {what}: d loss_objective / d logp "
-                f"at row {i}, position {t} ({where}) is {float(got[i, t]):.6g}, expected "
-                f"-advantage x weight = {float(want[i, t]):.6g}"
+        a = adv[:, None] if adv.ndim == 1 else adv
+        want = -a * _weights_for(ctx, mask, n, s).float()
+        every = -a * _weights_for(ctx, mask, n, mask.shape[0]).float()
+        if close(got, want):
+            continue
+        if what == empty and every_row_ok and close(got, every):
+            continue
+        i, t = divmod(int((got - want).abs().argmax()), got.shape[1])
+        where = "an assistant token" if mask[i, t] else "a position outside the assistant mask"
+        hint = ""
+        if s < mask.shape[0] and close(got, every):
+            hint = (
+                f" (it counted the row without an assistant token: B = {mask.shape[0]} rows "
+                f"instead of the {s} holding one, which capability global_counts rules out)"
             )
+        elif what == empty and every_row_ok:
+            hint = (
+                f" (or, B counting every row, {float(every[i, t]):.6g}: a row without an "
+                "assistant token weighs nothing)"
+            )
+        raise _fail(
+            f"aggregation {ctx.options['aggregation']!r}, {what}: d loss_objective / d logp "
+            f"at row {i}, position {t} ({where}) is {float(got[i, t]):.6g}, expected "
+            f"-advantage x weight = {float(want[i, t]):.6g}{hint}"
+        )
 
 
 def _variant_check(
@@ -948,14 +979,15 @@ def _add_tol(ctx: Context) -> float:
     return _precision(ctx)[2]
 
 
-def _counted_batch(policy: Any, ctx: Context) -> TensorDictBase:
+def _counted_batch(policy: Any, ctx: Context, *, from_zero: bool = True) -> TensorDictBase:
     """A batch of 5 rows at ratio 1 whose row 2 has no assistant token (prompt only), and
     whose row 0 is an answer from position 0 on: no logit predicts position 0, so it is no
     token of any count (a count of ``mask.sum()`` over every position is one too many)."""
     td = _batch(policy, ctx, b=5, seed=16)
     asst = td.get(ASST).clone()
     asst[_EMPTY_ROW] = False
-    asst[0, : int(asst[0].nonzero().max()) + 1] = True
+    if from_zero:
+        asst[0, : int(asst[0].nonzero().max()) + 1] = True
     td.set(ASST, asst)
     lp = torch.where(asst, _own_log_probs(policy, td), float("nan"))
     td.set(SLP, lp)
@@ -1067,25 +1099,88 @@ def _split_name(split: tuple[tuple[int, ...], ...]) -> str:
     return " + ".join("[" + ", ".join(map(str, part)) + "]" for part in split)
 
 
+def _live_batch(policy: Any, ctx: Context) -> TensorDictBase:
+    """:func:`_counted_batch` with every term live: off policy inside the clip bounds (sample
+    log-probs the policy's own minus per-token offsets), reference log-probs off the policy's
+    by δ_t on assistant tokens (a KL term that is not zero) and, under capability
+    per_token_advantage, an advantage different at every position."""
+    td = _counted_batch(policy, ctx)
+    asst = td.get(ASST)
+    lo, hi = (0.2, 0.2)
+    if "clip" in ctx.capabilities:
+        lo, hi, _ = _clip_declaration(ctx)
+    cap = min(
+        0.1, 0.5 * math.log1p(hi) if hi > 0 else 0.1, -0.5 * math.log1p(-lo) if lo > 0 else 0.1
+    )
+    g = torch.Generator().manual_seed(ctx.seed + 23)
+    eps = torch.where(asst, (torch.rand(asst.shape, generator=g) * 2 - 1) * cap, 0.0)
+    own = td.get(SLP)
+    td.set(SLP, own - eps.to(own.dtype))
+    td.set(RLP, own + _deltas(td, 0.3).to(own.dtype))
+    if "per_token_advantage" in ctx.capabilities:
+        td.set(ADV, _token_advantages(td, ctx.seed + 5), inplace=False)
+    return td
+
+
+def _ragged(td: TensorDictBase) -> TensorDictBase:
+    """``td`` as a lazy stack of its rows, each cut to its attended length."""
+    lengths = td.get(ATT).sum(-1).tolist()
+    width = td.get(TOK).shape[1]
+    items = []
+    for i, n in enumerate(lengths):
+        item = td[i].empty()
+        for key, v in leaves(td[i]).items():
+            item.set(key, v[: max(int(n), 2)] if v.ndim == 1 and v.shape[0] == width else v)
+        items.append(item)
+    return LazyStackedTensorDict.lazy_stack(items, 0)
+
+
+def _split_strategy(rows: int) -> Any:
+    """Any split of ``rows`` rows into micro-batches: an order of the rows, cut anywhere."""
+    from hypothesis import strategies as st
+
+    def cut(perm: list[int], cuts: set[int]) -> tuple[tuple[int, ...], ...]:
+        edges = [0, *sorted(cuts), rows]
+        return tuple(tuple(perm[a:b]) for a, b in itertools.pairwise(edges) if b > a)
+
+    return st.builds(cut, st.permutations(list(range(rows))), st.sets(st.integers(1, rows - 1)))
+
+
 @requirement("LOSS-017")
 def micro_batches_add_up(ctx: Context) -> None:
     if "global_counts" not in ctx.capabilities:
         raise NotApplicable(_micro_batch_dependence(ctx))
+    from hypothesis import strategies as st
+
+    from posttrain.conformance.explore import for_all
     from posttrain.contracts.loss import GlobalCounts
 
     policy, loss = _setup(ctx)
-    td = _counted_batch(policy, ctx)
+    # Every term live: a term at zero (a KL at ratio 1, reference = policy) adds up whatever
+    # it is normalized by.
+    td = _live_batch(policy, ctx)
     counts = GlobalCounts.of(td)
     full, g_full = _value_and_grads(policy, loss, td, None)
     add = _add_tol(ctx)
-    g_tol = add * max(float(g_full.abs().max()), 1e-12)
     agg = ctx.options["aggregation"]
-    for split in _SPLITS:
-        parts = [_value_and_grads(policy, loss, _trimmed(td[list(p)]), counts) for p in split]
+    ragged = "ragged" in ctx.capabilities
+    per_token = "per_token_advantage" in ctx.capabilities
+    rows = td.shape[0]
+
+    def check(case: tuple[tuple[tuple[int, ...], ...], bool]) -> None:
+        split, as_ragged = case
+        cut = [td[list(p)] for p in split]
+        parts = [
+            _value_and_grads(policy, loss, _ragged(c) if as_ragged else _trimmed(c), counts)
+            for c in cut
+        ]
         where = (
-            f"aggregation {agg!r}, a batch of {td.shape[0]} rows (row {_EMPTY_ROW} without "
-            f"assistant tokens) split into micro-batches {_split_name(split)}, each called with "
-            f"the whole batch's counts ({counts.tokens} tokens, {counts.sequences} sequences)"
+            f"aggregation {agg!r}, a batch of {rows} rows (row {_EMPTY_ROW} without assistant "
+            f"tokens; off policy, reference log-probs off the policy's"
+            f"{', a [B, T] advantage' if per_token else ''}) split into "
+            f"{'ragged ' if as_ragged else ''}micro-batches {_split_name(split)}, each called "
+            f"with the whole batch's counts ({counts.tokens} tokens, {counts.sequences} "
+            "sequences)"
         )
         names = set(full)
         for terms, _ in parts:
@@ -1101,11 +1196,22 @@ def micro_batches_add_up(ctx: Context) -> None:
                 )
         g_sum = torch.stack([g for _, g in parts]).sum(0)
         err = float((g_sum - g_full).abs().max())
-        if not err <= g_tol:
+        if not err <= add * max(float(g_full.abs().max()), 1e-12):
             raise _fail(
                 f"{where}: the sum of the micro-batches' parameter gradients differs from the "
                 f"whole batch's by up to {err:.3g} (largest entry {float(g_full.abs().max()):.3g})"
             )
+
+    boundaries = [(s, False) for s in _SPLITS]
+    if ragged:
+        boundaries.append((_SPLITS[1], True))
+    for_all(
+        ctx,
+        st.tuples(_split_strategy(rows), st.booleans() if ragged else st.just(False)),
+        check,
+        examples=4,
+        boundaries=boundaries,
+    )
 
 
 def _micro_batch_dependence(ctx: Context) -> str:
@@ -1493,4 +1599,75 @@ def cispo_weight_clipped(ctx: Context) -> None:
             f"ratio 'cispo', {bounds}: at token ratio {float(r[i, p]):.4g} (row {i}, position "
             f"{p}, weight {side}) with advantage {float(a[i, 0]):+.3g}, d loss_objective / d logp "
             f"is {float(got[i, p]):.6g}, expected -A x clip(r) x w = {float(want[i, p]):.6g}"
+        )
+
+
+# ---- kl_approx (since 1.6) ---------------------------------------------------------------------
+
+KL_APPROX_FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": lambda y: -y,
+    "k2": lambda y: y * y / 2,
+    "k3": lambda y: torch.expm1(y) - y,
+    "k1_reverse": lambda y: y,
+    "k3_reverse": lambda y: torch.expm1(-y) + y,
+}
+"""The per-token estimates ``kl_approx`` may average, of y = log pi - sample_log_probs:
+KL(pi_sample || pi) by Schulman's k1, k2, k3 (samples from the behaviour policy, r = e^y),
+or KL(pi || pi_sample) by k1 and k3 (the ``kl_estimator`` convention with the behaviour policy
+as the reference: log r = -y)."""
+
+
+@requirement("LOSS-024")
+def kl_approx_estimates_behaviour_kl(ctx: Context) -> None:
+    declared = ctx.impl.extras.get("kl_approx")
+    if declared is not None and declared not in KL_APPROX_FORMS:
+        raise _fail(
+            f"Implementation.extras['kl_approx'] is {declared!r}; expected one of "
+            f"{sorted(KL_APPROX_FORMS)}"
+        )
+    policy, loss = _setup(ctx)
+    td = _batch(policy, ctx)
+    mask = td.get(ASST).clone()
+    mask[:, 0] = False
+    t = td.get(TOK).shape[1]
+    # Offsets of both signs and several sizes: every form gives another mean.
+    y = torch.tensor([0.6, -0.3, 0.9, -0.5, 0.2, -0.8])[torch.arange(t) % 6].expand(mask.shape)
+    td.set(SLP, td.get(SLP) - y.to(td.get(SLP).dtype))
+    y = y.double()
+    forms = {
+        name: float(torch.where(mask, k(y), 0.0).sum() / mask.sum())
+        for name, k in KL_APPROX_FORMS.items()
+    }
+    values = []
+    for ref_shift in (0.0, 0.7):
+        batch = td.clone()
+        own = td.get(SLP) + y.to(td.get(SLP).dtype)
+        batch.set(RLP, own + ref_shift)
+        with torch.no_grad():
+            out = _scalars(loss(batch))
+        if "kl_approx" not in out:
+            raise _fail(f"capability diagnostics declared but no 'kl_approx' among {sorted(out)}")
+        values.append(out["kl_approx"])
+    tol = _tol(ctx)
+    got = values[0]
+    if not math.isclose(values[1], got, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
+        raise _fail(
+            f"kl_approx went from {got:.6g} to {values[1]:.6g} when the reference log-probs "
+            "moved by 0.7: it estimates the KL between the behaviour policy (sample_log_probs) "
+            "and the policy, never to the reference (that is loss_kl_to_ref)"
+        )
+    allowed = [declared] if declared is not None else list(KL_APPROX_FORMS)
+    if not any(
+        math.isclose(got, forms[n], rel_tol=1e-4 * tol, abs_tol=1e-6 * tol) for n in allowed
+    ):
+        shown = ", ".join(f"{n} {v:.6g}" for n, v in forms.items())
+        which = (
+            f"the declared estimator {declared!r} gives {forms[declared]:.6g}"
+            if declared is not None
+            else "no estimator of the catalogue matches"
+        )
+        raise _fail(
+            f"off policy (log pi - sample_log_probs = y_t, from -0.8 to 0.9 along each row), "
+            f"kl_approx is {got:.6g}; {which}. The mean over the assistant tokens of each "
+            f"estimator of y: {shown}"
         )
