@@ -365,7 +365,7 @@ def _own_response_domain(ctx: Context) -> None:
         ctx,
         st.lists(_prompts(), min_size=1, max_size=6),
         one,
-        examples=6,
+        examples=4,
         boundaries=[EDGE_PROMPTS, [[5, 6, 7], [8, 9, 10], [5, 6, 7], [PAD, EOS]]],
     )
 
@@ -450,7 +450,7 @@ def behaviour_log_probs(ctx: Context) -> None:
                     f"by {diff:.2e}"
                 )
 
-        explore.for_all(ctx, _prompts(), one, examples=10, boundaries=EDGE_PROMPTS)
+        explore.for_all(ctx, _prompts(), one, examples=6, boundaries=EDGE_PROMPTS)
 
 
 @requirement("GEN-005")
@@ -726,7 +726,7 @@ def bad_request_isolated(ctx: Context) -> None:
             ctx,
             faults,
             one,
-            examples=8,
+            examples=5,
             boundaries=[
                 ("dtype", torch.int32, [5, 6]),
                 ("dtype", torch.uint8, [PAD, EOS]),
