@@ -229,7 +229,11 @@ METRICS = Contract(
     title="Metric sink",
     purpose=(
         "Receives scalar metrics named after the observability catalogue and stores them in a "
-        "real backend (CSV, TensorBoard, MLflow, W&B, JSONL), from which they read back unchanged."
+        "real backend (CSV, TensorBoard, MLflow, W&B, JSONL), from which they read back unchanged. "
+        "Names outside the catalogue's alphabet (MET-002: `^[a-z0-9_]+(/[a-z0-9_]+)*$`, up to "
+        "250 characters), such as upper case, '-', '.', spaces, empty segments or longer "
+        "names, are out of scope of v1: a sink may store, rewrite or refuse them, and the "
+        "suite logs none."
     ),
     protocol=MetricSinkV1,
     version="1.3",
