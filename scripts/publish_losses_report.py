@@ -45,8 +45,10 @@ def rows() -> list[tuple[str, str, Implementation]]:
     """(framework, row name, implementation) for every loss row of the field."""
     from posttrain.adapters.openrlhf.implementations import ROWS as OPENRLHF
     from posttrain.adapters.torchrl.implementations import LOSSES as TORCHRL
+    from posttrain.adapters.trl.implementations import ROWS as TRL_MORE
     from posttrain.adapters.trl.loss import ROWS as TRL
     from posttrain.adapters.verl.implementations import ROWS as VERL
+    from posttrain.adapters.verl.implementations import USERS_ROWS as VERL_USERS
 
     eps = discover()
     out: list[tuple[str, str, Implementation]] = []
@@ -55,8 +57,8 @@ def rows() -> list[tuple[str, str, Implementation]]:
             if name.startswith(prefix):
                 out.append((fw, name, eps[name].load()))
     out += [("TorchRL", n, i) for n, i in TORCHRL.items()]
-    out += [("verl", n, i) for n, i in VERL.items()]
-    out += [("TRL", n, i) for n, i in TRL.items()]
+    out += [("verl", n, i) for n, i in {**VERL, **VERL_USERS}.items()]
+    out += [("TRL", n, i) for n, i in {**TRL, **TRL_MORE}.items()]
     out += [("OpenRLHF", n, i) for n, i in OPENRLHF.items()]
     return out
 
@@ -158,6 +160,38 @@ def _weights(
     return one[0], one[1], acc[0], acc[1], how
 
 
+def settings(framework: str, name: str) -> str:
+    """The framework settings a row runs with that differ from the framework's defaults,
+    each with the row that runs the default (or why there is none)."""
+    out: list[str] = []
+    if framework == "TRL":
+        out.append("`bf16=False` (default True: bfloat16 autocast; the suite is float32)")
+        out.append(
+            "`max_completion_length=16` (default 256: dr_grpo's constant, declared `t_norm`)"
+        )
+        if "cispo" in name and not name.endswith("-default"):
+            out.append(
+                "`epsilon_high=5.0` (default: `epsilon`, 0.2, the weight's bound itself: "
+                "`trl-adapted-cispo-default`)"
+            )
+    elif framework == "verl":
+        if "-adapted-" in name and name.endswith("sum-norm"):
+            out.append(
+                "`loss_scale_factor=16` (default None: the tensor's width; "
+                "`verl-users-vanilla-seq-mean-token-sum-norm`)"
+            )
+        if "-dro-" in name:
+            out.append("`dro_beta=0.1` (no default: verl's dro refuses None)")
+    elif framework == "TorchRL":
+        if name.endswith("-kl"):
+            out.append("`kl_to_ref_coeff=0.1` (default None: the row without `-kl`)")
+        if "-dapo-" in name:
+            out.append("`clip_epsilon=(0.2, 0.28)` (default 0.2: the grpoloss rows)")
+    elif framework == "OpenRLHF" and "dual-clip" in name:
+        out.append("`dual_clip=3.0` (default None: the ppo rows)")
+    return "; ".join(out) or "defaults"
+
+
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
@@ -217,12 +251,12 @@ def main(out_dir: Path) -> tuple[Path, int]:
             t[2] += not all(abs(a - b) <= 1e-4 * max(abs(a), 1e-8) for a, b in ((s1, s2), (l1, l2)))
         except Exception as e:  # a loss the measurement cannot run: say why
             w = f"– | – | not measured: {type(e).__name__}: {str(e)[:80]}"
-        na = [r.id for r in rep.results if r.status is Status.NOT_APPLICABLE]
-        meets = len(rep.results) - len(failed) - len(na)
+        meets = sum(r.passed for r in rep.results)
+        blocked = sum(r.blocked for r in rep.results)
         fails = ", ".join(_link(x) for x in failed) if failed else "conforms"
         table.append(
             f"| {framework} | `{name}` | {impl.options.get('aggregation', '')} | {meets} | "
-            f"{fails} | {mb_cell} | {w} |"
+            f"{blocked} | {fails} | {mb_cell} | {w} | {settings(framework, name)} |"
         )
     lines = [
         "# Policy-gradient losses across the field, through the posttrain loss suite",
@@ -240,7 +274,10 @@ def main(out_dir: Path) -> tuple[Path, int]:
         "with its `ActorConfig`, TRL's `GRPOTrainer._compute_loss` on a real trainer, "
         "OpenRLHF's `PolicyLoss` loaded from `openrlhf/models/loss.py` alone.",
         "",
-        "Columns: *meets* counts the requirements passed (the rest are failed or not applicable); "
+        "Columns: *meets* counts the requirements passed; *blocked* those not run because a "
+        "requirement they build on failed (neither passed nor failed: the rest are failed or not "
+        "applicable); *settings* lists every framework setting the row runs with that differs "
+        "from the framework's default, and the row that runs the default; "
         "*micro-batches* is LOSS-017 (micro-batches given the whole batch's counts add up); the "
         "weights are -d loss_objective / d log p of the first token of a 2-token and of an "
         "8-token answer (a third answer has 5 tokens; advantage 1, ratio 1), in one batch, then "
@@ -252,9 +289,10 @@ def main(out_dir: Path) -> tuple[Path, int]:
         "|---|---|---|---|",
         *[f"| {fw} | {t[0]} | {t[1]} | {t[2]} of {t[3]} |" for fw, t in tally.items()],
         "",
-        "| framework | row | aggregation | meets | fails | micro-batches (LOSS-017) | "
-        "one batch: short / long | micro-batched: short / long | accumulated as |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *_users_table(reports),
+        "| framework | row | aggregation | meets | blocked | fails | micro-batches (LOSS-017) | "
+        "one batch: short / long | micro-batched: short / long | accumulated as | settings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *table,
         "",
         "## Deviations, with repros",
@@ -278,6 +316,7 @@ def main(out_dir: Path) -> tuple[Path, int]:
                 f"  - repro: `{group[0][2]}`",
             ]
         lines.append("")
+    lines += _framework_notes(reports)
     lines += _kit_notes(reports)
     if unexpected:
         lines += ["## Unexpected", "", *[f"- {u}" for u in unexpected], ""]
@@ -285,6 +324,117 @@ def main(out_dir: Path) -> tuple[Path, int]:
     path = out_dir / "losses.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path, 1 if unexpected else 0
+
+
+USERS: tuple[tuple[str, str, str], ...] = (
+    (
+        "posttrain reference",
+        "reference-loss-token-mean",
+        "`PolicyGradientLoss(counts=GlobalCounts)`: the contract's own plumbing",
+    ),
+    (
+        "NeMo-RL",
+        "nemo-rl-loss-token-mean",
+        "`global_valid_toks` / `global_valid_seqs` all-reduced by its workers (the port's "
+        "`ContractAsNemoLoss` takes them as NeMo-RL's `ClippedPGLossFn.__call__` does)",
+    ),
+    (
+        "TorchRL",
+        "torchrl-raw-grpoloss-token-mean",
+        "no counts: `GRPOLoss` normalizes by its micro-batch (`_aggregate_loss_value`); users "
+        "average the micro-batch losses",
+    ),
+    (
+        "verl",
+        "verl-users-vanilla-seq-mean-token-sum-norm",
+        "`batch_num_tokens`, `global_batch_size` (`ppo_mini_batch_size x rollout.n`, "
+        "`RayPPOTrainer._update_actor`), `dp_size`; `loss_scale_factor` at its default None "
+        "(`agg_loss` divides by the tensor's width)",
+    ),
+    (
+        "TRL",
+        "trl-users-grpo",
+        "`num_items_in_batch` only (`GRPOTrainer._generate_and_score_completions`); `grpo` "
+        "and `bnpo` normalize by the micro-batch and divide by the accumulation steps "
+        "(`GRPOTrainer._compute_loss`)",
+    ),
+    ("TRL", "trl-users-bnpo", "as above, `loss_type='bnpo'`"),
+    ("TRL", "trl-users-dapo", "as above, `loss_type='dapo'`: divides by `num_items_in_batch`"),
+    (
+        "OpenRLHF",
+        "openrlhf-adapted-ppo-token-mean",
+        "`batch_num_tokens` and `global_batch_size` (rows with an action token) all-reduced "
+        "by its replay buffer (`openrlhf/trainer/ppo_utils/replay_buffer.py`): the adapted "
+        "rows map the same counts",
+    ),
+)
+"""(framework, row, what the framework's own count plumbing passes) under accumulation."""
+
+
+def _users_table(reports: dict[str, Report]) -> list[str]:
+    """One row per framework as its users run it under gradient accumulation: the
+    framework's own count plumbing, no posttrain rescaling."""
+    lines = [
+        "As users run it under gradient accumulation (the framework's own count plumbing, no "
+        "posttrain rescaling):",
+        "",
+        "| framework | row | counts passed | fails |",
+        "|---|---|---|---|",
+    ]
+    for fw, row, how in USERS:
+        rep = reports.get(row)
+        if rep is None:
+            continue
+        failed = sorted(rep.failed_ids())
+        lines.append(
+            f"| {fw} | `{row}` | {how} | "
+            f"{', '.join(_link(x) for x in failed) if failed else 'conforms'} |"
+        )
+    return [*lines, ""]
+
+
+def _framework_notes(reports: dict[str, Report]) -> list[str]:
+    """Why a framework's own defaults fail what they fail, each shown by a witness row."""
+    notes = []
+
+    def fails(row: str) -> list[str]:
+        rep = reports.get(row)
+        return sorted(rep.failed_ids()) if rep else []
+
+    w = "verl-users-vanilla-seq-mean-token-sum-norm"
+    if {"LOSS-003", "LOSS-005"} <= set(fails(w)):
+        notes.append(
+            f"- verl 0.9.1's `seq-mean-token-sum-norm` with `ActorConfig.loss_scale_factor` "
+            f"unset (its default) divides by `loss_mask.shape[-1]`, the tensor's width "
+            f"(`verl/trainer/ppo/core_algos.py`, `agg_loss`): appending padding columns changes "
+            f"the loss (LOSS-005) and a token's weight follows the padded width, not a constant "
+            f"(LOSS-003). `{w}` fails {', '.join(fails(w))}; the adapted rows set "
+            f"`loss_scale_factor=16` and conform."
+        )
+    w = "trl-adapted-cispo-default"
+    if "LOSS-003" in fails(w):
+        notes.append(
+            f"- TRL 1.16's cispo weight is `clamp(coef_1, max=self.epsilon_high)` "
+            f"(`trl/trainer/grpo_trainer.py`, `GRPOTrainer._compute_loss`): the bound is "
+            f"`epsilon_high` itself, not 1 + `epsilon_high`. Unset, `epsilon_high` is `epsilon`, "
+            f"0.2 (`GRPOTrainer.__init__`), so every weight at ratio 1 is clamped to 0.2, a "
+            f"fifth of the gradient: `{w}` fails {', '.join(fails(w))}. The other cispo rows set "
+            f"`epsilon_high=5.0`."
+        )
+    users = {lt: fails(f"trl-users-{lt}") for lt in ("grpo", "bnpo", "dapo")}
+    if users["bnpo"] and not users["dapo"]:
+        notes.append(
+            "- TRL 1.16 under gradient accumulation, its counts passed only through "
+            "`num_items_in_batch`: `dapo` divides by it and conforms; `bnpo` divides by the "
+            "micro-batch's own tokens and `grpo` averages the micro-batch's rows (a row "
+            "without completion tokens included), each then divided by the accumulation steps "
+            f"(`GRPOTrainer._compute_loss`): `trl-users-grpo` fails {', '.join(users['grpo'])}, "
+            f"`trl-users-bnpo` fails {', '.join(users['bnpo'])}. The adapted rows pass because "
+            "`TRLGRPOLoss` rescales the value by the global counts."
+        )
+    if not notes:
+        return []
+    return ["## What the frameworks' defaults do", "", *notes, ""]
 
 
 def _kit_notes(reports: dict[str, Report]) -> list[str]:
