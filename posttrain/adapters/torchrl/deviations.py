@@ -287,10 +287,17 @@ RAY_DEVIATIONS: tuple[Deviation, ...] = (
         "buf_018_dumps_empty_storage",
     ),
     Deviation(
+        ("WS-001",),
+        "RayWeightSyncScheme, DistributedWeightSyncScheme (gloo)",
+        "weights holding a non-contiguous tensor are refused by gloo's send ('input tensor has to be contiguous'), so a transposed or strided weight never reaches the receiver",
+        "ray_ws_001_non_contiguous",
+    ),
+    Deviation(
         ("WS-004", "WS-005", "WS-006"),
         "RayWeightSyncScheme",
         "weights of the wrong size abort the receiving actor's process; same-size weights of another dtype are reinterpreted bit for bit and acknowledged",
         "ray_ws_004_wrong_size_and_dtype",
+        blocked_by=("WS-001",),  # weight_sync 1.4 sends non-contiguous tensors first
     ),
 )
 """Known deviations of TorchRL 0.14.1's Ray-served buffer and Ray weight-sync scheme."""

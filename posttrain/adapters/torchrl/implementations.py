@@ -355,7 +355,9 @@ def _cross_process_weight_sync(
             else "raw: the state dict plus the receiver's non-persistent buffers as the "
             "TensorDict the scheme takes" + raw
         ),
-        known_failures=frozenset() if adapted else _RAW_WEIGHT_SYNC,
+        # weight_sync 1.4: gloo refuses non-contiguous tensors (WS-001), which blocks the
+        # wrong-weight requirements (WS-004/5/6: the receiving process aborts) in a full run
+        known_failures=frozenset() if adapted else frozenset({"WS-001"}),
     )
 
 
