@@ -87,13 +87,13 @@ DEVIATIONS: tuple[Deviation, ...] = (
     ),
     Deviation(
         ("BUF-015",),
-        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage (local and Ray-served)",
         "an extend of 0 items into a buffer nothing was written to raises IndexError",
         "buf_015_empty_first_extend",
     ),
     Deviation(
         ("BUF-018",),
-        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
+        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage (local and Ray-served)",
         "dumps of a buffer nothing was written to raises 'Cannot save a non-initialized storage'",
         "buf_018_dumps_empty_storage",
     ),
@@ -108,21 +108,6 @@ DEVIATIONS: tuple[Deviation, ...] = (
         "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
         "state_dict() returns the live storage tensors: a snapshot changes with every later extend",
         "buf_014_live_state_dict",
-    ),
-    Deviation(
-        ("BUF-025",),
-        "ReplayBuffer / LazyTensorStorage, LazyMemmapStorage",
-        "state_dict() returns the live storage tensors, so a snapshot taken while other threads "
-        "extend holds rows of writes made after it",
-        "buf_014_live_state_dict",
-        blocked_by=("BUF-014",),
-    ),
-    Deviation(
-        ("BUF-025",),
-        "ReplayBuffer / LazyStackStorage (ListStorage)",
-        "dumps refuses list-backed storages, so no snapshot can be dumped while other threads extend",
-        "buf_018_dumps_list_storage",
-        blocked_by=("BUF-018",),
     ),
     Deviation(
         ("BUF-024",),
@@ -273,18 +258,6 @@ RAY_DEVIATIONS: tuple[Deviation, ...] = (
         'TensorDictReplayBuffer(service_backend="ray") (RayReplayBuffer)',
         "a producer's batch with a key missing is stored through a client, like the local buffer's",
         "ray_buf_009_client_missing_key",
-    ),
-    Deviation(
-        ("BUF-015",),
-        'TensorDictReplayBuffer(service_backend="ray") (RayReplayBuffer)',
-        "the served LazyTensorStorage raises on an extend of 0 items while nothing was written, as the local one does",
-        "buf_015_empty_first_extend",
-    ),
-    Deviation(
-        ("BUF-018",),
-        'TensorDictReplayBuffer(service_backend="ray") (RayReplayBuffer)',
-        "dumps of a served buffer nothing was written to raises, as the local storage's does",
-        "buf_018_dumps_empty_storage",
     ),
     Deviation(
         ("WS-001",),
