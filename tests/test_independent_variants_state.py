@@ -69,10 +69,6 @@ KIT_DEFECTS: dict[str, str] = {
         "GEN-001 never runs max_new_tokens=1 (R = 0); the short responses fail only "
         "GEN-002/005/006/007, against a full-budget greedy decode."
     ),
-    "generation/mask_from_pad_id": (
-        "GEN-004's prompts never hold the pad id 0 (GEN-006's do, and fail there), so "
-        "log-probs with that token masked out pass GEN-004."
-    ),
     # Not caught at all.
     "weight_sync/delta_skip": (
         "WS-001 never sends -0.0 over a +0.0 the receiver holds, so skipping tensors that "
@@ -81,9 +77,6 @@ KIT_DEFECTS: dict[str, str] = {
     "weight_sync/lexicographic_newest": (
         "WS-002's several sends before one receive() never cross a digit boundary (9, 10), "
         "so choosing the newest by its text passes."
-    ),
-    "weight_sync/millisecond_latency": (
-        "WS-007 does not bound last_sync_s by the sync's wall time: milliseconds pass."
     ),
     "metrics/last_step": (
         "MET-007 never logs a value without a step after a step lower than the name's "

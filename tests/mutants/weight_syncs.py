@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -96,6 +97,16 @@ class NoLatency(InProcessReceiver):
     def receive(self, timeout: float | None = None) -> int | None:
         v = super().receive(timeout)
         del self.last_sync_s
+        return v
+
+
+class LatencyInMilliseconds(InProcessReceiver):
+    """Reports its timer's milliseconds under the seconds name ``last_sync_s``."""
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        start = time.perf_counter()
+        v = super().receive(timeout)
+        self.last_sync_s = (time.perf_counter() - start) * 1000.0 + 1.0
         return v
 
 
@@ -368,6 +379,7 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("WS-004", _impl("WS-004", ComparesNumel)),
     ("WS-005", _impl("WS-005", ComparesItemsize)),
     ("WS-006", _impl("WS-006", CountsNames)),
+    ("WS-007", _impl("WS-007", LatencyInMilliseconds)),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FuturesTimeout  # not the builtin before 3.11
 from typing import Any
@@ -670,10 +671,18 @@ def names_checked(ctx: Context) -> None:
 @requirement("WS-007")
 def latency_reported(ctx: Context) -> None:
     sender, receiver, _model, source = _setup(ctx)
+    t0 = time.perf_counter()
     _sync(sender, receiver, source, 1)
+    wall = time.perf_counter() - t0
     s = getattr(receiver, "last_sync_s", None)
     if not isinstance(s, (int, float)) or not s >= 0:
         raise _fail(f"receiver.last_sync_s is {s!r} after a sync; expected seconds (a number >= 0)")
+    # The sync happened inside the send and receive the kit timed: seconds, not milliseconds.
+    if s > wall + 1e-3:
+        raise _fail(
+            f"receiver.last_sync_s is {s:g} after a sync whose send and receive took {wall:.6f} s "
+            "in all: not the sync's wall time in seconds"
+        )
 
 
 @requirement("WS-008")
