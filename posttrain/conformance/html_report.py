@@ -19,6 +19,9 @@ from posttrain.contracts.registry import CONTRACTS
 VERDICTS: dict[str, str] = {
     "conforms": "every requirement holds",
     "conforms with declared deviations": "every MUST holds; the SHOULD failures are declared",
+    "conforms, SHOULD failing": (
+        "every MUST holds; a SHOULD failed and nothing was declared (a SHOULD never fails a run)"
+    ),
     "does not conform (as declared)": "fails exactly the declared MUST requirements",
     "does not conform": "a MUST or SHOULD failed and nothing was declared",
     "unexpected": "the failures differ from the declared known failures",
@@ -192,6 +195,7 @@ document.addEventListener('DOMContentLoaded',function(){
 _VERDICT_CLASS = {
     "conforms": "v-conforms",
     "conforms with declared deviations": "v-deviations",
+    "conforms, SHOULD failing": "v-deviations",
     "does not conform (as declared)": "v-declared",
     "does not conform": "v-fails",
     "unexpected": "v-unexpected",

@@ -132,15 +132,23 @@ class Report:
     def verdict(self) -> str:
         """One phrase for the whole run, read against the declared ``known_failures``.
 
-        ``conforms`` (every MUST holds), ``does not conform`` (a MUST failed and nothing was
-        declared), ``does not conform (as declared)`` (exactly the declared failures: a raw
-        upstream component with published deviations), or ``unexpected`` (the failures differ
-        from the declaration either way: see :meth:`surprises`).
+        ``conforms`` (every MUST holds), ``conforms, SHOULD failing`` (nothing declared, every
+        MUST holds, a SHOULD failed: a SHOULD never fails a run, and the exit status of
+        ``pytest --conformance`` and ``posttrain check`` stays 0), ``does not conform`` (a MUST
+        failed and nothing was declared), ``does not conform (as declared)`` (exactly the
+        declared failures: a raw upstream component with published deviations), or
+        ``unexpected`` (the failures differ from the declaration either way: see
+        :meth:`surprises`).
 
         Example:
             >>> Report(run={}, results=[]).verdict()
             'conforms'
+            >>> r = Result("BUF-025", "SHOULD", "t", Status.FAIL, "BUF-025: torn")
+            >>> Report(run={}, results=[r]).verdict()
+            'conforms, SHOULD failing'
         """
+        if self.surprises() and not self.run.get("known_failures") and self.ok:
+            return "conforms, SHOULD failing"
         if self.surprises():
             # Nothing declared: a surprise is simply a failure.
             return "unexpected" if self.run.get("known_failures") else "does not conform"
