@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from posttrain._listing import some_names as some_names
 from posttrain.conformance import html_report
 from posttrain.conformance.outcome import Report, Result, md_cell, reports_json, retry_note
 from posttrain.conformance.runner import DEFAULT_TIMEOUT_S, run
@@ -48,19 +49,6 @@ declared ``known_failures`` (a process group or a Ray actor that did not come up
 TIMEOUT_PER_STARTUP = 20.0
 """A distributed row's per-check timeout is this many start-ups of a fresh worker process
 (spawn, import, load the entry point), and never less than ``runner.DEFAULT_TIMEOUT_S``."""
-
-
-def some_names(names: list[str], limit: int = 10) -> str:
-    """At most ``limit`` names, comma-separated, then how many more.
-
-    Example:
-        >>> some_names(["a", "b", "c"], limit=2)
-        'a, b ... and 1 more'
-    """
-    if not names:
-        return "(none)"
-    head = ", ".join(names[:limit])
-    return head + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def implementations() -> dict[str, Implementation]:
