@@ -165,7 +165,11 @@ def settings(framework: str, name: str) -> str:
     each with the row that runs the default (or why there is none)."""
     out: list[str] = []
     if framework == "TRL":
-        out.append("`bf16=False` (default True: bfloat16 autocast; the suite is float32)")
+        if not name.endswith("-bf16-default"):
+            out.append(
+                "`bf16=False` (default True: bfloat16 autocast, the suite is float32; "
+                "`trl-adapted-dapo-bf16-default`)"
+            )
         out.append(
             "`max_completion_length=16` (default 256: dr_grpo's constant, declared `t_norm`)"
         )

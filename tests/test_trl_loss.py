@@ -38,7 +38,15 @@ def test_every_loss_type_trl_offers_has_rows() -> None:
     assert len(ROWS) == 2 * len(LOSS_TYPES)
 
 
-@pytest.mark.parametrize("name", ["trl-adapted-cispo-default", "trl-users-bnpo", "trl-users-dapo"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "trl-adapted-cispo-default",
+        "trl-adapted-dapo-bf16-default",
+        "trl-users-bnpo",
+        "trl-users-dapo",
+    ],
+)
 def test_trl_default_and_users_rows_fail_what_they_declare(name: str) -> None:
     from posttrain.adapters.trl.implementations import ROWS as MORE
 

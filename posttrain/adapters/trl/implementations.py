@@ -65,6 +65,12 @@ def _cispo_default(policy: Any, aggregation: str | None = None, **config: Any) -
     return TRLGRPOLoss(policy, "cispo", aggregation, adapted=True, **config)
 
 
+def _dapo_bf16(policy: Any, aggregation: str | None = None, **config: Any) -> Any:
+    from posttrain.adapters.trl.loss import TRLGRPOLoss
+
+    return TRLGRPOLoss(policy, "dapo", aggregation, adapted=True, bf16=True, **config)
+
+
 def _users_loss(policy: Any, loss_type: str, aggregation: str, **config: Any) -> Any:
     return TRLAsUsersRunIt(policy, loss_type, aggregation, **config)
 
@@ -88,6 +94,18 @@ def _loss_rows() -> dict[str, Implementation]:
             known_failures=CISPO_DEFAULT_KNOWN,
         )
     }
+    rows["trl-adapted-dapo-bf16-default"] = Implementation(
+        "loss",
+        partial(_dapo_bf16, aggregation=LOSS_TYPES["dapo"]),
+        name="TRLGRPOLoss(trl GRPOTrainer._compute_loss(loss_type='dapo', bf16=True))",
+        capabilities={"per_token_advantage", "global_counts", "clip"},
+        options={"aggregation": LOSS_TYPES["dapo"], "ratio": RATIOS["dapo"]},
+        extras={"t_norm": MAX_COMPLETION_LENGTH, "clip_epsilon": 0.2},
+        description="TRL 1.16's dapo at GRPOConfig's default bf16=True (the policy under "
+        "bfloat16 autocast), checked at the suite's float32 tolerances; otherwise as "
+        "trl-adapted-dapo.",
+        known_failures=BF16_DEFAULT_KNOWN,
+    )
     for lt in USERS:
         rows[f"trl-users-{lt}"] = Implementation(
             "loss",
@@ -108,6 +126,10 @@ USERS = ("grpo", "bnpo", "dapo")
 
 CISPO_DEFAULT_KNOWN = frozenset({"LOSS-003", "LOSS-016", "LOSS-021"})
 """What ``trl-adapted-cispo-default`` fails, measured with TRL 1.16."""
+
+BF16_DEFAULT_KNOWN = frozenset({"LOSS-003", "LOSS-016", "LOSS-017", "LOSS-021"})
+"""What ``trl-adapted-dapo-bf16-default`` fails, measured with TRL 1.16 on CPU: bfloat16
+rounding (a loss value 1e-4 off) against float32 tolerances."""
 
 USERS_KNOWN: dict[str, frozenset[str]] = {
     "grpo": frozenset({"LOSS-003", "LOSS-016", "LOSS-017"}),
