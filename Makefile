@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest report report-distributed specs specs-check bench fuzz gpu-wheels torchrl-report losses-report matrix clean
+.PHONY: install test test-distributed lint typecheck pytest report report-distributed specs specs-check bench fuzz gpu-wheels torchrl-report losses-report matrix clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=30
 
 test: lint typecheck specs-check pytest
+
+# The tests that start Ray clusters or torch.distributed process groups (about 5 min on 2 cores):
+# a target of their own, as make report-distributed is for the matrix.
+test-distributed: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=20 -m distributed tests
 
 # Every row that starts neither Ray nor torch.distributed, in one worker process per core
 # (JOBS=N to choose), merged into reports/conformance.{md,html,json}.

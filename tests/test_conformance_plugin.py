@@ -16,13 +16,13 @@ def test_reference_passes_from_an_empty_directory(pytester: pytest.Pytester) -> 
     res = pytester.runpytest_inprocess(
         "--conformance=buffer", f"--conformance-impl={REF}", f"--conformance-report={report}"
     )
-    res.assert_outcomes(passed=19, skipped=5)
+    res.assert_outcomes(passed=20, skipped=5)
     assert res.ret == 0
     res.stdout.fnmatch_lines(
         [
-            "posttrain conformance: posttrain.RingBuffer (*) against buffer v1.4; capabilities: checkpoint, read, thread_safe*",
+            "posttrain conformance: posttrain.RingBuffer (*) against buffer v1.5; capabilities: checkpoint, read, thread_safe*",
             "BUF-009   MUST   PASS           missing key rejected atomically",
-            "*19 PASS, 0 FAIL, 0 ERROR, 5 NOT_APPLICABLE; verdict: conforms*",
+            "*20 PASS, 0 FAIL, 0 ERROR, 5 NOT_APPLICABLE; verdict: conforms*",
         ]
     )
     data = json.loads(report.read_text())
@@ -30,7 +30,7 @@ def test_reference_passes_from_an_empty_directory(pytester: pytest.Pytester) -> 
     (rep,) = data["reports"]
     assert rep["verdict"] == "conforms"
     assert rep["run"]["implementation"] == "posttrain.RingBuffer"
-    assert rep["run"]["contract_version"] == "1.4"
+    assert rep["run"]["contract_version"] == "1.5"
     assert {"torch", "tensordict", "posttrain"} <= set(rep["run"]["versions"])
     rows = {r["id"]: r for r in rep["results"]}
     assert rows["BUF-020"]["status"] == "NOT_APPLICABLE"
@@ -52,7 +52,7 @@ def test_zero_filling_buffer_fails_buf009(pytester: pytest.Pytester) -> None:
         "--conformance=buffer", "--conformance-impl=port:IMPL", "-k", "BUF-009"
     )
     assert res.ret == 1
-    res.assert_outcomes(failed=1, deselected=23)
+    res.assert_outcomes(failed=1, deselected=24)
     res.stdout.fnmatch_lines(
         [
             "*FAIL BUF-009: extend with key ('masks', 'all_attention_mask') missing: was accepted*",
@@ -65,7 +65,7 @@ def test_plain_factory_and_entry_point(pytester: pytest.Pytester) -> None:
     res = pytester.runpytest_inprocess(
         "--conformance=buffer", "--conformance-impl=posttrain.reference_impls:make_ring_buffer"
     )
-    res.assert_outcomes(passed=15, skipped=9)  # no capabilities declared
+    res.assert_outcomes(passed=15, skipped=10)  # no capabilities declared
     res = pytester.runpytest_inprocess(
         "--conformance=buffer", "--conformance-impl=reference-buffer", "-k", "BUF-01"
     )
@@ -102,7 +102,7 @@ def test_list_prints_the_catalogue(pytester: pytest.Pytester) -> None:
     assert res.ret == 0
     res.stdout.fnmatch_lines(
         [
-            "buffer v1.4 — Replay buffer",
+            "buffer v1.5 — Replay buffer",
             "  BUF-001 MUST   extend returns indices",
             "  BUF-017 MUST   priorities steer sampling [capability priority]",
         ]
@@ -136,7 +136,7 @@ def test_two_contracts_in_one_run(pytester: pytest.Pytester) -> None:
     )
     assert res.ret == 0
     # loss: LOSS-019/020/021/022/023 need a declared option the reference row does not declare
-    res.assert_outcomes(passed=19 + 17, skipped=5 + 6)
+    res.assert_outcomes(passed=20 + 18, skipped=5 + 6)
     data = json.loads(report.read_text())["reports"]
     assert [d["run"]["contract"] for d in data] == ["buffer", "loss"]
     assert data[1]["run"]["options"] == {  # declared, then the contract's defaults

@@ -29,6 +29,7 @@ from tests.mutants import (
     sinks,
     weight_syncs,
 )
+from tests.outcomes import run_for
 
 MUTANTS: dict[str, dict[str, Implementation]] = {
     "buffer": buffers.MUTANTS,
@@ -76,7 +77,7 @@ def test_every_requirement_has_a_check_and_a_mutant(contract: str) -> None:
 def test_mutant_fails_with_its_requirement_id(contract: str, req_id: str) -> None:
     if req_id in NEEDS_CUDA and not torch.cuda.is_available():
         pytest.skip(f"{req_id} needs a CUDA device to run (and to kill its mutant)")
-    rep = run(MUTANTS[contract][req_id])
+    rep = run_for(MUTANTS[contract][req_id], req_id)
     row = {r.id: r for r in rep.results}[req_id]
     assert row.status in (Status.FAIL, Status.ERROR), f"{req_id} survived: {row}"
     assert row.message.startswith(f"{req_id}: ")
@@ -89,7 +90,7 @@ def test_mutant_fails_with_its_requirement_id(contract: str, req_id: str) -> Non
     ids=lambda x: x if isinstance(x, str) else x.name,
 )
 def test_extra_mutant_fails_with_its_requirement_id(req_id: str, impl: Implementation) -> None:
-    row = {r.id: r for r in run(impl).results}[req_id]
+    row = {r.id: r for r in run_for(impl, req_id).results}[req_id]
     assert row.status in (Status.FAIL, Status.ERROR), f"{req_id} survived {impl.name}: {row}"
     assert row.message.startswith(f"{req_id}: ")
 
@@ -108,7 +109,7 @@ def test_extra_mutant_fails_with_its_requirement_id(req_id: str, impl: Implement
 def test_contract_extra_mutant_fails_with_its_requirement_id(
     req_id: str, impl: Implementation
 ) -> None:
-    row = {r.id: r for r in run(impl).results}[req_id]
+    row = {r.id: r for r in run_for(impl, req_id).results}[req_id]
     assert row.status in (Status.FAIL, Status.ERROR), f"{req_id} survived {impl.name}: {row}"
     assert row.message.startswith(f"{req_id}: ")
     assert "blocked by" not in row.message

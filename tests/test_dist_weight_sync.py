@@ -21,6 +21,9 @@ from posttrain.conformance import Status
 from posttrain.conformance.runner import Session, run
 from posttrain.testing import tiny_causal_lm
 
+# Cross-process (Ray, torch.distributed): `make test-distributed` runs these, `make test` not.
+pytestmark = pytest.mark.distributed
+
 
 def test_adapted_distributed_scheme_conforms_across_processes() -> None:
     rep = run(ADAPTED_DIST_WEIGHT_SYNC)

@@ -31,6 +31,9 @@ from posttrain.testing import item_uids, llm_batch
 from tests.mutants import buffers
 from tests.outcomes import own_failures
 
+# Cross-process (Ray, torch.distributed): `make test-distributed` runs these, `make test` not.
+pytestmark = pytest.mark.distributed
+
 ATOMICITY = {"BUF-009", "BUF-010", "BUF-011", "BUF-012"}
 
 

@@ -27,6 +27,9 @@ from posttrain.conformance import Status
 from posttrain.conformance.runner import Session, run
 from posttrain.testing import tiny_causal_lm
 
+# Cross-process (Ray, torch.distributed): `make test-distributed` runs these, `make test` not.
+pytestmark = pytest.mark.distributed
+
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster() -> Iterator[Any]:

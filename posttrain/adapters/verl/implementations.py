@@ -77,9 +77,12 @@ _MEASURED: dict[str, tuple[str | tuple[str, ...], str | tuple[str, ...]]] = {
     # verl's cispo, -sg(clip(r)) * A * log p, declared as ratio cispo (loss 1.5).
     "cispo": (("2 21 23", "1 21 23", "1 21 23", "1 21 23"), ""),
     "gpg": (("", "4", "4", "3 4 5 21"), ""),
-    "geo_mean": ("1 21", ("3 16 17 21", "16 17", "3 16 17 21", "3 16 17 21")),
+    # loss 1.6: LOSS-003's batch holds a row without assistant tokens, which geo_mean's
+    # seq-mean-token-mean weighs; LOSS-017 splits with every term live, and KL-Cov picks the
+    # tokens it penalises by their covariance within each micro-batch, so splits do not add up.
+    "geo_mean": ("1 21", ("3 16 17 21", "3 16 17", "3 16 17 21", "3 16 17 21")),
     "clip_cov": (("2 21", "1 21", "1 21", "1 21"), ""),
-    "kl_cov": (("2 21", "1 21", "1 21", "1 21"), "21"),
+    "kl_cov": (("2 21", "1 21", "1 21", "1 21"), "17 21"),
     "dro": (("2 21", "1 21", "1 21", "1 21"), "21"),
     "dppo_tv": (("2", "1", "1", "1"), "16"),
     "dppo_kl": (("2", "1", "1", "1"), "16"),
