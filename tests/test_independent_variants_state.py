@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from posttrain.conformance import Report, Status
-from posttrain.conformance.runner import Session, run
-from posttrain.contracts import Contract, Implementation, get_contract
+from posttrain.conformance.runner import run
+from posttrain.contracts import Implementation, get_contract
 from posttrain.contracts.requirements import Level
 from tests.independent import (
     buffer_variants,
@@ -38,6 +38,7 @@ from tests.independent import (
     weight_sync_variants,
 )
 from tests.independent_kit import assert_conforms, assert_fails_its_requirement, kit_params
+from tests.outcomes import run_for
 
 _TIMEOUT_S = 60.0  # per requirement: a hang is a failed row, never a stalled run
 
@@ -107,29 +108,12 @@ SPEC_DECISIONS: dict[str, str] = {
 }
 
 
-def _closure(contract: Contract, rid: str) -> set[str]:
-    """``rid`` and every requirement it depends on, transitively."""
-    seen: set[str] = set()
-    todo = [rid]
-    while todo:
-        r = todo.pop()
-        if r not in seen:
-            seen.add(r)
-            todo.extend(contract.requirement(r).depends_on)
-    return seen
-
-
 @functools.cache
 def _report(key: str) -> Report:
     if key in BASES:
         return run(BASES[key], timeout_s=_TIMEOUT_S)
     expected, impl = BUGGY[key]
-    s = Session(impl, timeout_s=_TIMEOUT_S)
-    wanted = _closure(s.contract, expected)
-    for req in s.requirements():
-        if req.id in wanted:
-            s.run_one(req)
-    return s.report()
+    return run_for(impl, expected, timeout_s=_TIMEOUT_S)  # its requirement and foundations
 
 
 def _params(keys: list[str]) -> list[Any]:

@@ -587,12 +587,17 @@ def _naming(key: tuple[str, ...], stored: list[tuple[str, ...]]) -> tuple[str, .
     return key
 
 
+_ITEM = leaves(llm_batch(1, T))
+"""One stored item's leaves: the schema every bad extend starts from."""
+_STORED = list(_ITEM)
+
+
 @requirement("BUF-009")
 def missing_key_rejected(ctx: Context) -> None:
     # Every stored key in turn, optional fields included: a buffer checking only the fields it
     # needs writes the new items with the evicted items' values for the missing one.
     first = LLM_LAYOUT_V1.key("attention_mask")
-    stored = list(leaves(llm_batch(1, T)))
+    stored = _STORED
     cases: list[_BadCase] = [
         (
             lambda td, key=key: td.exclude(key),  # type: ignore[misc]
@@ -620,7 +625,6 @@ def extra_key_rejected(ctx: Context) -> None:
 
 _REAL_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                 torch.float16, torch.bfloat16, torch.float32, torch.float64)  # fmt: skip
-_STORED = list(leaves(llm_batch(1, T)))
 _Bad = tuple[tuple[str, ...], Any, int, int]
 """A generated bad extend: (key, what is wrong with it, items in the batch, items written before)."""
 
@@ -649,7 +653,7 @@ def wrong_dtype_rejected(ctx: Context) -> None:
 
     def one(case: _Bad) -> None:
         key, dtype, n, fill = case
-        stored = leaves(llm_batch(1, T))[key].dtype
+        stored = _ITEM[key].dtype
         if dtype == stored:  # the stored dtype: the next one of the list is wrong
             dtype = _REAL_DTYPES[(_REAL_DTYPES.index(dtype) + 1) % len(_REAL_DTYPES)]
         what = f"key {key_str(key)} as {str(dtype)[6:]} instead of {str(stored)[6:]}"
@@ -694,8 +698,8 @@ def _reshaped(
     def bad(td: TensorDictBase) -> TensorDictBase:
         return td.set(key, new(td.get(key)), inplace=False)
 
-    shape = list(leaves(llm_batch(1, T))[key].shape[1:])
-    found = list(new(leaves(llm_batch(1, T))[key]).shape[1:])
+    shape = list(_ITEM[key].shape[1:])
+    found = list(new(_ITEM[key]).shape[1:])
     return bad, f"key {key_str(key)} of item shape {found} instead of {shape}"
 
 
