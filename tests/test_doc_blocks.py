@@ -199,38 +199,3 @@ def test_generated_pages_hold_the_repro_scripts_verbatim() -> None:
     for page in pages:
         for i, code in enumerate(blocks(page)):
             assert code.rstrip() in scripts, f"{_key(page, i)}: not a script of {REPROS}"
-
-
-def deprecated_names(text: str) -> list[str]:
-    """Each ``posttrain.<package>.<Name>`` that ``text`` names in backticks and that is only a
-    deprecated alias now (reading it warns)."""
-    out = []
-    for dotted in sorted(set(re.findall(r"`(posttrain(?:\.\w+)+)`", text))):
-        module, _, name = dotted.rpartition(".")
-        if module not in PUBLIC_PACKAGES:
-            continue
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            getattr(importlib.import_module(module), name, None)
-        if any(issubclass(w.category, DeprecationWarning) for w in caught):
-            out.append(dotted)
-    return out
-
-
-# docs/api.md's table of deprecated aliases names each on purpose.
-_NAMES_DEPRECATED_ON_PURPOSE = {"docs/api.md"}
-DEPRECATED_NAMED_YET: dict[str, list[str]] = {}
-"""Pages that still name a deprecated alias in their prose, and which."""
-
-
-def test_the_pages_name_no_deprecated_alias() -> None:
-    assert deprecated_names("use `posttrain.conformance.Implementation`") == [
-        "posttrain.conformance.Implementation"
-    ]
-    found = {str(p.relative_to(ROOT)): deprecated_names(p.read_text()) for p in PAGES}
-    bad = {
-        page: names
-        for page, names in found.items()
-        if names and page not in _NAMES_DEPRECATED_ON_PURPOSE
-    }
-    assert bad == DEPRECATED_NAMED_YET, f"expected the current names, found aliases: {bad}"

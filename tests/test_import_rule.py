@@ -43,12 +43,11 @@ def _files(sub: str) -> list[Path]:
 
 
 # The base every layer may import: the error classes and the private primitives (argument
-# checks, dtype names, deprecation shims). They import nothing else from posttrain.
+# checks, dtype names, futures). They import nothing else from posttrain.
 BASE = (
     "posttrain.errors",
     "posttrain._args",
     "posttrain._dtypes",
-    "posttrain._deprecated",
     "posttrain._futures",
 )
 

@@ -31,7 +31,8 @@ def test_each_published_loss_repro_still_reproduces(deviation: Deviation) -> Non
 
 def test_raw_token_mean_loss_gets_a_measured_micro_batch_verdict() -> None:
     # No global counts in TorchRL: LOSS-017 is not failed but measured (NOT_APPLICABLE).
-    from posttrain.conformance import Status, run
+    from posttrain.conformance import Status
+    from posttrain.conformance.runner import run
 
     row = {r.id: r for r in run(LOSSES["torchrl-raw-grpoloss-token-mean"]).results}["LOSS-017"]
     assert row.status is Status.NOT_APPLICABLE

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from posttrain._deprecated import deprecated_attr
-
 # The column heads of FRAMEWORK_KEYS (the catalogue's framework ids are catalogue.FRAMEWORKS).
 KEY_MAP_FRAMEWORKS = ("TorchRL 0.14", "TRL 1.16 GRPOTrainer", "NeMo-RL train_data")
 
@@ -93,12 +89,3 @@ LOSS_COUNT_KEYS: dict[str, tuple[str, str, str, str]] = {
     ),
 }
 """Where each framework takes the global batch's counts a loss normalizes by (loss 1.3)."""
-
-_MOVED = {
-    # catalogue.FRAMEWORKS is the one FRAMEWORKS
-    "FRAMEWORKS": ("posttrain.contracts.mapping:KEY_MAP_FRAMEWORKS", "use KEY_MAP_FRAMEWORKS"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    return deprecated_attr(__name__, name, _MOVED)

@@ -17,12 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain._deprecated import deprecated_attr
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 
 K = LLM_LAYOUT_V1.key
@@ -201,18 +199,3 @@ def compare_policy_hook(
             v = got.get(metric)
             findings.append(Finding(case, metric, want[metric], None if v is None else float(v)))
     return findings
-
-
-if TYPE_CHECKING:  # the deprecated name, typed for code that still uses it
-    check_policy_hook = compare_policy_hook
-
-_MOVED = {
-    "check_policy_hook": (
-        "posttrain.observability.check:compare_policy_hook",
-        "renamed compare_policy_hook (it compares a hook's values with the catalogue's)",
-    ),
-}
-
-
-def __getattr__(name: str) -> Any:
-    return deprecated_attr(__name__, name, _MOVED)

@@ -144,8 +144,4 @@ def __getattr__(name: str) -> Any:
     # nothing of TRL's loss module.
     if name == "ROWS":
         return _loss_rows()
-    rows = _loss_rows()
-    key = "trl-" + name.lower().replace("_", "-")
-    if key in rows:
-        return rows[key]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
