@@ -27,8 +27,8 @@ from benchmarks.test_buffer_throughput import (
     _nbytes,
 )
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
+from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.schema import ItemSchema
-from posttrain.contracts.validation import validate
 from posttrain.testing import llm_batch
 
 B, T, ROUNDS = 64, 512, 1000
@@ -91,8 +91,8 @@ def _paired(device: str, out: dict[str, float]) -> None:
     groups.append(
         {
             "extend posttrain.RingBuffer": lambda: ring.extend(batch),
-            "validate": lambda: validate(batch),
-            "schema check": lambda: schema.check(batch),
+            "validate": lambda: LLM_LAYOUT_V1.violations(batch),
+            "schema check": lambda: schema.validated_leaves(batch),
         }
     )
     groups.append({"sample posttrain.RingBuffer": lambda: ring.sample(B)})

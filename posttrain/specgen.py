@@ -201,7 +201,7 @@ def render_layout_markdown(layout: Layout) -> str:
         f"# Key contract: {layout.name} layout v{layout.version}",
         "",
         "Which TensorDict keys hold which fields, with dtypes and shapes. Checked by "
-        "`LLM_LAYOUT_V1.check(td)` (`Layout.check`), which raises one `ContractViolation` naming every "
+        "`LLM_LAYOUT_V1.validate_batch(td)` (`Layout.validate_batch`), which raises one `ContractViolation` naming every "
         "offending key, what was expected, what was found and the requirement id. Metadata "
         "only (keys, dtypes, shapes, requires_grad) unless `deep=True`; `Layout.violations(td)` "
         "returns the list instead.",

@@ -68,7 +68,7 @@ class _RacesOnTheCursorOnly(buffers.UnlockedEviction):
         n = int(data.batch_size[0])
         if self._schema is None or n == 0 or self._len < self.capacity or n > self.capacity:
             return RingBuffer.extend(self, data)
-        leaves = self._schema.check(data, "extend")
+        leaves = self._schema.validated_leaves(data, "extend")
         cursor = self._cursor
         time.sleep(0.002)
         idx = (torch.arange(n, dtype=torch.int64) + cursor) % self.capacity

@@ -104,12 +104,12 @@ def test_contract_model_rejects_inconsistent_catalogues() -> None:
 
 
 def test_declarations() -> None:
-    assert BUFFER.check_declaration(["checkpoint"], {"sampling": "without_replacement"}) == {
+    assert BUFFER.resolve_declaration(["checkpoint"], {"sampling": "without_replacement"}) == {
         "eviction": "fifo",
         "sampling": "without_replacement",
     }
     with pytest.raises(DeclarationError) as info:
-        LOSS.check_declaration(["teleport"], {"aggregation": "token_meen", "clip": "0.2"})
+        LOSS.resolve_declaration(["teleport"], {"aggregation": "token_meen", "clip": "0.2"})
     msg = str(info.value)
     assert "unknown capability 'teleport'" in msg
     assert (

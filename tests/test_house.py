@@ -31,7 +31,7 @@ ALLOWED: dict[str, str] = {
     "posttrain.adapters.nemo_rl.train_data.from_layout": _SPLITTING,
     "posttrain.reference_impls.pg_loss.PolicyGradientLoss.__init__": _SPLITTING,
     "posttrain.reference_impls.pg_loss.PolicyGradientLoss.forward": _SPLITTING,
-    "posttrain.contracts.validation.validate": _SPLITTING,
+    "posttrain.contracts.validation.layout_violations": _SPLITTING,
     "posttrain.observability.hooks.rollout_metrics": _SPLITTING,
     "posttrain.observability.hooks.policy_metrics": _SPLITTING,
     "posttrain.conformance.suites.buffer._model_machine": _SPLITTING,

@@ -35,7 +35,7 @@ def test_a_good_stack_takes_the_fast_path() -> None:
     s = _schema()
     good = ragged_llm_batch([8, 4, 10, 6], seed=1)
     assert _plan(s).matches(good)
-    assert s.check(good) == {}
+    assert s.validated_leaves(good) == {}
     assert s.violations(good) == []
 
 
@@ -119,14 +119,14 @@ def test_every_bad_stack_misses_the_fast_path_and_fails_the_full_check(name: str
     bad = _with(change)
     assert not _plan(s).matches(bad)
     with pytest.raises(ContractViolation) as info:
-        s.check(bad)
+        s.validated_leaves(bad)
     assert info.value.requirement_ids == ids, str(info.value)
 
 
 def test_a_key_in_some_items_only_is_named_with_the_items() -> None:
     bad = _with(lambda x: x.set("extra", torch.zeros(())), item=1)
     with pytest.raises(ContractViolation) as info:
-        _schema().check(bad)
+        _schema().validated_leaves(bad)
     (v,) = info.value.violations
     assert (v.key, v.requirement) == (("extra",), "BUF-010")
     assert v.found == "an extra key (missing in item(s) 0, 2, 3: held by the others)"
@@ -144,7 +144,7 @@ def test_unusual_stacks_take_the_full_path_and_are_accepted_as_before() -> None:
     param.set("advantage", torch.nn.Parameter(torch.zeros(()), requires_grad=False))
     stacked = LazyStackedTensorDict.lazy_stack([param, items[1]], 0)
     assert not _plan(s).matches(stacked)
-    assert s.check(stacked) == {}
+    assert s.validated_leaves(stacked) == {}
     flat = ItemSchema.of(
         LazyStackedTensorDict.lazy_stack([TensorDict({"x": torch.zeros(n)}) for n in (2, 3)], 0),
         ragged=True,
@@ -155,17 +155,17 @@ def test_unusual_stacks_take_the_full_path_and_are_accepted_as_before() -> None:
     )
     assert not _plan(flat).matches(odd)
     with pytest.raises(ContractViolation, match=r"BUF-011 key 'x'.*a nested tensor"):
-        flat.check(odd)
+        flat.validated_leaves(odd)
 
 
 def test_a_fixed_schema_reads_a_lazy_stack_dense() -> None:
     same = ragged_llm_batch([6, 6, 6])
     s = ItemSchema.of(same)
     assert _plan(s).matches(same)
-    leaves = s.check(same)
+    leaves = s.validated_leaves(same)
     assert leaves[("tokens", "full")].shape == (3, 6)
     with pytest.raises(ContractViolation, match="BUF-012"):
-        s.check(ragged_llm_batch([6, 7, 6]))
+        s.validated_leaves(ragged_llm_batch([6, 7, 6]))
 
 
 def test_mixed_numbers_of_dims_are_a_shape_error_on_the_first_write_too() -> None:

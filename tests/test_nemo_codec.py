@@ -28,7 +28,6 @@ from posttrain.adapters.nemo_rl.wire import (
 )
 from posttrain.contracts import ContractViolation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
-from posttrain.contracts.validation import validate
 from posttrain.testing import llm_batch, ragged_llm_batch
 
 K = LLM_LAYOUT_V1.key
@@ -123,7 +122,7 @@ def test_flattened_logs_become_a_valid_layout_batch() -> None:
         "generation_logprobs": flat["generation_logprobs"],
     }
     td = to_layout(data)
-    assert validate(td) == []
+    assert LLM_LAYOUT_V1.violations(td) == []
     assert td.get(K("assistant_mask")).sum(-1).tolist() == [2, 4]
 
 
@@ -154,7 +153,7 @@ def test_vector_data_plane_wire_and_back() -> None:
 def test_train_data_to_layout_and_back_is_lossless() -> None:
     data = _train_data()
     td = to_layout(data)
-    assert validate(td) == []
+    assert LLM_LAYOUT_V1.violations(td) == []
     assert td.get(K("attention_mask")).sum(-1).tolist() == [5, 6]
     assert torch.equal(td.get(K("assistant_mask")), data["token_mask"].bool())
     assert torch.equal(td.get(K("sample_log_probs")), data["generation_logprobs"])

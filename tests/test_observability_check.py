@@ -10,7 +10,7 @@ from tensordict import TensorDictBase
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability import policy_metrics
-from posttrain.observability.check import CASES, CHECKED, compare_policy_hook
+from posttrain.observability.hook_compare import CASES, CHECKED, compare_policy_hook
 
 K = LLM_LAYOUT_V1.key
 

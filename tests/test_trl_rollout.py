@@ -10,7 +10,6 @@ import torch
 from posttrain import SourceClosed
 from posttrain.adapters.trl import CaptureRollouts, TRLRolloutSource
 from posttrain.contracts.layout import LLM_LAYOUT_V1
-from posttrain.contracts.validation import validate
 from posttrain.reference_impls import RingBuffer
 from posttrain.testing import tiny_causal_lm
 
@@ -44,7 +43,7 @@ def test_capture_into_a_fixed_width_buffer_stamps_groups_and_versions(
     assert CaptureRollouts(RingBuffer(4), width=8)(["t5", "t5"], source.trainer)["logprobs"] is None
     assert len(rb) == 4
     stored = rb.sample(64)
-    assert validate(stored) == []
+    assert LLM_LAYOUT_V1.violations(stored) == []
     pairs = {
         (int(g), tuple(t[: (~a).sum()].tolist()))
         for g, t, a in zip(

@@ -111,7 +111,9 @@ def assert_same(a: Any, b: Any) -> None:
 def test_round_trip_is_lossless() -> None:
     proto = rollout([3, 5, 2, 4])
     td = to_layout(proto)
-    LLM_LAYOUT_V1.check(td, require=("sample_log_probs", "ref_log_probs", "advantage", "reward"))
+    LLM_LAYOUT_V1.validate_batch(
+        td, require=("sample_log_probs", "ref_log_probs", "advantage", "reward")
+    )
     assert_same(from_layout(td), proto)
 
 

@@ -11,7 +11,6 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, key_str, leaf_items
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.contracts.validation import check
 
 
 def fill_mask(shapes: list[torch.Size], device: torch.device | None = None) -> torch.Tensor:
@@ -189,7 +188,7 @@ def token_inputs(
         (torch.Size([2, 6]), 1)
     """
     if adapted:
-        check(td, require=("sample_log_probs", "advantage"), context=context)
+        LLM_LAYOUT_V1.validate_batch(td, require=("sample_log_probs", "advantage"), context=context)
         if batch_info is not None:
             raise TypeError("global_batch_info: the adapted row takes counts=GlobalCounts")
     elif counts is not None:

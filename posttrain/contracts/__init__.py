@@ -2,7 +2,7 @@
 
 Depends on torch, tensordict and pydantic only; everything else in posttrain imports from here,
 never the other way round. A contract's catalogue is ``get_contract(id)``; a layout checks a
-batch with ``LLM_LAYOUT_V1.check(td)`` (raises) or ``LLM_LAYOUT_V1.violations(td)`` (returns).
+batch with ``LLM_LAYOUT_V1.validate_batch(td)`` (raises) or ``LLM_LAYOUT_V1.violations(td)`` (returns).
 
 Example:
     >>> from posttrain.contracts import CONTRACTS, LLM_LAYOUT_V1

@@ -17,7 +17,7 @@ class DeclarationError(PosttrainError, ValueError):
         >>> from posttrain.contracts import get_contract
         >>> BUFFER = get_contract("buffer")
         >>> try:
-        ...     BUFFER.check_declaration(capabilities=["teleport"])
+        ...     BUFFER.resolve_declaration(capabilities=["teleport"])
         ... except DeclarationError as e:
         ...     print(str(e).splitlines()[0])
         buffer v1.5: unknown capability 'teleport'; the closed set is: checkpoint, cuda, priority, ragged, read, remote_writers, thread_safe
@@ -140,7 +140,7 @@ class Contract(BaseModel):
         """Every option at its default value."""
         return {o.name: o.default for o in self.options}
 
-    def check_declaration(
+    def resolve_declaration(
         self,
         capabilities: Iterable[str] = (),
         options: Mapping[str, str] | None = None,
@@ -180,7 +180,7 @@ class Contract(BaseModel):
     ) -> list[Requirement]:
         """The requirements that apply to a declaration (others are NOT_APPLICABLE)."""
         caps = set(capabilities)
-        opts = self.check_declaration(caps, options)
+        opts = self.resolve_declaration(caps, options)
         return [
             r
             for r in self.requirements

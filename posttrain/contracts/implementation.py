@@ -47,8 +47,8 @@ class Implementation:
             )
         object.__setattr__(self, "known_failures", frozenset(self.known_failures))
         c = get_contract(self.contract)
-        c.check_declaration(self.capabilities, self.options)
-        c.check_declaration(self.unavailable)
+        c.resolve_declaration(self.capabilities, self.options)
+        c.resolve_declaration(self.unavailable)
         for rid in sorted(self.known_failures):
             c.requirement(rid)  # KeyError naming the contract for an unknown id
         if not self.name:
@@ -58,4 +58,4 @@ class Implementation:
 
     def resolved_options(self) -> dict[str, str]:
         """Declared options with the contract's defaults filled in."""
-        return get_contract(self.contract).check_declaration(self.capabilities, self.options)
+        return get_contract(self.contract).resolve_declaration(self.capabilities, self.options)

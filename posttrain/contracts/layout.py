@@ -224,7 +224,7 @@ class Layout(BaseModel):
         reads mask and log-prob values (LAY-004, LAY-007). ``require`` adds fields the consumer
         needs; ``strict`` rejects keys outside the layout; ``ragged`` lets 'T' differ between
         items; ``any_float`` accepts any floating dtype for a float field (for a consumer that
-        casts). :meth:`check` raises instead.
+        casts). :meth:`validate_batch` raises instead.
 
         Example:
             >>> import torch
@@ -235,13 +235,13 @@ class Layout(BaseModel):
             >>> [str(v) for v in LLM_LAYOUT_V1.violations(td)]
             ["LAY-002 key ('masks', 'all_assistant_mask'): expected dtype bool, found dtype float32"]
         """
-        from posttrain.contracts.validation import validate  # validation imports this module
+        from posttrain.contracts.validation import layout_violations
 
-        return validate(
+        return layout_violations(
             td, self, require=require, strict=strict, ragged=ragged, deep=deep, any_float=any_float
         )
 
-    def check(
+    def validate_batch(
         self,
         td: TensorDictBase,
         *,
@@ -262,25 +262,20 @@ class Layout(BaseModel):
             ...                  ("masks", "all_attention_mask"): torch.ones(2, 3, dtype=torch.bool),
             ...                  ("masks", "all_assistant_mask"): torch.ones(2, 3, dtype=torch.bool)},
             ...                 batch_size=[2])
-            >>> LLM_LAYOUT_V1.check(td)
-            >>> LLM_LAYOUT_V1.check(td, require=("advantage",))
+            >>> LLM_LAYOUT_V1.validate_batch(td)
+            >>> LLM_LAYOUT_V1.validate_batch(td, require=("advantage",))
             Traceback (most recent call last):
             ...
             posttrain.contracts.validation.ContractViolation: 1 contract violation(s)
               - LAY-001 key 'advantage': expected advantage (float32 [*B]), found no such key
         """
-        from posttrain.contracts.validation import check
+        from posttrain.contracts.validation import ContractViolation
 
-        check(
-            td,
-            self,
-            require=require,
-            strict=strict,
-            ragged=ragged,
-            deep=deep,
-            any_float=any_float,
-            context=context,
+        found = self.violations(
+            td, require=require, strict=strict, ragged=ragged, deep=deep, any_float=any_float
         )
+        if found:
+            raise ContractViolation(found, context)
 
 
 LLM_LAYOUT_V1 = Layout(

@@ -361,16 +361,16 @@ class ItemSchema:
                     )
         return out
 
-    def check(
+    def validated_leaves(
         self, data: Any, context: str = "extend (buffer unchanged)"
     ) -> dict[tuple[str, ...], Any]:
         """Raise one :class:`ContractViolation` listing every violation; return the leaves."""
-        return self.checked(data, context)[0]
+        return self.validated_leaves_plain(data, context)[0]
 
-    def checked(
+    def validated_leaves_plain(
         self, data: Any, context: str = "extend (buffer unchanged)"
     ) -> tuple[dict[tuple[str, ...], Any], bool]:
-        """:meth:`check`, and whether ``data`` took the plain path: every leaf exactly a
+        """:meth:`validated_leaves`, and whether ``data`` took the plain path: every leaf exactly a
         ``torch.Tensor`` (no subclass), dense, matching the schema at a glance.
 
         A buffer may write a plain batch without an undo copy: copying such leaves into
@@ -379,7 +379,7 @@ class ItemSchema:
         Example:
             >>> from tensordict import TensorDict
             >>> s = ItemSchema.of(TensorDict({"x": torch.zeros(2, 3)}, batch_size=[2]))
-            >>> s.checked(TensorDict({"x": torch.ones(4, 3)}, batch_size=[4]))[1]
+            >>> s.validated_leaves_plain(TensorDict({"x": torch.ones(4, 3)}, batch_size=[4]))[1]
             True
         """
         # A ragged lazy stack has no dense leaves: its columns are read item by item.

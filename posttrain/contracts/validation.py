@@ -33,8 +33,8 @@ LAYOUT_REQUIREMENTS: tuple[Requirement, ...] = (
         id="LAY-002",
         level=Level.MUST,
         title="exact dtype",
-        text="Each field MUST have exactly its layout dtype (masks are bool); `check` casts "
-        "nothing. Every consumer refuses an integer or bool field (tokens, masks, ids) in any "
+        text="Each field MUST have exactly its layout dtype (masks are bool); `Layout.validate_batch` "
+        "casts nothing. Every consumer refuses an integer or bool field (tokens, masks, ids) in any "
         "other dtype; a consumer that casts float fields to its own precision MAY accept them "
         "in any floating dtype (float64, bfloat16, float16: `any_float=True`) and MUST then "
         "compute as with the same values in the layout dtype.",
@@ -101,7 +101,7 @@ class ContractViolation(PosttrainError, ValueError):
         >>> import torch
         >>> from tensordict import TensorDict
         >>> try:
-        ...     check(TensorDict({}, batch_size=[2]))
+        ...     LLM_LAYOUT_V1.validate_batch(TensorDict({}, batch_size=[2]))
         ... except ContractViolation as e:
         ...     print(e.violations[0].requirement, e.violations[0].key)
         LAY-001 ('tokens', 'full')
@@ -169,7 +169,7 @@ def _tensor_meta(t: Any) -> tuple[torch.dtype, tuple[int, ...], bool]:
     return t.dtype, tuple(t.shape), t.requires_grad
 
 
-def validate(
+def layout_violations(
     td: TensorDictBase,
     layout: Layout = LLM_LAYOUT_V1,
     *,
@@ -442,22 +442,3 @@ def _deep(td: TensorDictBase, layout: Layout, ok: set[str]) -> list[Violation]:
                 )
             )
     return out
-
-
-def check(
-    td: TensorDictBase,
-    layout: Layout = LLM_LAYOUT_V1,
-    *,
-    require: tuple[str, ...] = (),
-    strict: bool = False,
-    ragged: bool = False,
-    deep: bool = False,
-    any_float: bool = False,
-    context: str = "",
-) -> None:
-    """Raise one :class:`ContractViolation` listing every violation (:meth:`Layout.check`)."""
-    violations = validate(
-        td, layout, require=require, strict=strict, ragged=ragged, deep=deep, any_float=any_float
-    )
-    if violations:
-        raise ContractViolation(violations, context)

@@ -7,7 +7,7 @@ Example:
     True
 """
 
-from posttrain.observability.check import compare_policy_hook
+from posttrain.observability.hook_compare import compare_policy_hook
 from posttrain.observability.hooks import (
     Timers,
     buffer_metrics,

@@ -20,7 +20,6 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain._kl import kl_estimate
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
-from posttrain.contracts.validation import check
 from posttrain.observability.reduce import Accumulator
 from posttrain.observability.reduce import one_number as _number
 
@@ -49,7 +48,7 @@ def _checked(td: TensorDictBase, layout: Layout, context: str) -> tuple[TensorDi
     by item, before padding: padding would hide one item's dtype under the others'.
     """
     ragged = isinstance(td, LazyStackedTensorDict)
-    check(td, layout, ragged=ragged, any_float=True, context=context)
+    layout.validate_batch(td, ragged=ragged, any_float=True, context=context)
     dense = _dense(td, layout)
     n = int(dense.batch_size.numel())
     if n == 0:

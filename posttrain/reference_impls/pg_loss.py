@@ -12,7 +12,6 @@ from tensordict import TensorDict, TensorDictBase
 from posttrain._kl import KL_ESTIMATORS, kl_estimate
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import AGGREGATIONS, GlobalCounts
-from posttrain.contracts.validation import check
 
 
 def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -347,7 +346,9 @@ class PolicyGradientLoss(torch.nn.Module):
         # Float fields in any floating dtype (bf16 log-probs from a bf16 model, float64
         # advantages) are cast to the policy's precision below; integer and bool fields must
         # be exact (a float mask is refused, not used as weights).
-        check(td, self.layout, require=self._require, any_float=True, context=type(self).__name__)
+        self.layout.validate_batch(
+            td, require=self._require, any_float=True, context=type(self).__name__
+        )
         if td.batch_size.numel() == 0:
             raise ValueError(
                 f"td: expected at least one item, found batch size {list(td.batch_size)}"

@@ -183,7 +183,7 @@ class RingBuffer:
                 rows = _new_rows(cap, columns, self.device)
                 dst_items = list(self._views(rows, columns).items())
             else:
-                leaves = self._schema.check(data, context)
+                leaves = self._schema.validated_leaves(data, context)
                 refuse_unreal(leaves.items(), context)
                 schema = None
                 assert self._rows is not None

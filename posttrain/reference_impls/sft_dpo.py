@@ -19,7 +19,6 @@ from tensordict import TensorDict, TensorDictBase
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.contracts.validation import check
 from posttrain.reference_impls.pg_loss import _token_log_probs
 
 NLL_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
@@ -102,7 +101,7 @@ class NLLLoss(torch.nn.Module):
 
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
         """The NLL of ``td``'s assistant tokens, normalized by ``counts`` (default: td's own)."""
-        check(td, self.layout, context=type(self).__name__)
+        self.layout.validate_batch(td, context=type(self).__name__)
         mask, logp = _mask_and_log_probs(self.policy, td, self.layout)
         c = _counts(mask, counts)
         m = mask.to(logp.dtype)
@@ -194,7 +193,9 @@ class DPOLoss(torch.nn.Module):
 
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
         """The DPO loss of the pairs in ``td`` (rows 2i chosen, 2i + 1 rejected)."""
-        check(td, self.layout, require=("ref_log_probs",), any_float=True, context="DPOLoss")
+        self.layout.validate_batch(
+            td, require=("ref_log_probs",), any_float=True, context="DPOLoss"
+        )
         if td.batch_size.numel() == 0 or td.batch_size[0] % 2:
             raise ValueError(
                 f"td: expected an even number of rows (chosen, rejected pairs), found "

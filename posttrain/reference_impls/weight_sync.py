@@ -46,7 +46,7 @@ class InProcessReceiver:
         """The version of the weights the model holds now (0 before any sync)."""
         return self._version
 
-    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Raise :class:`WeightMismatch` naming every parameter that does not fit."""
         if not isinstance(weights, Mapping):
             raise WeightMismatch(
@@ -81,7 +81,7 @@ class InProcessReceiver:
     def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         with self._cond:
             self._check_version(version)
-        self.check(weights)
+        self.validate_weights(weights)
         # Copy now: the sender may change its tensors as soon as send returns.
         snapshot = {n: t.detach().clone() for n, t in weights.items()}
         with self._cond:
@@ -103,7 +103,7 @@ class InProcessReceiver:
             if pending is None:
                 return None
             # The model may have been cast or resized since send checked it.
-            self.check(pending[0])
+            self.validate_weights(pending[0])
             self._pending = None
         weights, version = pending
         # Checked just above: same names, layouts, shapes and dtypes, so a copy can fail only

@@ -544,7 +544,7 @@ class UnlockedEviction(RingBuffer):
         n = int(data.batch_size[0])
         if self._schema is None or n == 0 or self._len < self.capacity or n > self.capacity:
             return super().extend(data)
-        leaves = self._schema.check(data, "UnlockedEviction.extend")
+        leaves = self._schema.validated_leaves(data, "UnlockedEviction.extend")
         cursor = self._cursor
         time.sleep(0.002)
         idx = (torch.arange(n, dtype=torch.int64) + cursor) % self.capacity

@@ -13,7 +13,6 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain.contracts import LLM_LAYOUT_V1, GlobalCounts, Implementation
-from posttrain.contracts.validation import check
 from posttrain.reference_impls.sft_dpo import DPOLoss, _counts, _dpo_own, _mask_and_log_probs
 from tests.mutants.nll_losses import counted_mutant
 
@@ -37,7 +36,9 @@ class BuggyDPO(DPOLoss):
             td = td.clone().set(RLP, torch.zeros(td.get(K("tokens")).shape))
         if bug == "drops_odd_row" and td.batch_size[0] % 2:
             td = td[: td.batch_size[0] - 1]
-        check(td, self.layout, require=("ref_log_probs",), any_float=True, context="DPOLoss")
+        self.layout.validate_batch(
+            td, require=("ref_log_probs",), any_float=True, context="DPOLoss"
+        )
         if td.batch_size[0] % 2:
             raise ValueError(f"td: expected an even number of rows, found {list(td.batch_size)}")
         mask, logp = _mask_and_log_probs(self.policy, td, self.layout)

@@ -12,7 +12,6 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain.contracts import LLM_LAYOUT_V1, GlobalCounts, Implementation
-from posttrain.contracts.validation import check
 from posttrain.reference_impls.sft_dpo import NLLLoss, _counts, _mask_and_log_probs
 
 __all__ = ["EXTRA_MUTANTS", "MUTANTS"]
@@ -37,7 +36,7 @@ class BuggyNLL(NLLLoss):
             for key in (ASST, ATT):
                 if key in td.keys(True):
                     td.set(key, td.get(key) != 0, inplace=False)
-        check(td, self.layout, context="NLLLoss")
+        self.layout.validate_batch(td, context="NLLLoss")
         if bug == "shifted":  # the logits at t score token t
             tokens, attn = td.get(TOK), td.get(ATT)
             mask = td.get(ASST) & attn

@@ -35,7 +35,7 @@ class Aliases(InProcessReceiver):
     """Assigns the sent tensors themselves (``load_state_dict(assign=True)`` without a copy)."""
 
     def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        self.check(weights)
+        self.validate_weights(weights)
         self._pending = (dict(weights), version)
 
     def receive(self, timeout: float | None = None) -> int | None:
@@ -52,7 +52,7 @@ class Aliases(InProcessReceiver):
 class CopiesUntilItBreaks(InProcessReceiver):
     """No validation: copies tensor by tensor, so a bad one stops it half-way."""
 
-    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         pass
 
     def receive(self, timeout: float | None = None) -> int | None:
@@ -70,15 +70,17 @@ class CopiesUntilItBreaks(InProcessReceiver):
 
 
 class CastsDtypes(InProcessReceiver):
-    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
-        super().check({n: (t.to(own[n].dtype) if n in own else t) for n, t in weights.items()})
+        super().validate_weights(
+            {n: (t.to(own[n].dtype) if n in own else t) for n, t in weights.items()}
+        )
 
 
 class NonStrictNames(InProcessReceiver):
-    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
-        super().check({**own, **{n: t for n, t in weights.items() if n in own}})
+        super().validate_weights({**own, **{n: t for n, t in weights.items() if n in own}})
 
     def receive(self, timeout: float | None = None) -> int | None:
         if self._pending is None:
@@ -128,7 +130,7 @@ class QueueReceiver(InProcessReceiver):
         last = self._queue[-1][1] if self._queue else self._version
         if version <= last:
             raise ValueError(f"version: expected an int above {last}, found {version!r}")
-        self.check(weights)
+        self.validate_weights(weights)
         self._queue.append(({n: t.detach().clone() for n, t in weights.items()}, version))
 
     def receive(self, timeout: float | None = None) -> int | None:
@@ -232,7 +234,7 @@ class ReadsStorage(InProcessReceiver):
     for contiguous tensors that own their storage (not for views into a flat buffer)."""
 
     def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        self.check(weights)  # keeps references: the copy is made at receive
+        self.validate_weights(weights)  # keeps references: the copy is made at receive
         self._pending = (dict(weights), version)
 
     def receive(self, timeout: float | None = None) -> int | None:
@@ -256,7 +258,7 @@ class SkipsSeenStorage(_Copying):
     never synced."""
 
     def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        self.check(weights)  # keeps references (zero copy): the copy is made at receive
+        self.validate_weights(weights)  # keeps references (zero copy): the copy is made at receive
         self._pending = (dict(weights), version)
 
     def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
@@ -272,7 +274,7 @@ class AliasesAfterFirstSync(InProcessReceiver):
     on the sent tensors themselves."""
 
     def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        self.check(weights)  # keeps references: the first receive copies them
+        self.validate_weights(weights)  # keeps references: the first receive copies them
         self._pending = (dict(weights), version)
 
     def receive(self, timeout: float | None = None) -> int | None:
@@ -289,9 +291,9 @@ class AliasesAfterFirstSync(InProcessReceiver):
 class ComparesNumel(_Copying):
     """Checks names, dtypes and element counts, not shapes; copies through ``reshape``."""
 
-    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
-        super().check(
+        super().validate_weights(
             {
                 n: (t.reshape(own[n].shape) if n in own and t.numel() == own[n].numel() else t)
                 for n, t in weights.items()
@@ -306,7 +308,7 @@ class ComparesNumel(_Copying):
 class ComparesItemsize(_Copying):
     """Checks element sizes, not dtypes (int32 passes for float32); ``copy_`` casts."""
 
-    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
         same = {
             n: (
@@ -316,7 +318,7 @@ class ComparesItemsize(_Copying):
             )
             for n, t in weights.items()
         }
-        super().check(same)
+        super().validate_weights(same)
 
     def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
         for n, src in weights.items():
@@ -327,12 +329,12 @@ class CountsNames(_Copying):
     """Checks that as many names came as the model has, and each known one's fit; a renamed
     tensor passes and is skipped."""
 
-    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
         if len(weights) != len(own):
             missing = [n for n in own if n not in weights] or [n for n in weights if n not in own]
             raise ValueError(f"expected {len(own)} tensors, found {len(weights)}: {missing}")
-        super().check({**own, **{n: t for n, t in weights.items() if n in own}})
+        super().validate_weights({**own, **{n: t for n, t in weights.items() if n in own}})
 
     def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
         for n, src in weights.items():

@@ -553,7 +553,7 @@ class NemoDataPlaneClient:
         context = f"put_samples: field {name!r} of partition {partition_id!r} (nothing written)"
         schema = self._schemas.get((partition_id, name))
         if schema is not None:
-            schema.check(items, context)
+            schema.validated_leaves(items, context)
             return schema
         try:
             # The schema the store's own first extend fixes: ragged stores free the length.

@@ -24,7 +24,6 @@ from posttrain.adapters.nemo_rl.train_data import NemoFormatError, from_layout
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.contracts.validation import check
 
 # What NeMo-RL's loss reads from ``data`` (``ClippedPGLossFn``,
 # ``nemo_rl/algorithms/loss/loss_functions.py``), besides ``prev_logprobs`` (for which
@@ -330,9 +329,8 @@ class NemoLossModule(torch.nn.Module):
         """
         if counts is not None and not isinstance(counts, GlobalCounts):
             raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
-        check(
+        self.layout.validate_batch(
             td,
-            self.layout,
             require=("sample_log_probs", "advantage"),
             ragged=isinstance(td, LazyStackedTensorDict),
             context="NemoLossModule",

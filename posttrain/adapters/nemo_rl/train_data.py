@@ -24,7 +24,6 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.adapters._layout import to_padded
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
-from posttrain.contracts.validation import check
 from posttrain.errors import PosttrainError
 
 NEMO_KEY = "nemo"
@@ -221,9 +220,8 @@ def from_layout(
     # Checked before any field is read: a missing or mistyped field would otherwise surface
     # as an AttributeError, or pass through as input_ids NeMo-RL cannot train on.
     # Float fields may hold any float dtype (bf16 log-probs, float64 rewards): cast below.
-    check(
+    layout.validate_batch(
         td,
-        layout,
         ragged=isinstance(td, LazyStackedTensorDict),
         any_float=True,
         context="from_layout",

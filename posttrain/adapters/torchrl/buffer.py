@@ -86,7 +86,7 @@ class ValidatedReplayBuffer:
         writer's cursor and count, the storage's length (a first write: its allocation) and
         the stored schema are put back, and so are the items it overwrote: a list storage's
         (references, free to keep) always, a tensor storage's from a copy taken before a
-        batch that is not plain (:meth:`ItemSchema.checked`); a plain batch's copies into
+        batch that is not plain (:meth:`ItemSchema.validated_leaves_plain`); a plain batch's copies into
         storage of its own dtypes and shapes cannot fail part-way, and copying the rows it
         overwrites would cost ~20% of the extend. That undo reads TorchRL's round-robin writers
         (the default); with another writer (``TensorDictMaxValueWriter`` places items by rank)
@@ -112,7 +112,7 @@ class ValidatedReplayBuffer:
                 if sig is not None and last is not None and last[0] is schema and last[1] == sig:
                     plain = True
                 else:
-                    plain = schema.checked(data)[1]
+                    plain = schema.validated_leaves_plain(data)[1]
                     if sig is None:  # not exact tensors: one may be a FakeTensor
                         refuse_unreal(_leaves(data), "extend (buffer unchanged)")
                     elif plain:
@@ -313,7 +313,7 @@ class ValidatedReplayBuffer:
         return f"ValidatedReplayBuffer({self.rb!r})"
 
 
-# One C call reads the five attributes ``ItemSchema.checked``'s plain path reads per leaf.
+# One C call reads the five attributes ``ItemSchema.validated_leaves_plain``'s plain path reads per leaf.
 _LEAF_META = operator.attrgetter("dtype", "shape", "requires_grad", "is_meta", "layout")
 _TENSOR = torch.Tensor
 
@@ -323,7 +323,7 @@ class _NotPlain(PosttrainError):
 
 
 def _plain_signature(data: Any) -> list[Any] | None:
-    """What ``ItemSchema.checked``'s plain path reads of a plain ``TensorDict``, as one list.
+    """What ``ItemSchema.validated_leaves_plain``'s plain path reads of a plain ``TensorDict``, as one list.
 
     The batch size, then each entry's key and, for a tensor, its dtype, shape,
     ``requires_grad``, ``is_meta`` and layout; a sub-TensorDict's entries follow its key and

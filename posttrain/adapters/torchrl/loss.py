@@ -13,7 +13,6 @@ from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters._layout import global_counts
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.contracts.validation import check
 
 TORCHRL_AGGREGATIONS = {"token_mean": "token_mean", "seq_mean_token_mean": "prompt_mean"}
 """Contract aggregation -> GRPOLoss's name for it (TorchRL has no seq_mean_token_sum[_norm])."""
@@ -118,7 +117,9 @@ class ContractLoss(torch.nn.Module):
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
         """Compute the wrapped loss on ``td`` (never mutated), as a part of the batch ``counts``
         describes (default: ``td`` is the whole batch)."""
-        check(td, require=("sample_log_probs", "advantage"), context=type(self.loss).__name__)
+        LLM_LAYOUT_V1.validate_batch(
+            td, require=("sample_log_probs", "advantage"), context=type(self.loss).__name__
+        )
         own, c = global_counts(td, counts)
         per_token = own.tokens / max(c.tokens, 1)
         per_row = (

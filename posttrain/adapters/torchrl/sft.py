@@ -32,7 +32,6 @@ from posttrain.adapters._layout import global_counts
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.contracts.validation import check
 
 K = LLM_LAYOUT_V1.key
 _IN = "_sft_input"
@@ -113,7 +112,7 @@ class TorchRLSFTLoss(torch.nn.Module):
             if counts is not None:
                 raise TypeError("counts: the raw TorchRL row takes no global counts")
             return TensorDict({"loss_nll": self.loss(td).get("loss_sft")}, batch_size=[])
-        check(td, context="TorchRL SFTLoss")
+        LLM_LAYOUT_V1.validate_batch(td, context="TorchRL SFTLoss")
         own, c = global_counts(td, counts)
         if own.tokens == 0:  # this part weighs nothing (SFTLoss refuses a batch without one)
             return TensorDict({"loss_nll": torch.zeros(())}, batch_size=[])

@@ -37,7 +37,6 @@ from posttrain._deps import optional_deps
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.contracts.validation import check
 
 BETA = 0.5
 """``DPOConfig.beta`` of the rows (declared in ``extras['beta']``)."""
@@ -191,7 +190,9 @@ class TRLDPOLoss(torch.nn.Module):
                 {"loss_preference": loss, **{k: torch.tensor(v) for k, v in metrics.items()}},
                 batch_size=[],
             )
-        check(td, require=("ref_log_probs",), any_float=True, context="TRL DPO")
+        LLM_LAYOUT_V1.validate_batch(
+            td, require=("ref_log_probs",), any_float=True, context="TRL DPO"
+        )
         rows = td.batch_size[0] if td.batch_size else 0
         if rows == 0 or rows % 2:
             raise ValueError(

@@ -49,9 +49,9 @@ class TRLAsUsersRunIt:
 
         from posttrain.adapters._layout import global_counts
         from posttrain.adapters.trl.loss import trl_inputs
-        from posttrain.contracts.validation import check
+        from posttrain.contracts.layout import LLM_LAYOUT_V1
 
-        check(td, require=("sample_log_probs", "advantage"), context="TRL")
+        LLM_LAYOUT_V1.validate_batch(td, require=("sample_log_probs", "advantage"), context="TRL")
         _, c = global_counts(td, counts)
         inputs, _ = trl_inputs(td, zero_outside=True)
         inputs["num_items_in_batch"] = torch.tensor(float(c.tokens))

@@ -34,7 +34,6 @@ from posttrain.adapters._layout import zero_outside as zero_outside_mask
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.contracts.validation import check
 
 LOSS_TYPES = {
     "grpo": "seq_mean_token_mean",
@@ -245,7 +244,9 @@ class TRLGRPOLoss(torch.nn.Module):
         passes it under gradient accumulation (default: this batch's loss tokens).
         """
         if self.adapted:
-            check(td, require=("sample_log_probs", "advantage"), context=f"TRL {self.loss_type}")
+            LLM_LAYOUT_V1.validate_batch(
+                td, require=("sample_log_probs", "advantage"), context=f"TRL {self.loss_type}"
+            )
             own, c = global_counts(td, counts)
         elif counts is not None:
             raise TypeError("counts: the raw TRL row takes no global counts")

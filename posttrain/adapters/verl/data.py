@@ -46,7 +46,6 @@ from tensordict import (
 
 from posttrain.adapters._layout import to_padded
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
-from posttrain.contracts.validation import check
 from posttrain.errors import PosttrainError
 
 VERL_KEY = "verl"
@@ -343,8 +342,8 @@ def from_layout(
             f"td: expected an LLM-layout TensorDict, found {type(td).__name__} "
             "(a DataProto goes the other way, through to_layout)"
         )
-    check(
-        td, layout, ragged=isinstance(td, LazyStackedTensorDict), any_float=True,
+    layout.validate_batch(
+        td, ragged=isinstance(td, LazyStackedTensorDict), any_float=True,
         context="verl from_layout",
     )  # fmt: skip
     fmt = td.get(FORMAT_KEY, None) if not isinstance(td, LazyStackedTensorDict) else None

@@ -22,7 +22,6 @@ from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
-from posttrain.contracts.validation import validate
 from posttrain.testing import forced_token_weights, tiny_causal_lm
 
 V = 64
@@ -225,7 +224,7 @@ def batches_meet_layout(ctx: Context) -> None:
     _policy, src = _scripted_source(ctx, total=3)
     try:
         for n, batch in enumerate(src):
-            bad = validate(
+            bad = LLM_LAYOUT_V1.violations(
                 batch, require=("policy_version",), deep=True, ragged="ragged" in ctx.capabilities
             )
             rows = _rows_or_none(batch)
