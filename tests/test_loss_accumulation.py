@@ -19,7 +19,8 @@ import pytest
 import torch
 from tensordict import TensorDictBase
 
-from posttrain.contracts import AGGREGATIONS, GlobalCounts
+from posttrain.contracts import GlobalCounts
+from posttrain.contracts.loss import AGGREGATIONS
 from posttrain.reference_impls import PolicyGradientLoss
 from tests.loss_dp import (
     ANSWERS,

@@ -9,7 +9,8 @@ import pytest
 import torch
 from tensordict import TensorDictBase
 
-from posttrain.adapters.trl import BufferDataset, WorkerRefused, sft_dataset
+from posttrain.adapters.trl import BufferDataset, sft_dataset
+from posttrain.adapters.trl.dataset import WorkerRefused
 from posttrain.adapters.trl.dataset import IGNORE_INDEX
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer

@@ -21,10 +21,8 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
     from posttrain.conformance.context import Context as Context
     from posttrain.conformance.context import NotApplicable as NotApplicable
     from posttrain.conformance.outcome import Report as Report
-    from posttrain.conformance.outcome import Result as Result
     from posttrain.conformance.outcome import Status as Status
     from posttrain.conformance.registry import requirement as requirement
-    from posttrain.conformance.target import TargetError as TargetError
     from posttrain.conformance.target import discover as discover
 
 __all__ = [
@@ -32,9 +30,7 @@ __all__ = [
     "Context",
     "NotApplicable",
     "Report",
-    "Result",
     "Status",
-    "TargetError",
     "check",
     "discover",
     "requirement",
@@ -48,10 +44,8 @@ _LAZY = {
     "Context": "posttrain.conformance.context",
     "NotApplicable": "posttrain.conformance.context",
     "Report": "posttrain.conformance.outcome",
-    "Result": "posttrain.conformance.outcome",
     "Status": "posttrain.conformance.outcome",
     "requirement": "posttrain.conformance.registry",
-    "TargetError": "posttrain.conformance.target",
     "discover": "posttrain.conformance.target",
 }
 

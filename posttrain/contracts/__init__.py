@@ -12,7 +12,6 @@ Example:
     ('masks', 'all_assistant_mask')
 """
 
-from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.buffer import (
     ReplayBufferV1,
     SupportsCheckpoint,
@@ -24,7 +23,6 @@ from posttrain.contracts.generation import GenerationClientV1, GenerationServerV
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import (
-    AGGREGATIONS,
     GlobalCounts,
     LossModuleV1,
     LossOutput,
@@ -34,11 +32,10 @@ from posttrain.contracts.metrics import MetricSinkV1
 from posttrain.contracts.registry import CONTRACTS, get_contract
 from posttrain.contracts.requirements import Requirement
 from posttrain.contracts.rollout import RolloutSourceV1
-from posttrain.contracts.validation import ContractViolation, Violation
+from posttrain.contracts.validation import ContractViolation
 from posttrain.contracts.weight_sync import WeightReceiverV1, WeightSenderV1
 
 __all__ = [
-    "AGGREGATIONS",
     "CONTRACTS",
     "LLM_LAYOUT_V1",
     "Contract",
@@ -59,9 +56,7 @@ __all__ = [
     "SupportsGlobalCounts",
     "SupportsPriority",
     "SupportsRead",
-    "Violation",
     "WeightReceiverV1",
     "WeightSenderV1",
     "get_contract",
-    "token_log_probs",
 ]

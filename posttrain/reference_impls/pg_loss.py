@@ -22,7 +22,7 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """:func:`posttrain.contracts.token_log_probs` in the logits' own precision (float32 at least)."""
+    """:func:`posttrain.contracts.alignment.token_log_probs` in the logits' own precision (float32 at least)."""
     picked = _log_softmax(logits).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from posttrain.contracts import AGGREGATIONS, LLM_LAYOUT_V1, GlobalCounts, Implementation
+from posttrain.contracts import LLM_LAYOUT_V1, GlobalCounts, Implementation
+from posttrain.contracts.loss import AGGREGATIONS
 from posttrain.reference_impls import PolicyGradientLoss
 
 __all__ = ["DUAL_CLIP", "EXTRA_MUTANTS", "MUTANTS"]

@@ -10,10 +10,8 @@ Example:
     'to_layout'
 """
 
-from posttrain.adapters.nemo_rl.advantages import grpo_advantages
 from posttrain.adapters.nemo_rl.async_buffer import NemoAsyncReplayBuffer
-from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict
-from posttrain.adapters.nemo_rl.data_plane import NemoAsyncGroupSlots, NemoDataPlaneClient
+from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient
 from posttrain.adapters.nemo_rl.generation import NemoGeneration
 from posttrain.adapters.nemo_rl.logger import NemoLogger
 from posttrain.adapters.nemo_rl.loss import ContractAsNemoLoss, NemoLossModule
@@ -25,9 +23,7 @@ from posttrain.adapters.nemo_rl.weight_sync import (
 )
 
 __all__ = [
-    "BatchedDataDict",
     "ContractAsNemoLoss",
-    "NemoAsyncGroupSlots",
     "NemoAsyncReplayBuffer",
     "NemoDataPlaneClient",
     "NemoFormatError",
@@ -38,6 +34,5 @@ __all__ = [
     "NemoShardedWeightSynchronizer",
     "NemoWeightSynchronizer",
     "from_layout",
-    "grpo_advantages",
     "to_layout",
 ]

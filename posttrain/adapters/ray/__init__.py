@@ -6,6 +6,6 @@ Example:
     'serve_buffer'
 """
 
-from posttrain.adapters.ray.buffer import BufferHost, RemoteBuffer, serve_buffer
+from posttrain.adapters.ray.buffer import RemoteBuffer, serve_buffer
 
-__all__ = ["BufferHost", "RemoteBuffer", "serve_buffer"]
+__all__ = ["RemoteBuffer", "serve_buffer"]

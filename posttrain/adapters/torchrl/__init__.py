@@ -1,8 +1,7 @@
 """TorchRL adapters: thin wrappers that make TorchRL components conform (torchrl imported lazily).
 
 Buffer (``ValidatedReplayBuffer``), rollout (``llm_collector``, ``ContractCollector``), loss
-(``ContractLoss`` over TorchRL's GRPO-family losses, ``transformers_actor``,
-``to_torchrl_layout``), generation (``inference_server``, ``ContractInferenceServer``) and weight
+(``ContractLoss`` over TorchRL's GRPO-family losses), generation (``inference_server``, ``ContractInferenceServer``) and weight
 sync (``weight_sync_pair`` in process, ``dist_weight_sync_pair`` over torch.distributed,
 ``ray_weight_sync_pair`` over Ray). The conformance rows of every raw and adapted component are
 module attributes of ``posttrain.adapters.torchrl.implementations`` named by the entry points.
@@ -16,7 +15,7 @@ Example:
 from posttrain.adapters.torchrl.buffer import ValidatedReplayBuffer
 from posttrain.adapters.torchrl.dist_weight_sync import dist_weight_sync_pair
 from posttrain.adapters.torchrl.generation import ContractInferenceServer, inference_server
-from posttrain.adapters.torchrl.loss import ContractLoss, to_torchrl_layout, transformers_actor
+from posttrain.adapters.torchrl.loss import ContractLoss
 from posttrain.adapters.torchrl.ray_weight_sync import ray_weight_sync_pair
 from posttrain.adapters.torchrl.rollout import ContractCollector, llm_collector
 from posttrain.adapters.torchrl.weight_sync import weight_sync_pair
@@ -30,7 +29,5 @@ __all__ = [
     "inference_server",
     "llm_collector",
     "ray_weight_sync_pair",
-    "to_torchrl_layout",
-    "transformers_actor",
     "weight_sync_pair",
 ]

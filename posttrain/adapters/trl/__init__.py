@@ -10,8 +10,6 @@ Example:
 from posttrain.adapters.trl.callback import CatalogueCallback
 from posttrain.adapters.trl.dataset import (
     BufferDataset,
-    MissingKey,
-    WorkerRefused,
     prompt_dataset,
     sft_dataset,
 )
@@ -25,11 +23,9 @@ __all__ = [
     "BufferDataset",
     "CaptureRollouts",
     "CatalogueCallback",
-    "MissingKey",
     "RewardModule",
     "TRLGRPOLoss",
     "TRLRolloutSource",
-    "WorkerRefused",
     "hf_reward_model",
     "preference_dataset",
     "prompt_dataset",
