@@ -21,20 +21,13 @@ _SPLITTING = "being split into modules of one job each"
 ALLOWED: dict[str, str] = {
     # Modules, by path.
     "posttrain/conformance/suites/generation.py": _SPLITTING,
-    "posttrain/adapters/nemo_rl/data_plane.py": _SPLITTING,
-    "posttrain/conformance/suites/buffer.py": _SPLITTING,
     # Functions, by qualified name.
     "posttrain.conformance.suites.generation._machine": _SPLITTING,
-    "posttrain.adapters.nemo_rl.mirror.batched_data_dict.BatchedDataDict.shard_by_batch_size": (
-        _SPLITTING
-    ),
-    "posttrain.adapters.nemo_rl.train_data.from_layout": _SPLITTING,
     "posttrain.reference_impls.pg_loss.PolicyGradientLoss.__init__": _SPLITTING,
     "posttrain.reference_impls.pg_loss.PolicyGradientLoss.forward": _SPLITTING,
     "posttrain.contracts.validation.layout_violations": _SPLITTING,
     "posttrain.observability.hooks.rollout_metrics": _SPLITTING,
     "posttrain.observability.hooks.policy_metrics": _SPLITTING,
-    "posttrain.conformance.suites.buffer._model_machine": _SPLITTING,
     "posttrain.adapters.trl.dataset.prompt_dataset": _SPLITTING,
     "posttrain.adapters.trl.reward.trl_reward": _SPLITTING,
     "posttrain.adapters.verl.data.to_layout": _SPLITTING,

@@ -1,0 +1,126 @@
+"""The buffer suite's run: a buffer under test beside the FIFO model of the uids it must hold.
+
+Every check of the buffer suite (``buffer``) and its random call sequences (``_buffer_model``)
+writes through a :class:`Run`, so each item carries a fresh uid and each sample is compared
+bit-exactly with what was written.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from posttrain.conformance.context import ConformanceError, Context
+from posttrain.conformance.suites._compare import Table, id_list
+from posttrain.conformance.suites._fail import fail as _fail
+from posttrain.testing import item_uids, llm_batch
+
+CAP = 8
+T = 8
+UID_BASES = itertools.count(1)
+
+
+class Run:
+    """A buffer under test plus the model of what it should hold (FIFO of uids)."""
+
+    def __init__(self, ctx: Context, capacity: int = CAP) -> None:
+        self.ctx = ctx
+        self.capacity = capacity
+        self.rb: Any = ctx.make(capacity)
+        self.table = Table()
+        self.fifo: list[int] = []
+        # Fresh uids per run: a buffer's unwritten memory may hold another run's rows, which
+        # must never pass for this run's items.
+        self.next_uid = next(UID_BASES) * 100_000
+
+    def batch(self, n: int, t: int = T) -> TensorDictBase:
+        td = llm_batch(n, t, uid_start=self.next_uid, seed=self.ctx.seed)
+        self.next_uid += n
+        return td
+
+    def write(self, n: int) -> torch.Tensor:
+        return self.put(self.batch(n))
+
+    def put(self, td: TensorDictBase) -> torch.Tensor:
+        idx: torch.Tensor = self.rb.extend(td)
+        self.table.add(td)
+        self.fifo = (self.fifo + item_uids(td))[-self.capacity :]
+        return idx
+
+    def stored(self) -> set[int]:
+        """The uids the buffer holds, found by sampling (and each sample checked bit-exactly).
+
+        Draws ``sample(len)`` at least 10 and at most 60 times, until every expected item showed
+        up: never more than ``len`` at once, so only BUF-007 depends on drawing beyond ``len``.
+        """
+        n = len(self.rb)
+        if n == 0:
+            return set()
+        seen: set[int] = set()
+        allowed, want = set(self.table.items), set(self.fifo)
+        for draw in range(60):
+            seen.update(self.table.check_sample(self.rb.sample(n), allowed))
+            if draw >= 9 and seen >= want:  # at least 10 draws, so stray rows get their chance
+                break
+        return seen
+
+    def expect_stored(self, what: str, *, complete: bool = True) -> None:
+        """Sampling finds exactly the model's items; with ``complete=False`` only none other
+        (that sampling reaches every stored item is BUF-007's and BUF-016's to say)."""
+        try:
+            got = self.stored()
+        except ConformanceError as e:
+            raise _fail(f"{what}: {e}") from None
+        want = set(self.fifo)
+        if got != want and (complete or not got <= want):
+            raise _fail(
+                f"{what}: buffer holds uids {id_list(sorted(got))}, expected "
+                f"{id_list(sorted(want))} (missing {id_list(sorted(want - got))}, unexpected "
+                f"{id_list(sorted(got - want))})"
+            )
+
+    def holds_fifo(self) -> bool:
+        """Whether sampling finds exactly the FIFO model's items (uids only, never raising).
+
+        Lets a check tell its own requirement's failure from a wrong eviction order, which
+        BUF-003 reports: anything unexpected, an exception included, answers False.
+        """
+        want, seen = set(self.fifo), set()
+        try:
+            for _ in range(60):
+                seen.update(item_uids(self.rb.sample(len(want))))
+                if seen >= want:
+                    break
+        except Exception:  # a sample the kit cannot read is not this check's to report
+            return False
+        return seen == want
+
+
+def indices(idx: Any, n: int, what: str) -> list[int]:
+    if not isinstance(idx, torch.Tensor):
+        raise _fail(f"{what}: extend returned {type(idx).__name__}, expected a 1-D integer tensor")
+    if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.dtype.is_complex:
+        raise _fail(
+            f"{what}: extend returned indices of dtype {idx.dtype}, expected an integer dtype"
+        )
+    if idx.ndim != 1 or idx.shape[0] != n:
+        raise _fail(f"{what}: extend returned indices of shape {list(idx.shape)}, expected [{n}]")
+    return [int(i) for i in idx.tolist()]
+
+
+def scribble(td: TensorDictBase) -> None:
+    """Overwrite every tensor of ``td`` in place (uids included), as a caller reusing it would.
+
+    Through ``apply_``, which reaches the tensors a lazy stack holds (a stacked view of them
+    would be a copy, and filling it would reach nothing)."""
+    td.apply_(lambda v: v.fill_(True if v.dtype == torch.bool else 99))
+
+
+def short_err(e: BaseException) -> str:
+    from posttrain.conformance.runner import remote_cause  # a Ray error: the actor's own error
+
+    cause = remote_cause(e)
+    return f"{type(cause).__name__}: {str(cause)[:200]}"
