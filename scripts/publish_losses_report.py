@@ -26,7 +26,9 @@ import torch
 
 from posttrain.conformance.outcome import Report, Status
 from posttrain.conformance.runner import run
-from posttrain.conformance.suites.loss import _logp_grads  # the suite's own gradient reading
+from posttrain.conformance.suites.loss_kit import (
+    logp_grads as _logp_grads,  # the suite's own gradient reading
+)
 from posttrain.conformance.target import discover
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.implementation import Implementation

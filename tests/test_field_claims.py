@@ -83,7 +83,7 @@ def test_verl_counts_a_row_without_response_tokens_when_the_trainer_passes_the_b
 
 
 def _first_token_weight(loss: Any, td: Any) -> float:
-    from posttrain.conformance.suites.loss import _logp_grads
+    from posttrain.conformance.suites.loss_kit import logp_grads as _logp_grads
 
     _, g = _logp_grads(loss.policy if hasattr(loss, "policy") else loss.inner.policy, loss, td)
     first = td.get(K("assistant_mask"))[0].nonzero()[0, 0]

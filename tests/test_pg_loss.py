@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 from posttrain.conformance import Status
 from posttrain.conformance.runner import run
-from posttrain.conformance.suites.loss import _logp_grads
+from posttrain.conformance.suites.loss_kit import logp_grads as _logp_grads
 from posttrain.contracts import LLM_LAYOUT_V1
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.implementation import Implementation

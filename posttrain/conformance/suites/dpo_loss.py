@@ -19,21 +19,17 @@ from tensordict import TensorDictBase
 from posttrain.conformance.context import Context
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
-from posttrain.conformance.suites.loss import (
-    ASST,
-    ATT,
-    RLP,
-    TOK,
-    V,
-    _call_counted,
-    _check_scalar_finite_terms,
-    _loss_term,
-    _refuse_each,
-    _scalars,
-    _setup,
-    _term_logp_grads,
-    _with,
+from posttrain.conformance.suites.loss_kit import ASST, ATT, RLP, TOK, V
+from posttrain.conformance.suites.loss_kit import call_counted as _call_counted
+from posttrain.conformance.suites.loss_kit import (
+    check_scalar_finite_terms as _check_scalar_finite_terms,
 )
+from posttrain.conformance.suites.loss_kit import loss_term as _loss_term
+from posttrain.conformance.suites.loss_kit import refuse_each as _refuse_each
+from posttrain.conformance.suites.loss_kit import scalars as _scalars
+from posttrain.conformance.suites.loss_kit import setup as _setup
+from posttrain.conformance.suites.loss_kit import term_logp_grads as _term_logp_grads
+from posttrain.conformance.suites.loss_kit import with_value as _with
 from posttrain.conformance.suites.nll_loss import (
     check_parts_add_up,
     gradient_reaches,

@@ -18,29 +18,26 @@ from tensordict import TensorDictBase
 from posttrain.conformance.context import Context
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
-from posttrain.conformance.suites.loss import (
-    _EMPTY_ROW,
-    _SPLITS,
-    ASST,
-    ATT,
-    TOK,
-    V,
-    _call_counted,
-    _check_scalar_finite_terms,
-    _counts_of,
-    _loss_term,
-    _pad,
-    _refuse_each,
-    _same,
-    _scalars,
-    _setup,
-    _split_name,
-    _term_logp_grads,
-    _trimmed,
-    _value_and_grads,
-    _weights_for,
-    _with,
+from posttrain.conformance.suites.loss_kit import ASST, ATT, TOK, V
+from posttrain.conformance.suites.loss_kit import EMPTY_ROW as _EMPTY_ROW
+from posttrain.conformance.suites.loss_kit import SPLITS as _SPLITS
+from posttrain.conformance.suites.loss_kit import call_counted as _call_counted
+from posttrain.conformance.suites.loss_kit import check_same as _same
+from posttrain.conformance.suites.loss_kit import (
+    check_scalar_finite_terms as _check_scalar_finite_terms,
 )
+from posttrain.conformance.suites.loss_kit import counts_of as _counts_of
+from posttrain.conformance.suites.loss_kit import loss_term as _loss_term
+from posttrain.conformance.suites.loss_kit import pad_columns as _pad
+from posttrain.conformance.suites.loss_kit import refuse_each as _refuse_each
+from posttrain.conformance.suites.loss_kit import scalars as _scalars
+from posttrain.conformance.suites.loss_kit import setup as _setup
+from posttrain.conformance.suites.loss_kit import split_name as _split_name
+from posttrain.conformance.suites.loss_kit import term_logp_grads as _term_logp_grads
+from posttrain.conformance.suites.loss_kit import trimmed as _trimmed
+from posttrain.conformance.suites.loss_kit import value_and_grads as _value_and_grads
+from posttrain.conformance.suites.loss_kit import weights_for as _weights_for
+from posttrain.conformance.suites.loss_kit import with_value as _with
 from posttrain.testing import llm_batch
 
 B, T = 4, 10
