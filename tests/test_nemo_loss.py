@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from posttrain.adapters.nemo_rl.loss import (
     global_counts,
 )
 from posttrain.adapters.nemo_rl.train_data import NemoFormatError
-from posttrain.reference_impls import PolicyGradientLoss
+from posttrain.policy_loss import PolicyLoss
 from posttrain.testing import llm_batch, tiny_causal_lm
 
 V = json.loads((Path(__file__).resolve().parent / "data" / "nemo_rl.json").read_text())[
@@ -38,7 +39,7 @@ def _data() -> dict[str, torch.Tensor]:
 def _nemo_default() -> ContractAsNemoLoss:
     # NeMo-RL's default ClippedPGLossConfig: ratio clip 0.2/0.2, k3 KL to reference 0.01,
     # token-level loss.
-    return ContractAsNemoLoss(lambda p: PolicyGradientLoss(p, clip_epsilon=0.2, kl_coef=0.01))
+    return ContractAsNemoLoss(lambda p: PolicyLoss(p, clip_epsilon=0.2, kl_coef=0.01))
 
 
 def test_vector_loss_and_gradient_of_nemo_rl_clipped_pg_loss() -> None:
@@ -68,7 +69,7 @@ def test_microbatches_and_ranks_add_up_to_the_full_batch(level: str) -> None:
     data = _data()
     full_lp = torch.tensor(V["next_token_logprobs"], requires_grad=True)
     loss_fn = ContractAsNemoLoss(
-        lambda p: PolicyGradientLoss(
+        lambda p: PolicyLoss(
             p,
             kl_coef=0.01,
             aggregation="token_mean" if level == "token_level" else "seq_mean_token_mean",
@@ -121,13 +122,11 @@ def test_a_wrapped_loss_equals_the_loss_it_wraps() -> None:
     torch.manual_seed(0)
     td = llm_batch(4, 8, vocab_size=64)
     policy = tiny_causal_lm()
-    direct = PolicyGradientLoss(policy, kl_coef=0.01)(td)
+    direct = PolicyLoss(policy, kl_coef=0.01)(td)
     d_grads = torch.autograd.grad(
         direct["loss_objective"] + direct["loss_kl_to_ref"], list(policy.parameters())
     )
-    wrapped = NemoLossModule(
-        ContractAsNemoLoss(lambda p: PolicyGradientLoss(p, kl_coef=0.01)), policy
-    )(td)
+    wrapped = NemoLossModule(ContractAsNemoLoss(lambda p: PolicyLoss(p, kl_coef=0.01)), policy)(td)
     w_grads = torch.autograd.grad(wrapped["loss_objective"], list(policy.parameters()))
     total = direct["loss_objective"] + direct["loss_kl_to_ref"]
     assert wrapped["loss_objective"].item() == pytest.approx(total.item(), abs=1e-6)
@@ -145,7 +144,7 @@ def test_bad_calls_say_what_was_expected() -> None:
             global_valid_toks=5,
         )
     with pytest.raises(ValueError, match="loss_type: expected 'token_level' or 'sequence_level'"):
-        ContractAsNemoLoss(PolicyGradientLoss, loss_type="token")
+        ContractAsNemoLoss(PolicyLoss, loss_type="token")
     bad: Any = None
     with pytest.raises(TypeError, match="expected next_token_logprobs= and data="):
         _nemo_default()(data=bad, global_valid_seqs=2, global_valid_toks=5)
@@ -275,8 +274,10 @@ def test_clipped_pg_options_refuse_what_nemo_rl_refuses() -> None:
         clipped_pg_options(
             {"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2}
         )
-    with pytest.raises(ValueError, match="cispo: needs ratio='token'"):
-        clipped_pg_loss({"use_cispo": True, "ratio_clip_c": 3.0}).make_loss(tiny_causal_lm())
+    with pytest.raises(ValueError, match="use_cispo: needs a token ratio"):
+        clipped_pg_options({"use_cispo": True, "ratio_clip_c": 3.0})
+    with pytest.raises(ValueError, match="use_cispo: needs a token ratio"):
+        clipped_pg_options({"use_cispo": True, "disable_ppo_ratio": True})
 
 
 @pytest.mark.parametrize(
@@ -293,8 +294,8 @@ def test_round_trip_of_an_option_loss_equals_the_loss(cfg: dict[str, Any]) -> No
     td = llm_batch(4, 8, vocab_size=64)
     policy = tiny_causal_lm()
     opts, _ = clipped_pg_options(cfg)
-    opts.pop("generation_key")  # a layout batch's behaviour log-probs are the generation ones
-    direct = PolicyGradientLoss(policy, **opts)(td)
+    # A layout batch's behaviour log-probs are the generation ones.
+    direct = PolicyLoss(policy, replace(opts, generation_key=None))(td)
     total = sum(v for k, v in direct.items() if k.startswith("loss_"))
     wrapped = NemoLossModule(clipped_pg_loss(cfg), policy)(td)
     assert wrapped["loss_objective"].item() == pytest.approx(float(total.detach()), abs=1e-6)
@@ -325,3 +326,25 @@ def test_sequence_sampling_importance_ratio_counts_sample_mask_as_nemo_rl_does()
     )
     assert metrics["sampling_importance_ratio"] == pytest.approx(nemo_rl, rel=1e-9)
     assert nemo_rl == pytest.approx(4.3840539, rel=1e-6)  # rows with a token only: 3.2880405
+
+
+def test_the_nemo_rl_metrics_are_the_adapters_not_the_losss() -> None:
+    # PolicyLoss returns loss terms and the contract's diagnostics; NeMo-RL's metric set is
+    # computed by clipped_pg_metrics beside it, from the same options.
+    case = next(c for c in OPTS["cases"] if c["key"] == "use_importance_sampling_correction")
+    loss_fn = clipped_pg_loss(case["config"])
+    _, metrics = loss_fn(
+        next_token_logprobs=torch.tensor(case["next_token_logprobs"], dtype=torch.float64),
+        data=_case_data(case, torch.float64),
+        global_valid_seqs=torch.tensor(case["global_valid_seqs"]),
+        global_valid_toks=torch.tensor(case["global_valid_toks"]),
+    )
+    td = llm_batch(2, 6, vocab_size=64)
+    own = loss_fn.make_loss(tiny_causal_lm())
+    opts = replace(own.options, generation_key=None)
+    out = PolicyLoss(tiny_causal_lm(), opts)(td)
+    nemo_only = {"token_mult_prob_error", "probs_ratio", "kl_penalty", "sampling_importance_ratio"}
+    assert nemo_only <= set(metrics)
+    assert not nemo_only & set(out.keys())
+    with pytest.raises(TypeError, match="nemo_metrics: not a PolicyLossOptions field"):
+        PolicyLoss(tiny_causal_lm(), nemo_metrics=True)

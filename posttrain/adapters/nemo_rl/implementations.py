@@ -18,8 +18,8 @@ def _loss(aggregation: str) -> Implementation:
         # loss_kl_to_ref to check (tests/test_nemo_loss.py checks the KL through the total).
         capabilities={"per_token_advantage", "ragged", "clip", "global_counts"},
         options={"aggregation": aggregation},
-        extras={"clip_epsilon": 0.2},  # PolicyGradientLoss's default, NeMo-RL's ratio_clip
-        description="posttrain's PolicyGradientLoss (NeMo-RL's default clip and k3 KL) wrapped "
+        extras={"clip_epsilon": 0.2},  # PolicyLoss's default, NeMo-RL's ratio_clip
+        description="posttrain's PolicyLoss (NeMo-RL's default clip and k3 KL) wrapped "
         "as a NeMo-RL LossFunction (ContractAsNemoLoss), wrapped back as a LossModuleV1 "
         "(NemoLossModule): both directions and the global-count normalization under test.",
     )

@@ -20,10 +20,13 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from posttrain._kl import kl_estimate
 from posttrain.adapters.nemo_rl.train_data import NemoFormatError, from_layout
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import GlobalCounts
+from posttrain.policy_loss import PolicyLoss, PolicyLossOptions
+from posttrain.policy_loss.ratio import clamped, ratios
 
 # What NeMo-RL's loss reads from ``data`` (``ClippedPGLossFn``,
 # ``nemo_rl/algorithms/loss/loss_functions.py``), besides ``prev_logprobs`` (for which
@@ -36,7 +39,7 @@ LOSS_TYPES = {"token_mean": "token_level", "seq_mean_token_mean": "sequence_leve
 GENERATION_KEY = ("log_probs", "generation")
 """Where :class:`ContractAsNemoLoss` puts NeMo-RL's ``generation_logprobs`` (the sampler's;
 ``sample_log_probs`` holds ``prev_logprobs``, the PPO ratio's denominator): pass it as
-``PolicyGradientLoss(..., generation_key=GENERATION_KEY)`` for importance-sampling correction.
+``PolicyLoss(..., generation_key=GENERATION_KEY)`` for importance-sampling correction.
 
 Example:
     >>> GENERATION_KEY
@@ -93,38 +96,6 @@ def global_counts(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return sm.sum(), (data["token_mask"][:, 1:].float() * sm[:, None]).sum()
 
 
-def _sampling_importance_ratio(
-    value: float, d: Mapping[str, Any], loss: Any, global_valid_seqs: Any
-) -> float:
-    """NeMo-RL's ``sampling_importance_ratio`` from the wrapped loss's value.
-
-    Under sequence-level ratios NeMo-RL 7ea279a (``ClippedPGLossFn.__call__``) takes
-    ``masked_mean`` of a [B, 1] weight over the [B] ``sample_mask``: the sum of every row's
-    weight times ``sum(sample_mask)``, over ``global_valid_seqs``. The layout batch carries
-    only rows with a token (a sampled row without one has an empty assistant mask), so the
-    wrapped loss multiplies by those rows instead; the port rescales to ``sum(sample_mask)``.
-    Token-level ratios are a token mean in both: unchanged.
-    """
-    if getattr(loss, "ratio", None) not in ("sequence", "gspo_token"):
-        return value
-    sm = d["sample_mask"].float()
-    with_tokens = float(((d["token_mask"][:, 1:] > 0) & (sm > 0)[:, None]).any(-1).sum())
-    sampled = float(sm.sum())
-    if with_tokens > 0:
-        return float(value) * sampled / with_tokens
-    # No row holds a token: every row's weight is exp(0) = 1, truncated as configured.
-    one = 1.0
-    bounds = getattr(loss, "importance_bounds", None)
-    kind = getattr(loss, "importance_correction", None)
-    if bounds is not None and kind == "tis":
-        one = min(1.0, float(bounds[1]))
-    elif bounds is not None and kind in ("icepop", "seq_mask_tis"):
-        lo = float(bounds[0]) if bounds[0] is not None else 0.0
-        one = float(lo <= 1.0 <= float(bounds[1]))
-    n_seq = max(float(torch.as_tensor(global_valid_seqs)), 1e-8)
-    return one * float(d["sample_mask"].shape[0]) * sampled / n_seq
-
-
 class _GivenLogProbs(torch.nn.Module):
     """A stand-in causal LM whose log-prob of token 0 at each position is a given value.
 
@@ -168,11 +139,13 @@ class ContractAsNemoLoss:
     ``clip_fraction`` and ``kl_approx`` are reported likewise; entropy cannot be (only the
     sampled tokens' log-probs arrive) and is dropped. ``data`` without ``input_ids``,
     ``token_mask``, ``sample_mask``, ``advantages`` or behaviour log-probs raises
-    ``NemoFormatError`` naming what is missing.
+    ``NemoFormatError`` naming what is missing. ``metrics(loss, td, counts, out, data)``, if
+    given, adds metrics of its own (the wrapped loss, its layout batch, the global counts, its
+    output and NeMo-RL's data) to a loss taking ``counts``.
 
     Example:
-        >>> from posttrain.reference_impls import PolicyGradientLoss
-        >>> loss_fn = ContractAsNemoLoss(lambda p: PolicyGradientLoss(p, kl_coef=0.01))
+        >>> from posttrain.policy_loss import PolicyLoss
+        >>> loss_fn = ContractAsNemoLoss(lambda p: PolicyLoss(p, kl_coef=0.01))
         >>> loss_fn.loss_type, loss_fn.input_type
         ('token_level', 'logprob')
     """
@@ -183,6 +156,7 @@ class ContractAsNemoLoss:
         *,
         loss_type: str = "token_level",
         layout: Layout = LLM_LAYOUT_V1,
+        metrics: Callable[..., Mapping[str, float]] | None = None,
     ) -> None:
         if loss_type not in ("token_level", "sequence_level"):
             raise ValueError(
@@ -193,6 +167,7 @@ class ContractAsNemoLoss:
         self.input_type = _enum("LossInputType", "logprob")
         self._level = loss_type
         self.layout = layout
+        self.metrics = metrics
 
     def __call__(
         self,
@@ -238,10 +213,8 @@ class ContractAsNemoLoss:
             for k, v in out.items():
                 if isinstance(k, str) and isinstance(v, torch.Tensor) and v.numel() == 1:
                     metrics[k] = float(v.detach())
-            if "sampling_importance_ratio" in metrics:
-                metrics["sampling_importance_ratio"] = _sampling_importance_ratio(
-                    metrics["sampling_importance_ratio"], d, loss_module, global_valid_seqs
-                )
+            if self.metrics is not None:
+                metrics.update(self.metrics(loss_module, td, counts, out, d))
             metrics["num_valid_samples"] = float(seqs)
             return loss, metrics
         out = loss_module(td)
@@ -305,10 +278,10 @@ class NemoLossModule(torch.nn.Module):
     rank), and returns ``loss_objective`` = NeMo-RL's loss plus its numeric metrics.
 
     Example:
-        >>> from posttrain.reference_impls import PolicyGradientLoss
+        >>> from posttrain.policy_loss import PolicyLoss
         >>> from posttrain.testing import tiny_causal_lm
         >>> from posttrain.testing import llm_batch
-        >>> module = NemoLossModule(ContractAsNemoLoss(PolicyGradientLoss), tiny_causal_lm())
+        >>> module = NemoLossModule(ContractAsNemoLoss(PolicyLoss), tiny_causal_lm())
         >>> module(llm_batch(2, 6, vocab_size=64))["loss_objective"].shape
         torch.Size([])
     """
@@ -366,7 +339,7 @@ class NemoLossModule(torch.nn.Module):
 def nemo_loss_module(policy: Any, aggregation: str = "token_mean", **overrides: Any) -> Any:
     """The conformance factory of the round trip: reference loss -> NeMo-RL -> ``LossModuleV1``.
 
-    posttrain's ``PolicyGradientLoss`` (clip 0.2, k3 KL 0.01, as NeMo-RL's default
+    posttrain's ``PolicyLoss`` (clip 0.2, k3 KL 0.01, as NeMo-RL's default
     ``ClippedPGLossConfig``) wrapped as a NeMo-RL ``LossFunction``, wrapped back as a
     ``LossModuleV1``: the loss suite then checks that both wrappers keep every property.
 
@@ -375,18 +348,16 @@ def nemo_loss_module(policy: Any, aggregation: str = "token_mean", **overrides: 
         >>> type(nemo_loss_module(tiny_causal_lm())).__name__
         'NemoLossModule'
     """
-    from posttrain.reference_impls import PolicyGradientLoss
-
     if aggregation not in LOSS_TYPES:
         raise ValueError(
             f"aggregation: expected one of {sorted(LOSS_TYPES)} (NeMo-RL's loss types), "
             f"found {aggregation!r}"
         )
     opts = {"kl_coef": 0.01, **overrides}
-    PolicyGradientLoss(policy, aggregation=aggregation, **opts)  # unknown options fail here
+    PolicyLoss(policy, aggregation=aggregation, **opts)  # unknown options fail here
 
     def make(p: Any) -> Any:
-        return PolicyGradientLoss(p, aggregation=aggregation, **opts)
+        return PolicyLoss(p, aggregation=aggregation, **opts)
 
     return NemoLossModule(ContractAsNemoLoss(make, loss_type=LOSS_TYPES[aggregation]), policy)
 
@@ -420,40 +391,26 @@ Example:
 """
 
 
-def clipped_pg_options(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    """``PolicyGradientLoss`` options and NeMo-RL loss type for a ``ClippedPGLossConfig``.
+def clipped_pg_options(cfg: Mapping[str, Any]) -> tuple[PolicyLossOptions, str]:
+    """:class:`~posttrain.policy_loss.PolicyLossOptions` and NeMo-RL loss type for a
+    ``ClippedPGLossConfig``.
 
     Every key of :data:`CLIPPED_PG_DEFAULTS` maps to a posttrain option (missing keys take
-    NeMo-RL's defaults); an unknown key, or a combination NeMo-RL refuses or this mapping
-    cannot express, raises ``ValueError`` naming it.
+    NeMo-RL's defaults; ``PolicyLossOptions`` names the key each option reproduces); an
+    unknown key, or a combination NeMo-RL refuses or this mapping cannot express, raises
+    ``ValueError`` naming it.
 
     Example:
         >>> opts, level = clipped_pg_options({"ratio_clip_c": 3.0, "token_level_loss": False})
-        >>> opts["dual_clip"], opts["aggregation"], level
+        >>> opts.dual_clip, opts.aggregation, level
         (3.0, 'seq_mean_token_mean', 'sequence_level')
     """
     unknown = sorted(set(cfg) - set(CLIPPED_PG_DEFAULTS))
     if unknown:
         raise ValueError(f"ClippedPGLossConfig: unknown keys {unknown}")
     c = {**CLIPPED_PG_DEFAULTS, **cfg}
-    seq_ratio = bool(c["sequence_level_importance_ratios"])
     token_level = bool(c["token_level_loss"])
-    if seq_ratio and token_level:
-        raise ValueError("sequence_level_importance_ratios: needs token_level_loss=False")
-    if c["force_on_policy_ratio"]:
-        if seq_ratio:
-            raise ValueError(
-                "force_on_policy_ratio with sequence_level_importance_ratios is not mapped"
-            )
-        ratio = "on_policy"
-    elif c["disable_ppo_ratio"]:
-        if seq_ratio:
-            raise ValueError(
-                "disable_ppo_ratio with sequence_level_importance_ratios is not mapped"
-            )
-        ratio = "none"
-    else:
-        ratio = "sequence" if seq_ratio else "token"
+    ratio = _clipped_pg_ratio(c, token_level)
     tis = c["truncated_importance_sampling_type"]
     if tis is not None and not c["use_importance_sampling_correction"]:
         raise ValueError(
@@ -468,43 +425,141 @@ def clipped_pg_options(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
                 c["truncated_importance_sampling_ratio_min"],
                 c["truncated_importance_sampling_ratio"],
             )
-    opts: dict[str, Any] = {
-        "aggregation": "token_mean" if token_level else "seq_mean_token_mean",
-        "clip_epsilon": (float(c["ratio_clip_min"]), float(c["ratio_clip_max"])),
-        "ratio": ratio,
-        "dual_clip": c["ratio_clip_c"],
-        "cispo": bool(c["use_cispo"]),
-        "kl_coef": 0.0 if c["use_kl_in_reward"] else float(c["reference_policy_kl_penalty"]),
-        "kl_estimator": c["reference_policy_kl_type"],
-        "kl_input_clamp": c["kl_input_clamp_value"],
-        "kl_output_clamp": c["kl_output_clamp_value"],
-        "kl_gradient": "behaviour" if c["use_on_policy_kl_approximation"] else "score",
-        "importance_correction": correction,
-        "importance_bounds": bounds,
-        "generation_key": GENERATION_KEY,
-        "positive_nll_coef": float(c["positive_example_nll_weight"]),
-        "nemo_metrics": True,
-    }
+    opts = PolicyLossOptions(
+        aggregation="token_mean" if token_level else "seq_mean_token_mean",
+        clip_epsilon=(float(c["ratio_clip_min"]), float(c["ratio_clip_max"])),
+        ratio=ratio,
+        dual_clip=c["ratio_clip_c"],
+        kl_coef=0.0 if c["use_kl_in_reward"] else float(c["reference_policy_kl_penalty"]),
+        kl_estimator=c["reference_policy_kl_type"],
+        kl_input_clamp=c["kl_input_clamp_value"],
+        kl_output_clamp=c["kl_output_clamp_value"],
+        kl_gradient="behaviour" if c["use_on_policy_kl_approximation"] else "score",
+        importance_correction=correction,
+        importance_bounds=bounds,
+        generation_key=GENERATION_KEY,
+        positive_nll_coef=float(c["positive_example_nll_weight"]),
+    )
     return opts, "token_level" if token_level else "sequence_level"
 
 
+def _clipped_pg_ratio(c: Mapping[str, Any], token_level: bool) -> str:
+    """The ``ratio`` option of a ``ClippedPGLossConfig``, refusing what NeMo-RL refuses."""
+    seq_ratio = bool(c["sequence_level_importance_ratios"])
+    if seq_ratio and token_level:
+        raise ValueError("sequence_level_importance_ratios: needs token_level_loss=False")
+    ratio = "sequence" if seq_ratio else "token"
+    for key, value in (("force_on_policy_ratio", "on_policy"), ("disable_ppo_ratio", "none")):
+        if c[key] and seq_ratio:
+            raise ValueError(f"{key} with sequence_level_importance_ratios is not mapped")
+        if c[key] and ratio == "token":
+            ratio = value
+    if c["use_cispo"]:
+        if ratio != "token" or c["ratio_clip_c"] is not None:
+            raise ValueError(
+                "use_cispo: needs a token ratio (none of disable_ppo_ratio, "
+                "force_on_policy_ratio, sequence_level_importance_ratios) and ratio_clip_c "
+                f"None (NeMo-RL's rule), found ratio {ratio!r}, ratio_clip_c "
+                f"{c['ratio_clip_c']!r}"
+            )
+        ratio = "cispo"
+    return ratio
+
+
+def clipped_pg_metrics(
+    loss: PolicyLoss,
+    td: TensorDictBase,
+    counts: GlobalCounts,
+    out: TensorDictBase,
+    data: Mapping[str, Any],
+) -> dict[str, float]:
+    """NeMo-RL's ``ClippedPGLossFn`` metrics of a :class:`~posttrain.policy_loss.PolicyLoss`
+    on its layout batch ``td``: token sums over the global token count (extrema: this
+    batch's), ``sampling_importance_ratio`` and ``is_oob_ratio`` as NeMo-RL reduces them.
+
+    Example:
+        >>> import torch
+        >>> from posttrain.testing import llm_batch, tiny_causal_lm
+        >>> loss, td = PolicyLoss(tiny_causal_lm(), kl_coef=0.1), llm_batch(2, 6, vocab_size=64)
+        >>> m = clipped_pg_metrics(loss, td, GlobalCounts.of(td), loss(td), {"sample_mask": torch.ones(2)})
+        >>> round(m["token_mult_prob_error"], 6), m["kl_penalty"] > 0
+        (1.0, True)
+    """
+    o = loss.options
+    with torch.no_grad():
+        x = loss.inputs(td, counts)
+        prox, gen, logp, mask = loss.proximal(x), x.gen, x.logp, x.mask
+        ratio = ratios(logp, prox, x.fm, o.ratio)
+        ratio_c = clamped(ratio, o.ratio, o.clip)
+        tm = x.fm / max(counts.tokens, 1)
+        mix = torch.log(0.5 * prox.exp() + 0.5 * gen.exp())
+        # NeMo-RL's Jensen-Shannon term is k3-shaped whatever the KL type.
+        js = 0.5 * kl_estimate(prox - mix) + 0.5 * kl_estimate(gen - mix)
+        pick, pick_c = ratio[mask], ratio_c[mask]
+        inf = float("inf")
+        res = {
+            "probs_ratio": (ratio * tm).sum(),
+            "probs_ratio_clamped": (ratio_c * tm).sum(),
+            "probs_ratio_min": pick.min() if pick.numel() else inf,
+            "probs_ratio_max": pick.max() if pick.numel() else -inf,
+            "probs_ratio_clamped_min": pick_c.min() if pick.numel() else inf,
+            "probs_ratio_clamped_max": pick_c.max() if pick.numel() else -inf,
+            "token_mult_prob_error": ((gen - prox).abs() * x.fm).exp().mul(tm).sum(),
+            "gen_kl_error": (kl_estimate(prox - gen, o.kl_estimator) * tm).sum(),
+            "policy_kl_error": (kl_estimate(gen - prox, o.kl_estimator) * tm).sum(),
+            "js_divergence_error": (js * tm).sum(),
+            "approx_entropy": -((logp - gen).exp() * logp * tm).sum(),
+        }
+        res.update(_importance_metrics(loss, x, prox, data))
+    for key, term, coef in (
+        ("kl_penalty", "loss_kl_to_ref", o.kl_coef),
+        ("positive_nll_loss", "loss_positive_nll", o.positive_nll_coef),
+    ):
+        res[key] = float(out.get(term).detach()) / coef if term in out.keys() else 0.0  # noqa: SIM118
+    return {k: float(v) for k, v in res.items()}
+
+
+def _importance_metrics(
+    loss: Any, x: Any, prox: torch.Tensor, data: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """``sampling_importance_ratio`` (and ``is_oob_ratio`` under truncation) as NeMo-RL 7ea279a
+    reduces them (``ClippedPGLossFn.__call__``)."""
+    o = loss.options
+    w, outside = loss.importance(x, prox)
+    n_tok, n_seq = max(x.counts.tokens, 1), max(x.counts.sequences, 1)
+    res: dict[str, torch.Tensor] = {}
+    if o.importance_correction in ("tis", "icepop"):
+        res["is_oob_ratio"] = (outside.to(x.fm.dtype) * x.fm).sum() / n_tok
+    elif o.importance_correction == "seq_mask_tis":
+        res["is_oob_ratio"] = (outside[:, 0] & x.mask.any(-1)).sum().to(x.fm.dtype) / n_seq
+    if w.shape[-1] == 1:
+        # Sequence ratios: NeMo-RL's masked_mean of a [B, 1] weight over the [B] sample_mask
+        # broadcasts to the sum of every row's weight times sum(sample_mask).
+        sampled = data["sample_mask"].to(w.dtype).sum()
+        res["sampling_importance_ratio"] = w.sum() * sampled / n_seq
+    else:
+        res["sampling_importance_ratio"] = (w * x.fm).sum() / n_tok
+    return res
+
+
 def clipped_pg_loss(cfg: Mapping[str, Any] | None = None) -> ContractAsNemoLoss:
-    """NeMo-RL's ``ClippedPGLossFn(cfg)`` built from posttrain's ``PolicyGradientLoss``.
+    """NeMo-RL's ``ClippedPGLossFn(cfg)`` built from posttrain's ``PolicyLoss``.
 
     Called as NeMo-RL calls its loss (``next_token_logprobs=``, ``data=``,
     ``global_valid_seqs=``, ``global_valid_toks=``); returns NeMo-RL's loss, gradient and
-    metrics (``token_mult_prob_error``, ``kl_penalty``, ``probs_ratio``, ...). ``data``
-    needs ``generation_logprobs`` as well as ``prev_logprobs``.
+    metrics (:func:`clipped_pg_metrics`: ``token_mult_prob_error``, ``kl_penalty``,
+    ``probs_ratio``, ...). ``data`` needs ``generation_logprobs`` as well as
+    ``prev_logprobs``.
 
     Example:
         >>> loss_fn = clipped_pg_loss({"use_importance_sampling_correction": True})
         >>> loss_fn.loss_type, loss_fn.input_type
         ('token_level', 'logprob')
     """
-    from posttrain.reference_impls import PolicyGradientLoss
-
     opts, level = clipped_pg_options(cfg or {})
-    return ContractAsNemoLoss(lambda p: PolicyGradientLoss(p, **opts), loss_type=level)
+    return ContractAsNemoLoss(
+        lambda p: PolicyLoss(p, opts), loss_type=level, metrics=clipped_pg_metrics
+    )
 
 
 DPO_DEFAULTS: dict[str, Any] = {
