@@ -9,7 +9,7 @@ import torch
 from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
 
 from posttrain.adapters.nemo_rl import NemoReplayBuffer
-from posttrain.adapters.nemo_rl.batching import flatten_message_logs
+from posttrain.adapters.nemo_rl.mirror.batching import flatten_message_logs
 from posttrain.adapters.torchrl import ValidatedReplayBuffer
 
 
@@ -37,7 +37,8 @@ def group(step: int) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     torchrl_buffer = TensorDictReplayBuffer(storage=LazyStackStorage(64))
-    nemo = NemoReplayBuffer(ValidatedReplayBuffer(torchrl_buffer, ragged=True), 8, capacity=64)
+    # Each group is stored as fixed-width uint8 chunks (4 KiB here), one TorchRL item each.
+    nemo = NemoReplayBuffer(ValidatedReplayBuffer(torchrl_buffer), 8, chunk_bytes=4096)
     sent = {}
     for step in range(4):  # a generator at version `step` writes for version step + 1
         sent[step] = group(step)

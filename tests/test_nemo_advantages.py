@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.adapters.nemo_rl.advantages import (
+from posttrain.adapters.nemo_rl.mirror.advantages import (
     baseline_and_std_per_prompt,
     clip_advantages,
     grpo_advantage,

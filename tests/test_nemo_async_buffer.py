@@ -12,15 +12,9 @@ import pytest
 import torch
 
 from posttrain._checkpoint import CheckpointError, reseal, verify_dir
-from posttrain.adapters.nemo_rl.async_buffer import (
-    CHUNK_KEY,
-    STATE_FILE,
-    NemoAsyncReplayBuffer,
-    PayloadError,
-    decode_payload,
-    encode_payload,
-)
-from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict
+from posttrain.adapters.nemo_rl.mirror.batched_data_dict import BatchedDataDict
+from posttrain.adapters.nemo_rl.payload import PayloadError, decode_payload, encode_payload
+from posttrain.adapters.nemo_rl.replay_buffer import CHUNK_KEY, STATE_FILE, NemoAsyncReplayBuffer
 from posttrain.reference_impls import RingBuffer
 
 V = json.loads((Path(__file__).parent / "data" / "nemo_rl_replay_buffer.json").read_text())
@@ -302,7 +296,7 @@ def test_refuses_what_it_cannot_encode_and_malformed_states() -> None:
 def test_runs_as_a_ray_actor_called_as_nemo_rl_calls_it(tmp_path: Path) -> None:
     """``replay_buffer.add.remote`` / ``ray.get(...sample.remote(...))`` as grpo.py does."""
     from posttrain.adapters._ray import ensure_cluster
-    from posttrain.adapters.nemo_rl.async_buffer import nemo_replay_buffer_actor
+    from posttrain.adapters.nemo_rl.replay_buffer import nemo_replay_buffer_actor
 
     ray = ensure_cluster()
     try:

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from posttrain.adapters.nemo_rl.advantages import clip_advantages, grpo_advantage
-from posttrain.adapters.nemo_rl.async_buffer import NemoAsyncReplayBuffer
-from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict
-from posttrain.adapters.nemo_rl.batching import flatten_message_logs
 from posttrain.adapters.nemo_rl.loss import ContractAsNemoLoss, global_counts
+from posttrain.adapters.nemo_rl.mirror.advantages import clip_advantages, grpo_advantage
+from posttrain.adapters.nemo_rl.mirror.batched_data_dict import BatchedDataDict
+from posttrain.adapters.nemo_rl.mirror.batching import flatten_message_logs
+from posttrain.adapters.nemo_rl.replay_buffer import NemoAsyncReplayBuffer
 from posttrain.adapters.nemo_rl.weight_sync import NemoShardedWeightSynchronizer, ShardAssembler
 from posttrain.reference_impls import PolicyGradientLoss, in_process_weight_sync
 from posttrain.testing import tiny_causal_lm

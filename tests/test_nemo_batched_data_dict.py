@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict, SlicedDataDict
+from posttrain.adapters.nemo_rl.mirror.batched_data_dict import BatchedDataDict, SlicedDataDict
 
 V = json.loads((Path(__file__).parent / "data" / "nemo_rl_batched_data_dict.json").read_text())
 _DT = {"torch.int64": torch.int64, "torch.float32": torch.float32}
@@ -135,7 +135,7 @@ def test_reorder_data_moves_row_i_to_its_position_and_refuses_non_permutations()
 
 
 def test_micro_batch_plan_keeps_rows_times_longest_within_the_budget() -> None:
-    from posttrain.adapters.nemo_rl.batched_data_dict import _plan_micro_batches
+    from posttrain.adapters.nemo_rl.mirror.batched_data_dict import _plan_micro_batches
 
     assert _plan_micro_batches([4, 4, 8, 8, 16], 16, 4) == ([[0, 2], [2, 4], [4, 5]], [4, 8, 16])
     assert _plan_micro_batches([], 16, 4) == ([[0, 0]], [0])
@@ -146,7 +146,7 @@ def test_micro_batch_plan_keeps_rows_times_longest_within_the_budget() -> None:
 def test_stacking_rule_casts_the_pad_per_value_and_promotes_like_concatenation() -> None:
     # 3+ dims: each value padded with the pad in its own dtype, then concatenated (promoted);
     # 2-D: rows padded in the first value's dtype. The expected tensors are built by hand.
-    from posttrain.adapters.nemo_rl.batching import stack_values
+    from posttrain.adapters.nemo_rl.mirror.batching import stack_values
 
     a = torch.tensor([[[1], [2]]])  # int64 [1, 2, 1]
     b = torch.tensor([[[0.5], [1.5], [2.5]]])  # float32 [1, 3, 1]

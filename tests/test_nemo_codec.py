@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.adapters.nemo_rl.batching import (
+from posttrain.adapters.nemo_rl.mirror.batching import (
     flatten_message_logs,
     from_batches,
     shard_by_batch_size,
@@ -256,7 +256,7 @@ def test_real_batched_data_dict_where_nemo_rl_imports() -> None:
 
 @pytest.mark.parametrize("leave_one_out", [True, False])
 def test_vector_grpo_advantages(leave_one_out: bool) -> None:
-    from posttrain.adapters.nemo_rl.advantages import grpo_advantages
+    from posttrain.adapters.nemo_rl.mirror.advantages import grpo_advantages
 
     v = V["grpo_advantages"]
     out = grpo_advantages(v["prompt_rows"], v["rewards"], leave_one_out=leave_one_out)

@@ -154,7 +154,8 @@ def test_full_refuse_is_the_default_and_writes_nothing() -> None:
 
 
 def test_reserve_then_commit_as_tq_replay_buffer() -> None:
-    from posttrain.adapters.nemo_rl.data_plane import DataPlaneFullError, NemoGroupSlots
+    from posttrain.adapters.nemo_rl.data_plane import DataPlaneFullError
+    from posttrain.adapters.nemo_rl.group_slots import NemoGroupSlots
 
     dp = NemoDataPlaneClient(RingBuffer, capacity=4)
     slots = NemoGroupSlots(dp, "train")
@@ -187,7 +188,7 @@ def test_reserve_then_commit_as_tq_replay_buffer() -> None:
 
 
 def test_commit_refuses_ids_live_for_another_group_and_clears_only_its_own_rows() -> None:
-    from posttrain.adapters.nemo_rl.data_plane import NemoGroupSlots
+    from posttrain.adapters.nemo_rl.group_slots import NemoGroupSlots
 
     dp = NemoDataPlaneClient(RingBuffer, capacity=8)
     slots = NemoGroupSlots(dp, "train")
@@ -325,7 +326,8 @@ def test_claims_name_what_is_not_registered() -> None:
 def test_async_slots_await_as_tq_replay_buffer() -> None:
     import asyncio
 
-    from posttrain.adapters.nemo_rl.data_plane import DataPlaneFullError, NemoAsyncGroupSlots
+    from posttrain.adapters.nemo_rl.data_plane import DataPlaneFullError
+    from posttrain.adapters.nemo_rl.group_slots import NemoAsyncGroupSlots
 
     dp = NemoDataPlaneClient(RingBuffer, capacity=4)
     slots = NemoAsyncGroupSlots(dp, "train")
@@ -409,7 +411,7 @@ def _lengths(n: int) -> TensorDict:
 
 @pytest.mark.parametrize("remote", [False, True], ids=["coroutine", "ray_remote"])
 def test_async_commit_of_live_ids_names_them_through_an_awaited_data_plane(remote: bool) -> None:
-    from posttrain.adapters.nemo_rl.data_plane import NemoAsyncGroupSlots
+    from posttrain.adapters.nemo_rl.group_slots import NemoAsyncGroupSlots
 
     async def run() -> None:
         dp = _AsyncDataPlane(remote=remote)
@@ -428,7 +430,7 @@ def test_async_commit_of_live_ids_names_them_through_an_awaited_data_plane(remot
 def test_a_group_removed_while_its_rows_are_written_leaves_no_rows_live(
     remove_in_dp: bool,
 ) -> None:
-    from posttrain.adapters.nemo_rl.data_plane import NemoAsyncGroupSlots
+    from posttrain.adapters.nemo_rl.group_slots import NemoAsyncGroupSlots
 
     async def run() -> None:
         dp = _AsyncDataPlane(pause=True)
@@ -448,7 +450,7 @@ def test_a_group_removed_while_its_rows_are_written_leaves_no_rows_live(
 
 
 def test_a_group_removed_and_reserved_again_mid_write_is_not_marked_by_the_old_commit() -> None:
-    from posttrain.adapters.nemo_rl.data_plane import NemoAsyncGroupSlots
+    from posttrain.adapters.nemo_rl.group_slots import NemoAsyncGroupSlots
 
     async def run() -> None:
         dp = _AsyncDataPlane(pause=True)
@@ -469,7 +471,7 @@ def test_a_group_removed_and_reserved_again_mid_write_is_not_marked_by_the_old_c
 
 @pytest.mark.parametrize("same_group", [False, True], ids=["two_groups", "one_group"])
 def test_concurrent_async_commits_of_the_same_ids_let_exactly_one_write(same_group: bool) -> None:
-    from posttrain.adapters.nemo_rl.data_plane import NemoAsyncGroupSlots
+    from posttrain.adapters.nemo_rl.group_slots import NemoAsyncGroupSlots
 
     async def run() -> None:
         dp = _AsyncDataPlane()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.adapters.nemo_rl.advantages import (
+from posttrain.adapters.nemo_rl.mirror.advantages import (
     grpo_advantage,
     grpo_advantages,
     reinforce_plus_plus_advantage,

@@ -10,12 +10,11 @@ Example:
     'to_layout'
 """
 
-from posttrain.adapters.nemo_rl.async_buffer import NemoAsyncReplayBuffer
 from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient
 from posttrain.adapters.nemo_rl.generation import NemoGeneration
 from posttrain.adapters.nemo_rl.logger import NemoLogger
 from posttrain.adapters.nemo_rl.loss import ContractAsNemoLoss, NemoLossModule
-from posttrain.adapters.nemo_rl.storage import NemoReplayBuffer
+from posttrain.adapters.nemo_rl.replay_buffer import NemoAsyncReplayBuffer, NemoReplayBuffer
 from posttrain.adapters.nemo_rl.train_data import NemoFormatError, from_layout, to_layout
 from posttrain.adapters.nemo_rl.weight_sync import (
     NemoShardedWeightSynchronizer,

@@ -23,6 +23,8 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.adapters._layout import to_padded
+from posttrain.adapters.nemo_rl.mirror.batching import _plain
+from posttrain.adapters.nemo_rl.upstream import from_nemo_rl
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.errors import PosttrainError
 
@@ -59,16 +61,8 @@ def batched_data_dict(data: dict[str, Any]) -> Any:
         >>> isinstance(batched_data_dict({"x": [1]}), dict)  # nemo_rl is not installed here
         True
     """
-    try:
-        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-    except ImportError:
-        return data
-    return BatchedDataDict(data)
-
-
-def _plain(data: Mapping[str, Any]) -> dict[str, Any]:
-    inner = getattr(data, "data", None)  # BatchedDataDict is a UserDict
-    return dict(inner if isinstance(inner, dict) else data)
+    cls = from_nemo_rl("BatchedDataDict")
+    return data if cls is None else cls(data)
 
 
 def _tensor(data: Mapping[str, Any], key: str, ndim: int, b: int | None = None) -> torch.Tensor:
@@ -233,7 +227,7 @@ def from_layout(
     ids = td.get(k("tokens"))
     attn = td.get(k("attention_mask"))
     asst = td.get(k("assistant_mask")) & attn
-    b, s = ids.shape
+    b = int(ids.shape[0])
     lengths = attn.sum(-1).to(torch.int32)
     if pad_token_id is not None:
         ids = torch.where(attn, ids, pad_token_id)
@@ -242,6 +236,18 @@ def from_layout(
         "input_lengths": lengths,
         "token_mask": asst.to(ids.dtype),
     }
+    out.update(_optional_fields(td, layout, nan_to_zero))
+    if "prev_logprobs" not in out and "generation_logprobs" in out:
+        out["prev_logprobs"] = out["generation_logprobs"]
+    out.setdefault("sample_mask", torch.ones(b, dtype=torch.float32))
+    return batched_data_dict(out)
+
+
+def _optional_fields(td: TensorDictBase, layout: Layout, nan_to_zero: bool) -> dict[str, Any]:
+    """The NeMo-RL fields of a right-aligned layout batch that it may or may not hold."""
+    k = layout.key
+    b, s = td.get(k("tokens")).shape
+    out: dict[str, Any] = {}
     sample = td.get(k("sample_log_probs"), None)
     if sample is not None:
         out["generation_logprobs"] = _logprobs(sample, nan_to_zero)
@@ -258,10 +264,7 @@ def from_layout(
     if nemo is not None:
         for key, v in nemo.items(include_nested=True, leaves_only=True):
             out[key if isinstance(key, str) else ".".join(key)] = v
-    if "prev_logprobs" not in out and "generation_logprobs" in out:
-        out["prev_logprobs"] = out["generation_logprobs"]
-    out.setdefault("sample_mask", torch.ones(b, dtype=torch.float32))
-    return batched_data_dict(out)
+    return out
 
 
 def _logprobs(v: torch.Tensor, nan_to_zero: bool) -> torch.Tensor:

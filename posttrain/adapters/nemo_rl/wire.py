@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from posttrain.adapters.nemo_rl.mirror.batching import _plain
 from posttrain.adapters.nemo_rl.train_data import (
     NemoFormatError,
-    _plain,
     batched_data_dict,
     from_layout,
     to_layout,

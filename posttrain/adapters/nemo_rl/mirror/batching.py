@@ -13,7 +13,10 @@ from typing import Any
 
 import torch
 
-from posttrain.adapters.nemo_rl.train_data import _plain
+
+def _plain(data: Mapping[str, Any]) -> dict[str, Any]:
+    inner = getattr(data, "data", None)  # BatchedDataDict is a UserDict
+    return dict(inner if isinstance(inner, dict) else data)
 
 
 def from_batches(
@@ -22,7 +25,7 @@ def from_batches(
     """``BatchedDataDict.from_batches`` as a plain dict, every key in every batch.
 
     Stricter than NeMo-RL's classmethod (``BatchedDataDict.from_batches`` in
-    :mod:`posttrain.adapters.nemo_rl.batched_data_dict` is the faithful one): a key missing
+    :mod:`posttrain.adapters.nemo_rl.mirror.batched_data_dict` is the faithful one): a key missing
     from any batch raises ``KeyError``, and a key holding 1-D tensors in one batch and 2-D in
     another raises ``TypeError``. Otherwise the values are stacked by :func:`stack_values`.
 

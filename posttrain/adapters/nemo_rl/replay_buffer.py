@@ -40,13 +40,9 @@ checks the whole state before the buffer changes. Every failed save or load rais
 
 from __future__ import annotations
 
-import heapq
-import json
-import math
 import operator
 import os
 import threading
-from collections import Counter, UserDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,188 +50,29 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from posttrain._checkpoint import CheckpointError, save_state
-from posttrain.adapters.nemo_rl.storage import (
-    _capacity_of,
-    _load_checkpoint,
-    _os_error,
+from posttrain._checkpoint import CheckpointError, load_verified, save_state
+from posttrain.adapters.nemo_rl.mirror.replay_buffer import (
+    NEMO_GYM_TASK_INDEX_KEY,
+    NEXT_NEMO_GYM_TASK_INDEX_KEY,
+    Row,
     mean_age,
+    restore_plan,
     take_for_step,
+    valid_for_target,
 )
-from posttrain.errors import PosttrainError
-
-NEMO_GYM_TASK_INDEX_KEY = "_ng_task_index"
-"""``nemo_rl/experience/interfaces.py:NEMO_GYM_TASK_INDEX_KEY`` (7ea279a)."""
-NEXT_NEMO_GYM_TASK_INDEX_KEY = "next_ng_task_index"
-"""``nemo_rl/experience/interfaces.py:NEXT_NEMO_GYM_TASK_INDEX_KEY`` (7ea279a)."""
-
-PAYLOAD_FORMAT = "posttrain-nemo-trajectory/1"
-"""Written into every checkpoint; a file of another format is refused by name."""
+from posttrain.adapters.nemo_rl.payload import (
+    PAYLOAD_FORMAT,
+    decode_payload,
+    encode_payload,
+)
+from posttrain.adapters.nemo_rl.train_data import to_layout
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 
 STATE_FILE = "nemo_async_replay_buffer.pt"
 """The one file of a :meth:`NemoAsyncReplayBuffer.save_to_path` checkpoint directory."""
 
 CHUNK_KEY = "nemo_trajectory_chunk"
 """The one key of the items this buffer writes to its backing buffer."""
-
-_DTYPES = {
-    str(d): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-    )
-}  # fmt: skip
-
-
-class PayloadError(PosttrainError, ValueError):
-    """A trajectory this codec cannot encode, or bytes that are not one of its payloads.
-
-    Example:
-        >>> encode_payload({"f": object()})
-        Traceback (most recent call last):
-        ...
-        posttrain.adapters.nemo_rl.async_buffer.PayloadError: trajectory['f']: cannot encode ...
-    """
-
-
-def _batched_data_dict_type() -> type[Any]:
-    try:
-        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-    except ImportError:
-        from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict
-    return BatchedDataDict  # type: ignore[no-any-return]
-
-
-def encode_payload(obj: Any) -> torch.Tensor:
-    """``obj`` (dicts, lists, tuples, BatchedDataDicts, tensors, scalars, strings) as uint8 bytes.
-
-    No pickle: a JSON tree (dict keys may be str, int, float, bool or None) and each tensor's
-    raw bytes; tensors come back on CPU, detached, with their dtype and shape. Anything else
-    raises :class:`PayloadError` naming where it is.
-
-    Example:
-        >>> t = {"batch": {"ids": torch.tensor([[1, 2]]), "msg": ["hi"]}, "timestamp": 1.5}
-        >>> back = decode_payload(encode_payload(t))
-        >>> back["batch"]["ids"].tolist(), back["batch"]["msg"], back["timestamp"]
-        ([[1, 2]], ['hi'], 1.5)
-    """
-    tensors: list[torch.Tensor] = []
-
-    def tree(v: Any, where: str) -> Any:
-        if v is None or isinstance(v, bool | int | str):
-            return v
-        if isinstance(v, float):
-            return {"$f": repr(v)} if not math.isfinite(v) else v
-        if isinstance(v, torch.Tensor):
-            if v.is_sparse or str(v.dtype) not in _DTYPES:
-                raise PayloadError(f"{where}: cannot encode a {v.dtype} {v.layout} tensor")
-            tensors.append(v.detach().to("cpu").contiguous())
-            return {"$t": len(tensors) - 1}
-        if isinstance(v, UserDict):  # BatchedDataDict (nemo_rl's or the mirror)
-            return {"$b": tree(dict(v.data), where)}
-        if isinstance(v, Mapping):
-            items = []
-            for k, x in v.items():
-                if not (k is None or isinstance(k, bool | int | float | str)):
-                    raise PayloadError(f"{where}: cannot encode a key of type {type(k).__name__}")
-                items.append([k, tree(x, f"{where}[{k!r}]")])
-            return {"$d": items}
-        if isinstance(v, list):
-            return [tree(x, f"{where}[{i}]") for i, x in enumerate(v)]
-        if isinstance(v, tuple):
-            return {"$u": [tree(x, f"{where}[{i}]") for i, x in enumerate(v)]}
-        item = getattr(v, "item", None)  # numpy scalars
-        if type(v).__module__ == "numpy" and callable(item) and getattr(v, "ndim", 1) == 0:
-            return tree(item(), where)
-        raise PayloadError(f"{where}: cannot encode {type(v).__name__} (no pickle here)")
-
-    root = tree(obj, "trajectory")
-    metas: list[list[Any]] = []
-    spans: list[tuple[int, int]] = []
-    offset = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        metas.append([str(t.dtype), list(t.shape), offset, nbytes])
-        spans.append((offset, nbytes))
-        offset += nbytes
-    header = json.dumps({"format": PAYLOAD_FORMAT, "tree": root, "tensors": metas}).encode()
-    out = torch.empty(8 + len(header) + offset, dtype=torch.uint8)
-    out[:8] = torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8)
-    out[8 : 8 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    base = 8 + len(header)
-    for t, (off, nbytes) in zip(tensors, spans, strict=True):
-        if nbytes:
-            out[base + off : base + off + nbytes] = t.reshape(-1).view(torch.uint8)
-    return out
-
-
-def decode_payload(payload: torch.Tensor) -> Any:
-    """The object :func:`encode_payload` encoded; malformed bytes raise :class:`PayloadError`.
-
-    Example:
-        >>> decode_payload(encode_payload((1, None, float("nan"))))
-        (1, None, nan)
-    """
-    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.ndim != 1:
-        raise PayloadError(f"payload: expected a 1-D uint8 tensor, found {payload!r:.80}")
-    raw = payload.numpy().tobytes()
-    try:
-        n = int.from_bytes(raw[:8], "little")
-        head = json.loads(raw[8 : 8 + n].decode())
-        if head.get("format") != PAYLOAD_FORMAT:
-            raise PayloadError(
-                f"payload: expected format {PAYLOAD_FORMAT!r}, found {head.get('format')!r}"
-            )
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-        raise PayloadError(f"payload: not a {PAYLOAD_FORMAT} payload ({e})") from None
-    base = 8 + n
-    metas = head.get("tensors") if isinstance(head, dict) else None
-    if not isinstance(metas, list):
-        raise PayloadError(f"payload: expected a header with a 'tensors' list, found {metas!r:.80}")
-    tensors = []
-    for meta in metas:
-        try:
-            dtype, shape, off, nbytes = meta
-            shape = [int(d) for d in shape]
-            off, nbytes = int(off), int(nbytes)
-        except (TypeError, ValueError) as e:
-            raise PayloadError(f"payload: malformed tensor entry {meta!r:.80} ({e})") from None
-        if off < 0 or nbytes < 0 or base + off + nbytes > len(raw) or dtype not in _DTYPES:
-            raise PayloadError(f"payload: tensor at {off} ({dtype}, {nbytes} bytes) out of bounds")
-        width = _DTYPES[dtype].itemsize
-        if any(d < 0 for d in shape) or math.prod(shape) * width != nbytes:
-            raise PayloadError(
-                f"payload: tensor at {off}: expected {nbytes} bytes for a {dtype} of shape "
-                f"{shape}, found {math.prod(shape) * width} bytes"
-            )
-        buf = bytearray(raw[base + off : base + off + nbytes])
-        flat = (
-            torch.frombuffer(buf, dtype=torch.uint8)
-            if nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        tensors.append(flat.view(_DTYPES[dtype]).reshape(shape))
-    bdd = _batched_data_dict_type()
-
-    def build(v: Any) -> Any:
-        if isinstance(v, list):
-            return [build(x) for x in v]
-        if not isinstance(v, dict):
-            return v
-        if "$t" in v:
-            return tensors[v["$t"]]
-        if "$f" in v:
-            return float(v["$f"])
-        if "$b" in v:
-            return bdd(build(v["$b"]))
-        if "$u" in v:
-            return tuple(build(x) for x in v["$u"])
-        return {k: build(x) for k, x in v["$d"]}
-
-    try:
-        return build(head["tree"])
-    except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise PayloadError(f"payload: malformed tree ({type(e).__name__}: {e})") from None
 
 
 @dataclass
@@ -584,75 +421,24 @@ class NemoAsyncReplayBuffer:
         num_prompts_per_step: int | None,
         current_training_step: int | None,
         max_age_steps: int | None,
-    ) -> tuple[list[_Row], int, list[int | None], int]:
+    ) -> tuple[list[Row], int, list[int | None], int]:
         """The checked state: (rows kept, generation mark, every task index, groups read).
 
         Reads nothing of this buffer but its settings; raises ``ValueError`` (``TypeError``
         for a field of the wrong type is said as one too) naming the key, what was expected
         and what was found.
         """
-        required = {
-            "trajectories",
-            "trajectory_versions",
-            "target_weight_versions",
-            "last_target_weight_already_generated",
-        }
-        missing = required - set(state)
-        if missing:
-            raise ValueError(
-                f"state keys: expected {sorted(required)}, found {sorted(state)} "
-                f"(without {sorted(missing)})"
-            )
-        if "format" in state and state["format"] != PAYLOAD_FORMAT:
-            raise ValueError(
-                f"Checkpoint format: expected {PAYLOAD_FORMAT!r}, found {state['format']!r}"
-            )
-        for key in ("trajectories", "trajectory_versions", "target_weight_versions"):
-            if not isinstance(state[key], list | tuple):
-                raise ValueError(
-                    f"state[{key!r}]: expected a list, found {type(state[key]).__name__}"
-                )
-        trajs = list(state["trajectories"])
-        versions = [_int(v, f"state['trajectory_versions'][{i}]") for i, v in
-                    enumerate(state["trajectory_versions"])]  # fmt: skip
-        targets = [_int(t, f"state['target_weight_versions'][{i}]") for i, t in
-                   enumerate(state["target_weight_versions"])]  # fmt: skip
-        if not len(trajs) == len(versions) == len(targets):
-            raise ValueError(
-                "state lists: expected one length for trajectories, trajectory_versions and "
-                f"target_weight_versions, found {len(trajs)}, {len(versions)} and {len(targets)}"
-            )
-        for i, t in enumerate(trajs):
-            if not isinstance(t, torch.Tensor | Mapping):
-                raise ValueError(
-                    f"state['trajectories'][{i}]: expected an encoded payload or a trajectory "
-                    f"dict, found {type(t).__name__}"
-                )
+        trajs, versions, targets = _checked_lists(state)
         payloads = [t if isinstance(t, torch.Tensor) else encode_payload(t) for t in trajs]
         for p in payloads:
             decode_payload(p)  # a malformed payload is refused before anything changes
-        raw_tasks = state.get("task_indices", [None] * len(trajs))
-        if not isinstance(raw_tasks, list | tuple) or len(raw_tasks) != len(trajs):
-            found = len(raw_tasks) if isinstance(raw_tasks, list | tuple) else raw_tasks
-            raise ValueError(
-                f"state['task_indices']: expected a list of {len(trajs)}, found {found!r:.80}"
-            )
-        tasks: list[int | None] = [
-            None if t is None else _int(t, f"state['task_indices'][{i}]")
-            for i, t in enumerate(raw_tasks)
-        ]
-        for i, t in enumerate(trajs):
-            if not isinstance(t, torch.Tensor) and t.get(NEMO_GYM_TASK_INDEX_KEY) is not None:
-                tasks[i] = _int(
-                    t[NEMO_GYM_TASK_INDEX_KEY],
-                    f"state['trajectories'][{i}][{NEMO_GYM_TASK_INDEX_KEY!r}]",
-                )
+        tasks = _task_indices(state, trajs)
         rows = list(zip(payloads, versions, targets, tasks, strict=True))
         last = _int(
             state["last_target_weight_already_generated"],
             "state['last_target_weight_already_generated']",
         )
-        rows, last = _restore_plan(
+        rows, last = restore_plan(
             rows,
             last,
             self.max_size,
@@ -669,7 +455,7 @@ class NemoAsyncReplayBuffer:
             )
         return rows, last, tasks, len(trajs)
 
-    def _apply(self, rows: list[_Row], last: int) -> None:
+    def _apply(self, rows: list[Row], last: int) -> None:
         """Write the kept groups in one extend, then hold them (nothing changes if it raises)."""
         with self._lock:
             entries = []
@@ -716,8 +502,69 @@ class NemoAsyncReplayBuffer:
         return sum(
             1
             for e in self._entries
-            if e.target == target_step and _valid_for_target(e.version, target_step, max_age_steps)
+            if e.target == target_step and valid_for_target(e.version, target_step, max_age_steps)
         )
+
+
+def _checked_lists(state: Mapping[str, Any]) -> tuple[list[Any], list[int], list[int]]:
+    """A state's trajectories, versions and targets, keys, types and lengths checked."""
+    required = {
+        "trajectories",
+        "trajectory_versions",
+        "target_weight_versions",
+        "last_target_weight_already_generated",
+    }
+    missing = required - set(state)
+    if missing:
+        raise ValueError(
+            f"state keys: expected {sorted(required)}, found {sorted(state)} "
+            f"(without {sorted(missing)})"
+        )
+    if "format" in state and state["format"] != PAYLOAD_FORMAT:
+        raise ValueError(
+            f"Checkpoint format: expected {PAYLOAD_FORMAT!r}, found {state['format']!r}"
+        )
+    for key in ("trajectories", "trajectory_versions", "target_weight_versions"):
+        if not isinstance(state[key], list | tuple):
+            raise ValueError(f"state[{key!r}]: expected a list, found {type(state[key]).__name__}")
+    trajs = list(state["trajectories"])
+    versions = [_int(v, f"state['trajectory_versions'][{i}]") for i, v in
+                enumerate(state["trajectory_versions"])]  # fmt: skip
+    targets = [_int(t, f"state['target_weight_versions'][{i}]") for i, t in
+               enumerate(state["target_weight_versions"])]  # fmt: skip
+    if not len(trajs) == len(versions) == len(targets):
+        raise ValueError(
+            "state lists: expected one length for trajectories, trajectory_versions and "
+            f"target_weight_versions, found {len(trajs)}, {len(versions)} and {len(targets)}"
+        )
+    for i, t in enumerate(trajs):
+        if not isinstance(t, torch.Tensor | Mapping):
+            raise ValueError(
+                f"state['trajectories'][{i}]: expected an encoded payload or a trajectory "
+                f"dict, found {type(t).__name__}"
+            )
+    return trajs, versions, targets
+
+
+def _task_indices(state: Mapping[str, Any], trajs: list[Any]) -> list[int | None]:
+    """Each trajectory's NeMo Gym task index: ``task_indices``, or the trajectory's own key."""
+    raw_tasks = state.get("task_indices", [None] * len(trajs))
+    if not isinstance(raw_tasks, list | tuple) or len(raw_tasks) != len(trajs):
+        found = len(raw_tasks) if isinstance(raw_tasks, list | tuple) else raw_tasks
+        raise ValueError(
+            f"state['task_indices']: expected a list of {len(trajs)}, found {found!r:.80}"
+        )
+    tasks: list[int | None] = [
+        None if t is None else _int(t, f"state['task_indices'][{i}]")
+        for i, t in enumerate(raw_tasks)
+    ]
+    for i, t in enumerate(trajs):
+        if not isinstance(t, torch.Tensor) and t.get(NEMO_GYM_TASK_INDEX_KEY) is not None:
+            tasks[i] = _int(
+                t[NEMO_GYM_TASK_INDEX_KEY],
+                f"state['trajectories'][{i}][{NEMO_GYM_TASK_INDEX_KEY!r}]",
+            )
+    return tasks
 
 
 def _int(value: Any, where: str) -> int:
@@ -731,72 +578,37 @@ def _int(value: Any, where: str) -> int:
         raise ValueError(f"{where}: expected an int, found {value!r:.80}") from None
 
 
-def _valid_for_target(version: int, target: int, max_age_steps: int | None) -> bool:
-    """``ReplayBufferImpl._is_valid_for_target``."""
-    if max_age_steps is None:
-        return True
-    return max(0, target - max_age_steps) <= version <= target
+def _os_error(e: OSError) -> str:
+    """An OS error in words: ``'No space left on device'`` rather than its repr."""
+    return e.strerror or str(e) or type(e).__name__
 
 
-_Row = tuple[torch.Tensor, int, int, "int | None"]
+def _load_checkpoint(path: str | os.PathLike[str], name: str) -> Any:
+    """``load_verified(path, name)``, every failure a ``CheckpointError`` with the OS error
+    chained (a missing path, a file where a directory should be, an unreadable file)."""
+    if os.path.isfile(path):
+        raise CheckpointError(
+            f"{path}: a file, not a checkpoint directory (posttrain writes replay buffer "
+            "checkpoints as a directory with a manifest; a file written by another version "
+            "or by NeMo-RL's own save_to_path is not read, as it could run code)"
+        )
+    try:
+        return load_verified(path, name)
+    except CheckpointError:
+        raise
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: no checkpoint directory there") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: could not be read ({_os_error(e)})") from e
 
 
-def _restore_plan(
-    rows: list[_Row],
-    last: int,
-    max_size: int,
-    drop_incomplete: bool,
-    num_prompts_per_step: int | None,
-    current_training_step: int | None,
-    max_age_steps: int | None,
-) -> tuple[list[_Row], int]:
-    """Which restored (payload, version, target, task) rows stay, and the new generation mark.
-
-    The rule (what NeMo-RL 7ea279a's ``ReplayBufferImpl.load_state_dict`` leaves behind):
-
-    - *fresh* rows: all, or with ``max_age_steps`` those whose version is valid for their
-      target; a target is *short* when it has fewer than ``num_prompts_per_step`` fresh rows.
-    - resuming (``current_training_step`` and ``num_prompts_per_step`` given): keep fresh
-      rows aimed at ``current_training_step`` or later, without the short targets'
-      rows when ``drop_incomplete``; the mark becomes ``current_training_step - 1``.
-    - only ``num_prompts_per_step``: keep fresh rows of targets that are not short; if some
-      target was short, the mark drops to one below the lowest kept target (never rises),
-      or to -1 when nothing is kept.
-    - otherwise: keep the fresh rows; the mark stays.
-    - then at most ``max_size`` rows remain, in their order: the newest ones, or, when
-      resuming from a step, the ones with the lowest targets (ties: the earliest).
-
-    Example:
-        >>> p = torch.zeros(1)
-        >>> rows = [(p, 0, 1, None), (p, 1, 2, None), (p, 1, 2, None), (p, 2, 3, None)]
-        >>> kept, mark = _restore_plan(rows, 3, 8, False, 2, None, None)
-        >>> [r[2] for r in kept], mark
-        ([2, 2], 1)
-    """
-    fresh = [
-        r for r in rows if max_age_steps is None or _valid_for_target(r[1], r[2], max_age_steps)
-    ]
-    per_target = Counter(r[2] for r in fresh)
-    short = (
-        set()
-        if num_prompts_per_step is None
-        else {t for t, n in per_target.items() if n < num_prompts_per_step}
-    )
-    if current_training_step is not None and num_prompts_per_step is not None:
-        unwanted = short if drop_incomplete else set()
-        kept = [r for r in fresh if r[2] >= current_training_step and r[2] not in unwanted]
-        last = current_training_step - 1
-    else:
-        kept = [r for r in fresh if r[2] not in short]
-        if short:
-            last = min(last, min(r[2] for r in kept) - 1) if kept else -1
-    surplus = len(kept) - max_size
-    if surplus <= 0:
-        return kept, last
-    if current_training_step is None:
-        return kept[surplus:], last
-    lowest = set(heapq.nsmallest(max_size, range(len(kept)), key=lambda i: (kept[i][2], i)))
-    return [r for i, r in enumerate(kept) if i in lowest], last
+def _capacity_of(buffer: Any) -> int | None:
+    """The buffer's capacity in items where it tells: ``capacity``, or TorchRL's storage size."""
+    storage = getattr(getattr(buffer, "rb", None), "storage", None)
+    for value in (getattr(buffer, "capacity", None), getattr(storage, "max_size", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def nemo_replay_buffer_actor(
@@ -842,3 +654,56 @@ class _ActorBody(NemoAsyncReplayBuffer):
     ) -> None:
         buffer = None if buffer_factory is None else buffer_factory(*buffer_args)
         super().__init__(max_size, drop_incomplete_targets_on_restore, buffer=buffer, **kwargs)
+
+
+class NemoReplayBuffer(NemoAsyncReplayBuffer):
+    """:class:`NemoAsyncReplayBuffer` for groups of NeMo-RL train data, checked on the way in.
+
+    The same buffer (NeMo-RL's ``ReplayBufferImpl``, stored in ``buffer``) with two checks
+    of posttrain's: ``add`` refuses a ``trajectory["batch"]`` that is not NeMo-RL train data
+    (``input_ids`` int64 [B, S], masks, log-probs ...: :func:`~posttrain.adapters.nemo_rl.train_data.to_layout`'s
+    checks against ``layout``) with ``NemoFormatError`` naming the key, and ``sample``
+    refuses ``num_prompt_groups`` < 1 or ``max_age_steps`` < 0 with ``ValueError`` before
+    anything is dropped (NeMo-RL checks neither: 0 ends in a ``ZeroDivisionError``). Groups
+    come back bit-exactly (keys in order, dtypes, NaN and infinite log-probs included).
+
+    Example:
+        >>> from posttrain.reference_impls import RingBuffer
+        >>> from posttrain.adapters.nemo_rl.train_data import from_layout
+        >>> from posttrain.testing import llm_batch
+        >>> nemo = NemoReplayBuffer(RingBuffer(16), max_size=4, chunk_bytes=4096)
+        >>> group = dict(from_layout(llm_batch(2, 6)))
+        >>> nemo.add({"batch": group, "timestamp": 0.0}, weight_version=0, target_weight_version=1)
+        'success'
+        >>> nemo.sample(1, current_weight_version=0, max_age_steps=1) is None  # meant for 1
+        True
+        >>> out = nemo.sample(1, current_weight_version=1, max_age_steps=1)
+        >>> torch.equal(out["trajectories"][0]["batch"]["input_ids"], group["input_ids"])
+        True
+    """
+
+    def __init__(
+        self, buffer: Any, max_size: int, *, layout: Layout = LLM_LAYOUT_V1, **kwargs: Any
+    ) -> None:
+        super().__init__(max_size, buffer=buffer, **kwargs)
+        self.layout = layout
+
+    def add(
+        self, trajectory: dict[str, Any], weight_version: int, target_weight_version: int
+    ) -> str:
+        """Check ``trajectory["batch"]`` as NeMo-RL train data, then store the group."""
+        if not isinstance(trajectory, Mapping) or "batch" not in trajectory:
+            found = sorted(trajectory) if isinstance(trajectory, Mapping) else type(trajectory)
+            raise KeyError(f"trajectory: expected a 'batch' key; found {found}")
+        to_layout(trajectory["batch"], layout=self.layout)  # NemoFormatError naming the key
+        return super().add(trajectory, weight_version, target_weight_version)
+
+    def sample(
+        self, num_prompt_groups: int, current_weight_version: int, max_age_steps: int
+    ) -> dict[str, Any] | None:
+        """:meth:`NemoAsyncReplayBuffer.sample`, bad counts refused before anything is dropped."""
+        if _int(num_prompt_groups, "num_prompt_groups") < 1:
+            raise ValueError(f"num_prompt_groups: expected >= 1, found {num_prompt_groups}")
+        if _int(max_age_steps, "max_age_steps") < 0:
+            raise ValueError(f"max_age_steps: expected >= 0, found {max_age_steps}")
+        return super().sample(num_prompt_groups, current_weight_version, max_age_steps)

@@ -15,7 +15,7 @@ message names the argument or key, what was expected and what was found.
 from __future__ import annotations
 
 from collections import UserDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from copy import deepcopy
 from typing import Any, TypeVar
 
@@ -64,7 +64,7 @@ class BatchedDataDict(UserDict[str, Any]):
             >>> out["a"].tolist()
             [[1, 0], [2, 0], [3, 4]]
         """
-        from posttrain.adapters.nemo_rl.batching import stack_values
+        from posttrain.adapters.nemo_rl.mirror.batching import stack_values
 
         del allow_missing_packed_tensors
         out = cls()
@@ -197,32 +197,14 @@ class BatchedDataDict(UserDict[str, Any]):
             >>> [s["id"] for s in b.shard_by_batch_size(2, batch_size=4)]
             [[0, 1, 4, 5], [2, 3, 6, 7]]
         """
-        if allow_uneven_shards and batch_size is not None:
-            raise ValueError(
-                "shard_by_batch_size batch_size: expected None with allow_uneven_shards=True, "
-                f"found {batch_size}"
-            )
-        if dynamic_batching_args is not None and sequence_packing_args is not None:
-            raise ValueError(
-                "shard_by_batch_size dynamic_batching_args, sequence_packing_args: "
-                "expected at most one of them, found both"
-            )
-        if sequence_packing_args is not None:
-            raise NotImplementedError(
-                "sequence_packing_args: not mirrored (NeMo-RL's packers); use nemo_rl's class"
-            )
-        total = self._batch_size()
-        per_batch = total if batch_size is None else batch_size
-        if total % per_batch:
-            raise ValueError(
-                "shard_by_batch_size batch_size: expected a divisor of the batch's "
-                f"{total} rows, found {per_batch}"
-            )
-        if not allow_uneven_shards and per_batch % shards:
-            raise ValueError(
-                f"shard_by_batch_size shards: expected a divisor of batch_size {per_batch}, "
-                f"found {shards}"
-            )
+        total, per_batch = _shard_rows(
+            self._batch_size,
+            shards,
+            batch_size,
+            allow_uneven_shards,
+            dynamic_batching_args is not None,
+            sequence_packing_args is not None,
+        )
         batches = total // per_batch
         width = -(-per_batch // shards) if allow_uneven_shards else per_batch // shards
         # Row numbers laid out as [global batch, shard, slot]; the uneven case (one global
@@ -235,11 +217,7 @@ class BatchedDataDict(UserDict[str, Any]):
         order: list[int] = []
         if dynamic_batching_args is not None:
             lengths = torch.as_tensor(self.data[dynamic_batching_args["input_lengths_key"]])
-            ranked = torch.argsort(lengths.to("cpu").view(batches, per_batch), dim=1, stable=True)
-            rank = torch.arange(per_batch)
-            dealt = torch.argsort((rank % shards) * per_batch + rank // shards)
-            first_row = (torch.arange(batches) * per_batch).unsqueeze(1)
-            order = (ranked[:, dealt] + first_row).reshape(-1).tolist()
+            order = _dealt_by_length(lengths, batches, per_batch, shards)
             data = _take_rows(self.data, torch.tensor(order, dtype=torch.int64))
 
         out = []
@@ -249,21 +227,7 @@ class BatchedDataDict(UserDict[str, Any]):
         if dynamic_batching_args is None:
             return out
 
-        step = int(dynamic_batching_args["sequence_length_round"])
-        cap = int(data[dynamic_batching_args["input_key"]].shape[1])
-        held = torch.as_tensor(data[dynamic_batching_args["input_lengths_key"]]).to("cpu")
-        # Each slot's longest row over the shards; an empty grid cell counts as length 0.
-        by_cell = torch.where(grid >= 0, held[grid.clamp(min=0)], torch.zeros((), dtype=held.dtype))
-        longest = by_cell.amax(dim=1)
-        padded = torch.clamp((-(-longest // step)) * step, max=cap)
-        plans = [
-            _plan_micro_batches(
-                [int(x) for x in row], int(dynamic_batching_args["max_tokens_per_microbatch"]), step
-            )
-            for row in padded
-        ]
-        mb_indices = [plan for plan, _ in plans]
-        mb_lengths = [widths for _, widths in plans]
+        mb_indices, mb_lengths = _shard_micro_batches(data, grid, dynamic_batching_args)
         for shard in out:
             shard.micro_batch_indices = mb_indices
             shard.micro_batch_lengths = mb_lengths
@@ -439,6 +403,79 @@ def _take_rows(data: Mapping[str, Any], rows: torch.Tensor) -> dict[str, Any]:
         else [v[i] for i in rows.tolist()]
         for k, v in data.items()
     }
+
+
+def _shard_rows(
+    rows: Callable[[], int],
+    shards: int,
+    batch_size: int | None,
+    allow_uneven_shards: bool,
+    dynamic: bool,
+    packing: bool,
+) -> tuple[int, int]:
+    """``shard_by_batch_size``'s argument checks: (the batch's rows, one global batch's).
+
+    ``rows`` is asked only once the packing arguments passed, as NeMo-RL's order has it."""
+    if allow_uneven_shards and batch_size is not None:
+        raise ValueError(
+            "shard_by_batch_size batch_size: expected None with allow_uneven_shards=True, "
+            f"found {batch_size}"
+        )
+    if dynamic and packing:
+        raise ValueError(
+            "shard_by_batch_size dynamic_batching_args, sequence_packing_args: "
+            "expected at most one of them, found both"
+        )
+    if packing:
+        raise NotImplementedError(
+            "sequence_packing_args: not mirrored (NeMo-RL's packers); use nemo_rl's class"
+        )
+    total = rows()
+    per_batch = total if batch_size is None else batch_size
+    if total % per_batch:
+        raise ValueError(
+            "shard_by_batch_size batch_size: expected a divisor of the batch's "
+            f"{total} rows, found {per_batch}"
+        )
+    if not allow_uneven_shards and per_batch % shards:
+        raise ValueError(
+            f"shard_by_batch_size shards: expected a divisor of batch_size {per_batch}, "
+            f"found {shards}"
+        )
+    return total, per_batch
+
+
+def _dealt_by_length(lengths: torch.Tensor, batches: int, per_batch: int, shards: int) -> list[int]:
+    """Dynamic batching's row order: each global batch ranked by length (ties by position),
+    the row of rank ``r`` dealt to part ``r % shards``, slot ``r // shards``."""
+    ranked = torch.argsort(lengths.to("cpu").view(batches, per_batch), dim=1, stable=True)
+    rank = torch.arange(per_batch)
+    dealt = torch.argsort((rank % shards) * per_batch + rank // shards)
+    first_row = (torch.arange(batches) * per_batch).unsqueeze(1)
+    order: list[int] = (ranked[:, dealt] + first_row).reshape(-1).tolist()
+    return order
+
+
+def _shard_micro_batches(
+    data: Mapping[str, Any], grid: torch.Tensor, args: Mapping[str, Any]
+) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """The micro-batch plan every shard gets: (indices, lengths), one list per global batch.
+
+    ``grid`` holds row numbers as [global batch, shard, slot] (-1: no row)."""
+    step = int(args["sequence_length_round"])
+    cap = int(data[args["input_key"]].shape[1])
+    held = torch.as_tensor(data[args["input_lengths_key"]]).to("cpu")
+    # Each slot's longest row over the shards; an empty grid cell counts as length 0.
+    by_cell = torch.where(grid >= 0, held[grid.clamp(min=0)], torch.zeros((), dtype=held.dtype))
+    longest = by_cell.amax(dim=1)
+    padded = torch.clamp((-(-longest // step)) * step, max=cap)
+    plans = [
+        _plan_micro_batches([int(x) for x in row], int(args["max_tokens_per_microbatch"]), step)
+        for row in padded
+    ]
+    mb_indices = [plan for plan, _ in plans]
+    mb_lengths = [widths for _, widths in plans]
+    return mb_indices, mb_lengths
 
 
 def _plan_micro_batches(
