@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks.conftest import REMOTE, record
-from posttrain.contracts.layout import leaf_items
+from posttrain.contracts.keys import leaf_items
 from posttrain.testing import llm_batch
 
 T = 512

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from posttrain._dtypes import DTYPES, STORABLE, dtype_name
-from posttrain.contracts.layout import key_str
+from posttrain.contracts.keys import key_str
 from posttrain.contracts.schema import RAGGED, Column, ItemSchema
 
 

@@ -16,7 +16,8 @@ from posttrain.conformance.outcome import report_schema
 from posttrain.contracts import CONTRACTS, LLM_LAYOUT_V1, Contract
 from posttrain.contracts.catalogue import CATALOGUE_V1, FRAMEWORKS, Catalogue
 from posttrain.contracts.contract import Capability, Option
-from posttrain.contracts.layout import Layout, LayoutField, key_str
+from posttrain.contracts.keys import key_str
+from posttrain.contracts.layout import Layout, LayoutField
 from posttrain.contracts.mapping import FRAMEWORK_KEYS, KEY_MAP_FRAMEWORKS
 from posttrain.contracts.requirements import Requirement
 from posttrain.contracts.validation import LAYOUT_REQUIREMENTS

@@ -9,7 +9,8 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain.contracts.alignment import token_log_probs
-from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, key_str, leaf_items
+from posttrain.contracts.keys import key_str, leaf_items
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import GlobalCounts
 
 

@@ -10,7 +10,8 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain._dtypes import DTYPES, dtype_name
-from posttrain.contracts.layout import LLM_LAYOUT_V1, leaf_items
+from posttrain.contracts.keys import leaf_items
+from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.contracts.validation import ContractViolation, Violation
 
 RAGGED = -1

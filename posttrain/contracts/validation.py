@@ -5,20 +5,13 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain._dtypes import DTYPES, dtype_name
-from posttrain.contracts.layout import (
-    LLM_LAYOUT_V1,
-    Layout,
-    LayoutField,
-    key_str,
-    leaf_items,
-    norm_key,
-)
+from posttrain.contracts.keys import key_str, leaf_items, norm_key
 from posttrain.contracts.requirements import Level, Requirement
 from posttrain.errors import PosttrainError
 
@@ -98,8 +91,8 @@ class ContractViolation(PosttrainError, ValueError):
     """Raised when data breaks a contract; the message lists every violation, one per line.
 
     Example:
-        >>> import torch
         >>> from tensordict import TensorDict
+        >>> from posttrain.contracts import LLM_LAYOUT_V1
         >>> try:
         ...     LLM_LAYOUT_V1.validate_batch(TensorDict({}, batch_size=[2]))
         ... except ContractViolation as e:
@@ -124,6 +117,34 @@ class ContractViolation(PosttrainError, ValueError):
     def requirement_ids(self) -> list[str]:
         """The ids of the violated requirements, in report order, without repeats."""
         return list(dict.fromkeys(v.requirement for v in self.violations))
+
+
+class FieldSpec(Protocol):
+    """What validation reads of a layout field (:class:`~posttrain.contracts.layout.LayoutField`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def key(self) -> tuple[str, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shapes(self) -> tuple[tuple[str, ...], ...]: ...
+    @property
+    def required(self) -> bool: ...
+    @property
+    def read_where(self) -> str | None: ...
+
+
+class LayoutSpec(Protocol):
+    """What validation reads of a layout (:class:`~posttrain.contracts.layout.Layout`, which
+    imports this module: the layout's methods run the checks written here)."""
+
+    @property
+    def fields(self) -> tuple[FieldSpec, ...]: ...
+    @property
+    def implies(self) -> tuple[tuple[str, str], ...]: ...
+    def field(self, name: str) -> FieldSpec: ...
 
 
 _RAGGED = -1
@@ -171,7 +192,7 @@ def _tensor_meta(t: Any) -> tuple[torch.dtype, tuple[int, ...], bool]:
 
 def layout_violations(
     td: TensorDictBase,
-    layout: Layout = LLM_LAYOUT_V1,
+    layout: LayoutSpec,
     *,
     require: tuple[str, ...] = (),
     strict: bool = False,
@@ -226,7 +247,7 @@ def layout_violations(
     batch = tuple(td.batch_size)
     out: list[Violation] = []
     bound: dict[str, tuple[int, tuple[str, ...]]] = {}  # symbol -> (size, key that fixed it)
-    ok_fields: list[LayoutField] = []
+    ok_fields: list[FieldSpec] = []
     for f in layout.fields:
         if f.key not in present:
             if f.name in required:
@@ -291,13 +312,13 @@ def layout_violations(
 
 # Metadata-only validation is a function of each leaf's dtype, shape and requires_grad, so
 # a batch shaped like one already found valid needs no second look (the every-step case).
-_VALID: dict[tuple[Any, ...], Layout] = {}
+_VALID: dict[tuple[Any, ...], LayoutSpec] = {}
 _VALID_MAX = 256
 
 
 def _signature(
     leaves: dict[tuple[str, ...], Any],
-    layout: Layout,
+    layout: LayoutSpec,
     require: tuple[str, ...],
     strict: bool,
     ragged: bool,
@@ -316,7 +337,7 @@ def _signature(
 
 def _flat_signature(
     td: TensorDict,
-    layout: Layout,
+    layout: LayoutSpec,
     require: tuple[str, ...],
     strict: bool,
     ragged: bool,
@@ -365,11 +386,11 @@ def _flat_walk(td: Any, out: list[Any]) -> None:
 
 # The signature validated last (with its layout, whose id it holds): compared first, as a
 # list, which skips building and hashing a tuple of it on every step.
-_LAST_VALID: list[tuple[list[Any] | None, Layout | None]] = [(None, None)]
+_LAST_VALID: list[tuple[list[Any] | None, LayoutSpec | None]] = [(None, None)]
 
 
 def _match_shape(
-    f: LayoutField,
+    f: FieldSpec,
     shape: tuple[int, ...],
     batch: tuple[int, ...],
     bound: dict[str, tuple[int, tuple[str, ...]]],
@@ -400,7 +421,7 @@ def _match_shape(
     return (f"{expected} ({where})", f"shape {_fmt_shape(shape)}")
 
 
-def _deep(td: TensorDictBase, layout: Layout, ok: set[str]) -> list[Violation]:
+def _deep(td: TensorDictBase, layout: LayoutSpec, ok: set[str]) -> list[Violation]:
     out: list[Violation] = []
     if isinstance(td, LazyStackedTensorDict):
         items: list[TensorDictBase] = list(td.tensordicts)

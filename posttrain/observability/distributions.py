@@ -31,6 +31,8 @@ import torch
 from tensordict import TensorDictBase
 
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
+from posttrain.observability.hooks import rollout_metrics
+from posttrain.observability.reduce import histogram_writer
 
 HISTOGRAM_NAMES = ("rollout/response_len", "rollout/reward", "rollout/advantage")
 """The distributions :func:`log_distributions` logs, each the per-sequence values behind the
@@ -50,22 +52,9 @@ def rollout_distributions(
         >>> sorted(d), len(d["rollout/response_len"])
         (['rollout/advantage', 'rollout/response_len', 'rollout/reward'], 4)
     """
-    from posttrain.observability.hooks import rollout_metrics
-
     # The hooks' own per-sequence values: one computation for the statistics and the histograms.
     held = rollout_metrics(td, histograms=True, layout=layout).histograms()
     return {name: held[name] for name in HISTOGRAM_NAMES if name in held}
-
-
-def _log_histogram(sink: Any) -> Any:
-    fn = getattr(sink, "log_histogram", None)
-    if not callable(fn):
-        raise TypeError(
-            f"{type(sink).__name__} has no log_histogram: its backend stores scalars only (MLflow "
-            "has no histogram type; the hooks' rollout/*/mean, /std, /min and /max are its "
-            "summary). Log distributions to a TensorBoard, W&B or JSONL sink, or through Tee"
-        )
-    return fn
 
 
 def log_distributions(
@@ -82,7 +71,7 @@ def log_distributions(
         >>> log_distributions(sink, llm_batch(4, 8), step=3)
         {'rollout/response_len': 4, 'rollout/reward': 4, 'rollout/advantage': 4}
     """
-    fn = _log_histogram(sink)
+    fn = histogram_writer(sink)
     counts = {}
     for name, values in rollout_distributions(td, layout=layout).items():
         fn(name, values, step=step)

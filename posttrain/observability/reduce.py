@@ -418,15 +418,25 @@ class Accumulator:
         """
         hist = self.histograms()
         if hist:
-            from posttrain.observability.distributions import _log_histogram
-
-            log_histogram = _log_histogram(sink)
+            log_histogram = histogram_writer(sink)
         vals = self.values()
         for name, v in vals.items():
             sink.log_scalar(name, v, step=step)
         for name, h in hist.items():
             log_histogram(name, h, step=step)
         return vals
+
+
+def histogram_writer(sink: Any) -> Any:
+    """``sink.log_histogram``; a ``TypeError`` naming the sinks that have one when it is missing."""
+    fn = getattr(sink, "log_histogram", None)
+    if not callable(fn):
+        raise TypeError(
+            f"{type(sink).__name__} has no log_histogram: its backend stores scalars only (MLflow "
+            "has no histogram type; the hooks' rollout/*/mean, /std, /min and /max are its "
+            "summary). Log distributions to a TensorBoard, W&B or JSONL sink, or through Tee"
+        )
+    return fn
 
 
 _PARTS = ("num", "den", "ext", "last", "mom", "hist")

@@ -23,7 +23,7 @@ from posttrain._state_checks import (
     schema_from_state,
 )
 from posttrain.contracts.buffer import sample_size, storage_indices
-from posttrain.contracts.layout import key_str, leaf_items
+from posttrain.contracts.keys import key_str, leaf_items
 from posttrain.contracts.schema import ItemSchema, batch_violations
 from posttrain.contracts.validation import ContractViolation
 

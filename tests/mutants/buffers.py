@@ -344,7 +344,7 @@ def _densifies_later_batches(capacity: int) -> Any:
     from torchrl.data import LazyStackStorage, TensorDictReplayBuffer
 
     from posttrain.adapters.torchrl import ValidatedReplayBuffer
-    from posttrain.contracts.layout import leaf_items
+    from posttrain.contracts.keys import leaf_items
 
     class DensifiesLaterBatches(ValidatedReplayBuffer):
         def extend(self, data: TensorDictBase, /) -> torch.Tensor:

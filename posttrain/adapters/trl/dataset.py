@@ -24,15 +24,8 @@ from posttrain._deps import optional_deps
 from posttrain.adapters._layout import fill_mask, pad_values
 from posttrain.adapters._layout import to_padded as to_padded  # re-exported: its old home
 from posttrain.contracts.buffer import ReplayBufferV1
-from posttrain.contracts.layout import (
-    LLM_LAYOUT_V1,
-    Key,
-    Layout,
-    key_str,
-    leaf_column,
-    leaf_items,
-    norm_key,
-)
+from posttrain.contracts.keys import Key, key_str, leaf_column, leaf_items, norm_key
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.errors import PosttrainError
 
 IGNORE_INDEX = -100

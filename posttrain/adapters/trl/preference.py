@@ -34,7 +34,8 @@ from posttrain._deps import optional_deps
 from posttrain.adapters.trl.dataset import _added_specials, _prompt_text
 from posttrain.adapters.trl.reward import sequences
 from posttrain.contracts.buffer import ReplayBufferV1
-from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, key_str
+from posttrain.contracts.keys import key_str
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 
 Pairs = Literal["best_worst", "all"]
 

@@ -22,7 +22,8 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain._deps import optional_deps
-from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout, key_str
+from posttrain.contracts.keys import key_str
+from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 
 Score = Callable[[TensorDictBase], torch.Tensor]
 

@@ -13,7 +13,7 @@ from posttrain.conformance.context import ConformanceError, Context
 from posttrain.conformance.suites._buffer_run import CAP, Run, T, short_err
 from posttrain.conformance.suites._compare import leaves
 from posttrain.conformance.suites._fail import fail as _fail
-from posttrain.contracts.layout import key_str
+from posttrain.contracts.keys import key_str
 from posttrain.testing import llm_batch
 
 BadCase = tuple[Callable[[TensorDictBase], TensorDictBase], str, tuple[str, ...]]

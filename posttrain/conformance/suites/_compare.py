@@ -8,7 +8,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from posttrain.conformance.context import ConformanceError
-from posttrain.contracts.layout import key_str, norm_key
+from posttrain.contracts.keys import key_str, norm_key
 from posttrain.testing import item_uids
 
 

@@ -59,7 +59,8 @@ from posttrain.conformance.suites._remote import (
     PRODUCERS,
     run_producers,
 )
-from posttrain.contracts.layout import LLM_LAYOUT_V1, key_str
+from posttrain.contracts.keys import key_str
+from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.testing import item_uids, llm_batch, ragged_llm_batch
 
 
