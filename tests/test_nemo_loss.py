@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from posttrain.adapters.nemo_rl.loss import (
-    CLIPPED_PG_DEFAULTS,
     ContractAsNemoLoss,
     NemoLossModule,
     clipped_pg_loss,
-    clipped_pg_options,
     global_counts,
 )
+from posttrain.adapters.nemo_rl.mirror.loss_functions import CLIPPED_PG_DEFAULTS, clipped_pg_options
 from posttrain.adapters.nemo_rl.train_data import NemoFormatError
 from posttrain.policy_loss import PolicyLoss
 from posttrain.testing import llm_batch, tiny_causal_lm

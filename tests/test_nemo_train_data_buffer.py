@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from pathlib import Path
@@ -291,3 +292,43 @@ def test_a_checkpoint_with_one_flipped_byte_is_refused_and_nothing_changes(
         dst.load_from_path(path)
     assert dst.size() == before[0]
     assert torch.equal(_held(dst)[1], before[1])
+
+
+def test_every_failed_save_or_load_is_a_checkpoint_error_in_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nemo = _two_entries()
+    # nothing there
+    with pytest.raises(CheckpointError, match="no checkpoint directory there") as missing:
+        nemo.load_from_path(tmp_path / "absent")
+    # nothing to chain: the error is itself a FileNotFoundError, or chains one
+    assert isinstance(missing.value, FileNotFoundError) or isinstance(
+        missing.value.__cause__, FileNotFoundError
+    )
+    # a file (NeMo-RL's own format is a torch.save file)
+    torch.save(nemo.state_dict(), tmp_path / "replay_buffer.pt")
+    with pytest.raises(CheckpointError, match="a file, not a checkpoint directory"):
+        nemo.load_from_path(tmp_path / "replay_buffer.pt")
+    # a directory without a manifest
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(CheckpointError, match=r"no manifest\.json"):
+        nemo.load_from_path(tmp_path / "plain")
+    # the disk fills up while writing: the previous checkpoint stays, whole
+    path = tmp_path / "ckpt"
+    nemo.save_to_path(path)
+    before = (path / STATE_FILE).read_bytes()
+
+    def full(*a: Any, **k: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointError, match=r"disk full|No space left on device") as failed:
+        nemo.save_to_path(path)
+    monkeypatch.undo()
+    assert isinstance(failed.value.__cause__, OSError)
+    assert (path / STATE_FILE).read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "plain", "replay_buffer.pt"]
+    # a parent that is a file
+    with pytest.raises(CheckpointError) as blocked:
+        nemo.save_to_path(tmp_path / "replay_buffer.pt" / "ckpt")
+    assert isinstance(blocked.value.__cause__, OSError)
