@@ -232,18 +232,52 @@ def layout_violations(
         if quick is not None:
             _LAST_VALID[0] = (quick, layout)
         return []
+    present = _present_keys(td, leaves, lazy)
     required = set(require) | {f.name for f in layout.fields if f.required}
-    present = (
-        set(leaves)
-        if leaves is not None
-        else {  # every item's keys: a key some items lack is then named by _meta
+    out, ok_fields = _field_violations(
+        td, leaves, layout, required, present, ragged=ragged, any_float=any_float
+    )
+    if strict:
+        known = {f.key for f in layout.fields}
+        for k in sorted(present - known):
+            out.append(
+                Violation(k, "no key outside the layout (strict)", "an unexpected key", "LAY-006")
+            )
+    if deep:
+        out += _deep(td, layout, {f.name for f in ok_fields})
+    if memo is not None and not out:
+        _remember_valid(memo, quick, layout)
+    return out
+
+
+def _present_keys(
+    td: TensorDictBase, leaves: dict[tuple[str, ...], Any] | None, lazy: bool
+) -> set[tuple[str, ...]]:
+    """Every leaf key of ``td``; of a lazy stack, every item's (a key some items lack is then
+    named by :func:`_meta`)."""
+    if leaves is not None:
+        return set(leaves)
+    if lazy:
+        return {
             norm_key(k)
             for x in td.tensordicts
             for k in x.keys(include_nested=True, leaves_only=True)
         }
-        if lazy
-        else {norm_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
-    )
+    return {norm_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
+
+
+def _field_violations(
+    td: TensorDictBase,
+    leaves: dict[tuple[str, ...], Any] | None,
+    layout: LayoutSpec,
+    required: set[str],
+    present: set[tuple[str, ...]],
+    *,
+    ragged: bool,
+    any_float: bool,
+) -> tuple[list[Violation], list[FieldSpec]]:
+    """Each field's presence (LAY-001), dtype (LAY-002), shape (LAY-003) and grad (LAY-005),
+    in the layout's order; and the fields whose dtype and shape hold (what ``deep`` reads)."""
     batch = tuple(td.batch_size)
     out: list[Violation] = []
     bound: dict[str, tuple[int, tuple[str, ...]]] = {}  # symbol -> (size, key that fixed it)
@@ -270,44 +304,48 @@ def layout_violations(
             expected = f"dtype {f.dtype}" if rid == "LAY-002" else f.name
             out.append(Violation(f.key, f"{expected} {where}", found, rid))
             continue
-        fine = True
-        want = DTYPES[f.dtype]
-        if dtype != want and not (any_float and dtype.is_floating_point and want.is_floating_point):
-            out.append(
-                Violation(f.key, f"dtype {f.dtype}", f"dtype {dtype_name(dtype)}", "LAY-002")
-            )
-            fine = False
-        shape_problem = _match_shape(f, shape, batch, bound, ragged)
-        if shape_problem is not None:
-            out.append(Violation(f.key, shape_problem[0], shape_problem[1], "LAY-003"))
-            fine = False
-        if grad:
-            out.append(
-                Violation(
-                    f.key,
-                    "a detached tensor (requires_grad=False)",
-                    "requires_grad=True",
-                    "LAY-005",
-                )
-            )
-        if fine:
+        found = _leaf_violations(f, dtype, shape, grad, batch, bound, ragged, any_float)
+        out += found
+        if not any(v.requirement in ("LAY-002", "LAY-003") for v in found):
             ok_fields.append(f)
-    if strict:
-        known = {f.key for f in layout.fields}
-        for k in sorted(present - known):
-            out.append(
-                Violation(k, "no key outside the layout (strict)", "an unexpected key", "LAY-006")
+    return out, ok_fields
+
+
+def _leaf_violations(
+    f: FieldSpec,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    grad: bool,
+    batch: tuple[int, ...],
+    bound: dict[str, tuple[int, tuple[str, ...]]],
+    ragged: bool,
+    any_float: bool,
+) -> list[Violation]:
+    """One present field's dtype, shape and grad against the layout."""
+    out: list[Violation] = []
+    want = DTYPES[f.dtype]
+    if dtype != want and not (any_float and dtype.is_floating_point and want.is_floating_point):
+        out.append(Violation(f.key, f"dtype {f.dtype}", f"dtype {dtype_name(dtype)}", "LAY-002"))
+    shape_problem = _match_shape(f, shape, batch, bound, ragged)
+    if shape_problem is not None:
+        out.append(Violation(f.key, shape_problem[0], shape_problem[1], "LAY-003"))
+    if grad:
+        out.append(
+            Violation(
+                f.key, "a detached tensor (requires_grad=False)", "requires_grad=True", "LAY-005"
             )
-    if deep:
-        out += _deep(td, layout, {f.name for f in ok_fields})
-    if memo is not None and not out:
-        if len(_VALID) >= _VALID_MAX:
-            with contextlib.suppress(KeyError, RuntimeError, StopIteration):  # another thread
-                _VALID.pop(next(iter(_VALID)))
-        _VALID[memo] = layout  # holding the layout keeps its id from being reused
-        if quick is not None:
-            _LAST_VALID[0] = (quick, layout)
+        )
     return out
+
+
+def _remember_valid(memo: tuple[Any, ...], quick: list[Any] | None, layout: LayoutSpec) -> None:
+    """Keep a valid batch's signature, so the next batch shaped like it skips the walk."""
+    if len(_VALID) >= _VALID_MAX:
+        with contextlib.suppress(KeyError, RuntimeError, StopIteration):  # another thread
+            _VALID.pop(next(iter(_VALID)))
+    _VALID[memo] = layout  # holding the layout keeps its id from being reused
+    if quick is not None:
+        _LAST_VALID[0] = (quick, layout)
 
 
 # Metadata-only validation is a function of each leaf's dtype, shape and requires_grad, so

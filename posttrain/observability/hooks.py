@@ -12,7 +12,7 @@ import contextlib
 import math
 import operator
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -107,68 +107,17 @@ def rollout_metrics(
     """
     acc = acc if acc is not None else Accumulator()
     td, n_seq = _checked(td, layout, "rollout_metrics")
-    if truncated is not None:
-        _per_sequence("truncated", truncated, n_seq)
-    for name, values in (reward_fns or {}).items():
-        _per_sequence(f"reward_fns[{name!r}]", values, n_seq)
-        # A name the catalogue cannot match (one with a '/') raises its KeyError here, not
-        # after the batch's other metrics are in.
-        acc.reduction(f"rollout/reward_fn/{name}/mean")
-    if learner_version is not None:
-        try:
-            learner_version = operator.index(learner_version)
-        except TypeError:
-            raise ValueError(
-                f"learner_version: expected an int, found {learner_version!r}"
-            ) from None
+    learner_version = _rollout_args(acc, n_seq, truncated, reward_fns, learner_version)
     k = layout.key
     attn = td.get(k("attention_mask"))
     asst = td.get(k("assistant_mask")) & attn
     reward = td.get(k("reward"), None)
     if reward is not None:
-        r = reward.double().reshape(-1)
-        ok = r[torch.isfinite(r)]
-        _seq(acc, "rollout/reward/mean", ok)
-        acc.add_values("rollout/reward/std", ok)
-        if ok.numel():
-            acc.add("rollout/reward/min", ok.min())
-            acc.add("rollout/reward/max", ok.max())
-        if histograms:
-            acc.add_hist("rollout/reward", ok)
-        group = td.get(k("group_id"), None)
-        if group is not None:
-            # A group is flat when its smallest and largest reward agree (a NaN reward equals
-            # nothing, so its group is not flat); one scatter per extreme, no loop over groups.
-            uniq, inverse = group.reshape(-1).unique(return_inverse=True)
-            lo = r.new_full((len(uniq),), torch.inf).scatter_reduce(0, inverse, r, "amin")
-            hi = r.new_full((len(uniq),), -torch.inf).scatter_reduce(0, inverse, r, "amax")
-            flat = lo == hi
-            acc.add("rollout/group/zero_std_frac", int(flat.sum()), len(uniq))
+        _reward_stats(acc, reward, td.get(k("group_id"), None), histograms)
     adv = td.get(k("advantage"), None)
     if adv is not None:
-        a = adv.double()
-        if a.ndim == 2:
-            # The sequence's token mean over its assistant tokens, selected (a NaN outside the
-            # mask, as TorchRL writes there, must not leak); sequences without any are left out.
-            n_tok = asst.sum(-1)
-            a = torch.where(asst, a, 0.0).sum(-1)[n_tok > 0] / n_tok[n_tok > 0]
-        a = a.reshape(-1)
-        _seq(acc, "rollout/advantage/mean", a)
-        acc.add_values("rollout/advantage/std", a)
-        if a.numel():
-            acc.add("rollout/advantage/min", a.min())
-            acc.add("rollout/advantage/max", a.max())
-        if histograms:  # a NaN inside the mask shows in /mean; no backend can bin it
-            acc.add_hist("rollout/advantage", a[torch.isfinite(a)])
-    resp = asst.sum(-1).double()
-    if histograms:
-        acc.add_hist("rollout/response_len", resp)
-    _seq(acc, "rollout/response_len/mean", resp)
-    acc.add("rollout/response_len/min", resp.min())
-    acc.add("rollout/response_len/max", resp.max())
-    prompt = (attn & (asst.int().cumsum(-1) == 0)).sum(-1).double()
-    _seq(acc, "rollout/prompt_len/mean", prompt)
-    acc.add("rollout/prompt_len/max", prompt.max())
+        _advantage_stats(acc, adv, asst, histograms)
+    _length_stats(acc, attn, asst, histograms)
     if truncated is not None:
         _seq(acc, "rollout/truncated_frac", truncated.double().reshape(-1))
     for name, values in (reward_fns or {}).items():
@@ -184,6 +133,85 @@ def rollout_metrics(
             _seq(acc, "staleness/mean", age)
             acc.add("staleness/max", age.max())
     return acc
+
+
+def _rollout_args(
+    acc: Accumulator,
+    n_seq: int,
+    truncated: torch.Tensor | None,
+    reward_fns: Mapping[str, torch.Tensor] | None,
+    learner_version: int | None,
+) -> int | None:
+    """Refuse a bad argument before the first write; the learner version as an int."""
+    if truncated is not None:
+        _per_sequence("truncated", truncated, n_seq)
+    for name, values in (reward_fns or {}).items():
+        _per_sequence(f"reward_fns[{name!r}]", values, n_seq)
+        # A name the catalogue cannot match (one with a '/') raises its KeyError here, not
+        # after the batch's other metrics are in.
+        acc.reduction(f"rollout/reward_fn/{name}/mean")
+    if learner_version is None:
+        return None
+    try:
+        return operator.index(learner_version)
+    except TypeError:
+        raise ValueError(f"learner_version: expected an int, found {learner_version!r}") from None
+
+
+def _reward_stats(acc: Accumulator, reward: torch.Tensor, group: Any, histograms: bool) -> None:
+    """``rollout/reward/*`` over the finite rewards, and the share of flat groups."""
+    r = reward.double().reshape(-1)
+    ok = r[torch.isfinite(r)]
+    _seq(acc, "rollout/reward/mean", ok)
+    acc.add_values("rollout/reward/std", ok)
+    if ok.numel():
+        acc.add("rollout/reward/min", ok.min())
+        acc.add("rollout/reward/max", ok.max())
+    if histograms:
+        acc.add_hist("rollout/reward", ok)
+    if group is not None:
+        # A group is flat when its smallest and largest reward agree (a NaN reward equals
+        # nothing, so its group is not flat); one scatter per extreme, no loop over groups.
+        uniq, inverse = group.reshape(-1).unique(return_inverse=True)
+        lo = r.new_full((len(uniq),), torch.inf).scatter_reduce(0, inverse, r, "amin")
+        hi = r.new_full((len(uniq),), -torch.inf).scatter_reduce(0, inverse, r, "amax")
+        flat = lo == hi
+        acc.add("rollout/group/zero_std_frac", int(flat.sum()), len(uniq))
+
+
+def _advantage_stats(
+    acc: Accumulator, adv: torch.Tensor, asst: torch.Tensor, histograms: bool
+) -> None:
+    """``rollout/advantage/*`` over sequences (a per-token advantage by its sequence's mean)."""
+    a = adv.double()
+    if a.ndim == 2:
+        # The sequence's token mean over its assistant tokens, selected (a NaN outside the
+        # mask, as TorchRL writes there, must not leak); sequences without any are left out.
+        n_tok = asst.sum(-1)
+        a = torch.where(asst, a, 0.0).sum(-1)[n_tok > 0] / n_tok[n_tok > 0]
+    a = a.reshape(-1)
+    _seq(acc, "rollout/advantage/mean", a)
+    acc.add_values("rollout/advantage/std", a)
+    if a.numel():
+        acc.add("rollout/advantage/min", a.min())
+        acc.add("rollout/advantage/max", a.max())
+    if histograms:  # a NaN inside the mask shows in /mean; no backend can bin it
+        acc.add_hist("rollout/advantage", a[torch.isfinite(a)])
+
+
+def _length_stats(
+    acc: Accumulator, attn: torch.Tensor, asst: torch.Tensor, histograms: bool
+) -> None:
+    """``rollout/response_len/*`` (assistant tokens) and ``rollout/prompt_len/*``."""
+    resp = asst.sum(-1).double()
+    if histograms:
+        acc.add_hist("rollout/response_len", resp)
+    _seq(acc, "rollout/response_len/mean", resp)
+    acc.add("rollout/response_len/min", resp.min())
+    acc.add("rollout/response_len/max", resp.max())
+    prompt = (attn & (asst.int().cumsum(-1) == 0)).sum(-1).double()
+    _seq(acc, "rollout/prompt_len/mean", prompt)
+    acc.add("rollout/prompt_len/max", prompt.max())
 
 
 @torch.no_grad()
@@ -217,33 +245,13 @@ def policy_metrics(
     """
     acc = acc if acc is not None else Accumulator()
     td, _ = _checked(td, layout, "policy_metrics")
-    low_clip, high_clip = (_number("clip", c) for c in _pair("clip", clip))
-    temp = _number("temperature", temperature)
-    if not (temp > 0 and math.isfinite(temp)):
-        raise ValueError(f"temperature: expected a finite number > 0, found {temp}")
     k = layout.key
     tokens = td.get(k("tokens"))
-    _shaped("logits", logits, (*tokens.shape, "V"))
-    if old_log_probs is not None:
-        _shaped("old_log_probs", old_log_probs, tuple(tokens.shape))
+    low_clip, high_clip, temp = _policy_args(tokens, logits, clip, old_log_probs, temperature)
     mask = td.get(k("assistant_mask")) & td.get(k("attention_mask"))
     mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
     n = int(mask.sum())
-    # One log-softmax over the vocabulary serves both the sampled tokens' log-probs (as
-    # token_log_probs aligns them) and the full entropy: the logits are the big tensor here.
-    scaled = logits[:, :-1].float()
-    if temp != 1.0:
-        scaled = scaled / temp
-    lp_all = torch.log_softmax(scaled, dim=-1)
-    picked = lp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    zero = torch.zeros_like(picked[:, :1])
-    logp = torch.where(mask, torch.cat([zero, picked], dim=1), 0.0)
-    probs = lp_all.exp()
-    ent = -(probs * lp_all).sum(-1)  # a third faster than torch.special.entr's p log p
-    bad = ent.isnan()
-    if bool(bad.any()):  # a -inf logit (a masked token): its 0 * log 0 counts 0
-        ent[bad] = torch.special.entr(probs[bad]).sum(-1)
-    ent = torch.cat([zero, ent], dim=1)
+    logp, ent = _log_probs_and_entropy(logits, tokens, mask, temp)
 
     def tok(name: str, x: torch.Tensor) -> None:
         # Selected, never multiplied: a NaN or inf under a False mask must count nothing.
@@ -257,22 +265,13 @@ def policy_metrics(
         old = torch.where(mask, old.float(), 0.0)
         log_w = logp - old
         ratio = torch.where(mask, log_w.exp(), 0.0)
-        tok("policy/ratio/mean", ratio)
-        if n:
-            picked_ratio = ratio[mask]
-            acc.add("policy/ratio/min", picked_ratio.min())
-            acc.add("policy/ratio/max", picked_ratio.max())
-            acc.add_values("policy/ratio/ess", picked_ratio)
-        tok("policy/update_kl/k1", kl_estimate(log_w, "k1"))
-        tok("policy/update_kl/k3", kl_estimate(log_w))
+        _ratio_stats(acc, tok, ratio, mask, n, log_w)
         adv = td.get(k("advantage"), None)
         if adv is not None:
             a = adv.float()
             a = a[:, None].expand_as(ratio) if a.ndim == 1 else a
-            low = (ratio < 1 - low_clip) & (a < 0)
-            high = (ratio > 1 + high_clip) & (a > 0)
-            tok("policy/clip_frac/low", low.float())
-            tok("policy/clip_frac/high", high.float())
+            tok("policy/clip_frac/low", ((ratio < 1 - low_clip) & (a < 0)).float())
+            tok("policy/clip_frac/high", ((ratio > 1 + high_clip) & (a > 0)).float())
         if old_log_probs is not None and sample is not None:
             d = old - torch.where(mask, sample.float(), 0.0)  # log(old / sampler)
             tok("policy/mismatch_kl", kl_estimate(d))
@@ -285,6 +284,64 @@ def policy_metrics(
         scored = mask.any(-1)
         acc.add("policy/kl_ref/seq_k1", seq[scored].sum(), int(scored.sum()))
     return acc
+
+
+def _policy_args(
+    tokens: torch.Tensor,
+    logits: Any,
+    clip: Any,
+    old_log_probs: Any,
+    temperature: Any,
+) -> tuple[float, float, float]:
+    """Refuse a bad argument before the first write; the clip pair and the temperature."""
+    low_clip, high_clip = (_number("clip", c) for c in _pair("clip", clip))
+    temp = _number("temperature", temperature)
+    if not (temp > 0 and math.isfinite(temp)):
+        raise ValueError(f"temperature: expected a finite number > 0, found {temp}")
+    _shaped("logits", logits, (*tokens.shape, "V"))
+    if old_log_probs is not None:
+        _shaped("old_log_probs", old_log_probs, tuple(tokens.shape))
+    return low_clip, high_clip, temp
+
+
+def _log_probs_and_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, temp: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled tokens' log-probs (0 outside ``mask``) and the full entropy, [B, T] each,
+    aligned as :func:`~posttrain.contracts.alignment.token_log_probs` aligns them."""
+    # One log-softmax over the vocabulary serves both: the logits are the big tensor here.
+    scaled = logits[:, :-1].float()
+    if temp != 1.0:
+        scaled = scaled / temp
+    lp_all = torch.log_softmax(scaled, dim=-1)
+    picked = lp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    zero = torch.zeros_like(picked[:, :1])
+    logp = torch.where(mask, torch.cat([zero, picked], dim=1), 0.0)
+    probs = lp_all.exp()
+    ent = -(probs * lp_all).sum(-1)  # a third faster than torch.special.entr's p log p
+    bad = ent.isnan()
+    if bool(bad.any()):  # a -inf logit (a masked token): its 0 * log 0 counts 0
+        ent[bad] = torch.special.entr(probs[bad]).sum(-1)
+    return logp, torch.cat([zero, ent], dim=1)
+
+
+def _ratio_stats(
+    acc: Accumulator,
+    tok: Callable[[str, torch.Tensor], None],
+    ratio: torch.Tensor,
+    mask: torch.Tensor,
+    n: int,
+    log_w: torch.Tensor,
+) -> None:
+    """Importance ratios against the old log-probs, their ESS and the update KLs."""
+    tok("policy/ratio/mean", ratio)
+    if n:
+        picked_ratio = ratio[mask]
+        acc.add("policy/ratio/min", picked_ratio.min())
+        acc.add("policy/ratio/max", picked_ratio.max())
+        acc.add_values("policy/ratio/ess", picked_ratio)
+    tok("policy/update_kl/k1", kl_estimate(log_w, "k1"))
+    tok("policy/update_kl/k3", kl_estimate(log_w))
 
 
 def _pair(key: str, x: Any) -> tuple[Any, Any]:
