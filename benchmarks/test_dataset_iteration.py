@@ -18,8 +18,8 @@ import torch
 from tensordict import TensorDictBase
 
 from benchmarks.conftest import PAIRED
+from posttrain.adapters._layout import to_padded
 from posttrain.adapters.trl import BufferDataset
-from posttrain.adapters.trl.dataset import to_padded
 from posttrain.testing import llm_batch
 
 B, T, ROWS, BLOCKS = 64, 512, 512, 5

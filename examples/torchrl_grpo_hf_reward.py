@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.adapters._layout import to_padded
 from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.trl import hf_reward_model
-from posttrain.adapters.trl.dataset import to_padded
 from posttrain.testing import tiny_causal_lm, tiny_reward_model
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from posttrain.adapters._hf import word_level_tokenizer
+from posttrain.adapters._layout import to_padded
 from posttrain.adapters.torchrl.loggers import read_tensorboard, tensorboard_logger
 from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.trl import CaptureRollouts, hf_reward_model, trl_reward_func
-from posttrain.adapters.trl.dataset import to_padded
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.observability import (
     Accumulator,

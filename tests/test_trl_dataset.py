@@ -10,8 +10,7 @@ import torch
 from tensordict import TensorDictBase
 
 from posttrain.adapters.trl import BufferDataset, sft_dataset
-from posttrain.adapters.trl.dataset import WorkerRefused
-from posttrain.adapters.trl.dataset import IGNORE_INDEX
+from posttrain.adapters.trl.dataset import IGNORE_INDEX, WorkerRefused
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
 from posttrain.testing import item_uids, llm_batch, ragged_llm_batch
@@ -252,16 +251,15 @@ def test_string_and_list_leaves_reach_every_row_type(ragged: bool, shape: Any) -
         assert (r["solution"], r["tags"]) == (f"s{uid}", [f"a{uid}", "b"])
 
 
-def test_sft_dataset_is_a_hf_dataset_and_the_old_call_still_answers() -> None:
+def test_sft_dataset_is_a_plain_hf_dataset() -> None:
     import datasets
 
     rb = RingBuffer(4)
     rb.extend(llm_batch(4))
     ds = sft_dataset(rb, 2)
     assert isinstance(ds, datasets.IterableDataset)
-    with pytest.warns(DeprecationWarning, match="already returns a datasets.IterableDataset"):
-        old = ds.as_hf_dataset()
-    assert sorted(next(iter(old))) == ["input_ids", "labels"]
+    assert not hasattr(ds, "as_hf_dataset")  # nothing of BufferDataset's own API added
+    assert sorted(next(iter(ds))) == ["input_ids", "labels"]
 
 
 def test_a_shuffle_buffer_that_over_draws_the_replay_buffer_warns_with_the_figure() -> None:

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDictBase
 
 from posttrain.adapters._hf import word_level_tokenizer
+from posttrain.adapters._layout import to_padded
 from posttrain.adapters.torchrl.loss import make_loss
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.trl import (
@@ -29,7 +30,7 @@ from posttrain.adapters.trl import (
     sft_dataset,
     trl_reward_func,
 )
-from posttrain.adapters.trl.dataset import IGNORE_INDEX, to_padded
+from posttrain.adapters.trl.dataset import IGNORE_INDEX
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.testing import tiny_causal_lm, tiny_reward_model
 

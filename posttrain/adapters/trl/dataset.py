@@ -22,7 +22,6 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 from posttrain._args import positive_int
 from posttrain._deps import optional_deps
 from posttrain.adapters._layout import fill_mask, pad_values
-from posttrain.adapters._layout import to_padded as to_padded  # re-exported: its old home
 from posttrain.contracts.buffer import ReplayBufferV1
 from posttrain.contracts.keys import Key, key_str, leaf_column, leaf_items, norm_key
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
@@ -520,8 +519,6 @@ def sft_dataset(
         )
         out = _conversational(source, tokenizer, typed)
     _refuse_packing(out, source)
-    # Old callers wrote ``sft_dataset(...).as_hf_dataset()``: the result already is one.
-    out.as_hf_dataset = _already_hf(source)
     return out
 
 
@@ -564,19 +561,6 @@ def _turns(tokenizer: Any, ids: Any, assistant: Any) -> list[dict[str, str]]:
             turns.append({"role": role, "content": str(tokenizer.decode(ids[start:end]))})
             start = end
     return turns
-
-
-def _already_hf(source: BufferDataset) -> Callable[..., Any]:
-    def as_hf_dataset(features: Any = None, *, typed: bool = False) -> Any:
-        warnings.warn(
-            "sft_dataset(...) already returns a datasets.IterableDataset; drop "
-            "`.as_hf_dataset()` (pass typed=True to sft_dataset for declared features)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return source.as_hf_dataset(features, typed=typed)
-
-    return as_hf_dataset
 
 
 PACKING_REFUSED = (
