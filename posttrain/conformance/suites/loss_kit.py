@@ -24,7 +24,8 @@ from posttrain.conformance.context import ConformanceError, Context
 from posttrain.conformance.suites._compare import leaves
 from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.contracts.alignment import token_log_probs
-from posttrain.contracts.layout import LLM_LAYOUT_V1, key_str
+from posttrain.contracts.keys import key_str
+from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.testing import llm_batch, tiny_causal_lm
 
 V, B, T = 64, 4, 10
