@@ -690,6 +690,48 @@ def prompt_dataset(
     with optional_deps():
         import datasets
 
+    source, extra = _prompt_source(buffer, batch_size, num_batches, columns, layout)
+    added = _added_specials(tokenizer)
+    mismatched: list[list[int]] = []  # the first MISMATCHED_KEPT of them
+    decode_stats: collections.Counter[str] = collections.Counter()  # all of them
+
+    def rows(source: _Shared) -> Iterator[dict[str, Any]]:
+        with contextlib.closing(source.dataset.rows("tensor")) as inner:
+            for row in inner:
+                asst = row["assistant"]
+                first = int(asst.int().argmax()) if asst.any() else len(asst)
+                ids = row["tokens"][:first].tolist()
+                text = _prompt_text(tokenizer, ids, added)
+                if text is None:
+                    text = _mismatched(tokenizer, ids, mismatched, decode_stats, texts)
+                out = {"prompt": text, "prompt_ids": ids}
+                for n in extra:
+                    v = row[f"extra:{n}"]
+                    out[n] = v.tolist() if isinstance(v, torch.Tensor) else v
+                yield out
+
+    texts = _Recent(PROMPT_IDS_KEPT, decode_stats)
+    # Declared features only without extra columns: their types are the buffer's to say.
+    features = None if extra else _prompt_features(datasets)
+    out = datasets.IterableDataset.from_generator(
+        rows, features=features, gen_kwargs={"source": _Shared(source)}
+    )
+    out.posttrain_prompt_ids = texts
+    out.posttrain_mismatched = mismatched
+    out.posttrain_decode_stats = decode_stats
+    _warn_on_shuffle(out, source)
+    return out
+
+
+def _prompt_source(
+    buffer: ReplayBufferV1,
+    batch_size: int,
+    num_batches: int | None,
+    columns: Mapping[str, Key] | None,
+    layout: Layout,
+) -> tuple[BufferDataset, dict[str, tuple[str, ...]]]:
+    """The ragged reader of tokens, masks and the ``columns`` ``prompt_dataset`` draws from,
+    and those columns by name (one named as a TRL column is refused)."""
     extra = {n: norm_key(k) for n, k in (columns or {}).items()}
     clash = sorted(set(extra) & {"prompt", "prompt_ids", "completion", "completion_ids"})
     if clash:
@@ -707,67 +749,52 @@ def prompt_dataset(
         shape="ragged",
         layout=layout,
     )
-    added = _added_specials(tokenizer)
-    mismatched: list[list[int]] = []  # the first MISMATCHED_KEPT of them
-    decode_stats: collections.Counter[str] = collections.Counter()  # all of them
+    return source, extra
 
-    def rows(source: _Shared) -> Iterator[dict[str, Any]]:
-        with contextlib.closing(source.dataset.rows("tensor")) as inner:
-            for row in inner:
-                asst = row["assistant"]
-                first = int(asst.int().argmax()) if asst.any() else len(asst)
-                ids = row["tokens"][:first].tolist()
-                text = _prompt_text(tokenizer, ids, added)
-                if text is None:
-                    text = tokenizer.decode(ids)
-                    if not mismatched:
-                        warnings.warn(
-                            f"prompt_dataset: prompt {ids[:10]} does not survive decode -> "
-                            "re-tokenize with this tokenizer; GRPOTrainer's default path would "
-                            "generate from other ids than the reward functions score. Pass "
-                            "rollout_func=CaptureRollouts(buffer, prompt_ids=this_dataset).",
-                            UserWarning,
-                            stacklevel=2,
-                        )
-                    # The first few, as examples, and a count: an endless stream of
-                    # mismatched prompts must not grow a list forever.
-                    if len(mismatched) < MISMATCHED_KEPT:
-                        mismatched.append(ids)
-                    decode_stats["mismatched"] += 1
-                    # Only these need a map: a text that round-trips gives its ids back
-                    # to anyone who tokenizes it (CaptureRollouts falls back to that).
-                    # Two stored prompts decoding to one text share a key: the later wins
-                    # and CaptureRollouts would give the earlier one its ids. Counted, so a
-                    # user can see it happen.
-                    if texts.get(text, ids) != ids:
-                        decode_stats["collided"] += 1
-                    texts[text] = ids
-                out = {"prompt": text, "prompt_ids": ids}
-                for n in extra:
-                    v = row[f"extra:{n}"]
-                    out[n] = v.tolist() if isinstance(v, torch.Tensor) else v
-                yield out
 
-    texts = _Recent(PROMPT_IDS_KEPT, decode_stats)
-    # Declared features only without extra columns: their types are the buffer's to say.
-    features = (
-        None
-        if extra
-        else datasets.Features(
-            {
-                "prompt": datasets.Value("string"),
-                "prompt_ids": datasets.List(datasets.Value("int64")),
-            }
+def _prompt_features(datasets: Any) -> Any:
+    """The features of a ``prompt_dataset`` row without extra columns."""
+    return datasets.Features(
+        {
+            "prompt": datasets.Value("string"),
+            "prompt_ids": datasets.List(datasets.Value("int64")),
+        }
+    )
+
+
+def _mismatched(
+    tokenizer: Any,
+    ids: list[int],
+    mismatched: list[list[int]],
+    decode_stats: collections.Counter[str],
+    texts: _Recent,
+) -> str:
+    """The text of prompt ``ids`` that does not survive decode -> re-tokenize, recorded: the
+    first warns, the first few are kept, all are counted and mapped from their text."""
+    text: str = tokenizer.decode(ids)
+    if not mismatched:
+        warnings.warn(
+            f"prompt_dataset: prompt {ids[:10]} does not survive decode -> "
+            "re-tokenize with this tokenizer; GRPOTrainer's default path would "
+            "generate from other ids than the reward functions score. Pass "
+            "rollout_func=CaptureRollouts(buffer, prompt_ids=this_dataset).",
+            UserWarning,
+            stacklevel=3,  # the frame iterating the rows generator, not this helper
         )
-    )
-    out = datasets.IterableDataset.from_generator(
-        rows, features=features, gen_kwargs={"source": _Shared(source)}
-    )
-    out.posttrain_prompt_ids = texts
-    out.posttrain_mismatched = mismatched
-    out.posttrain_decode_stats = decode_stats
-    _warn_on_shuffle(out, source)
-    return out
+    # The first few, as examples, and a count: an endless stream of
+    # mismatched prompts must not grow a list forever.
+    if len(mismatched) < MISMATCHED_KEPT:
+        mismatched.append(ids)
+    decode_stats["mismatched"] += 1
+    # Only these need a map: a text that round-trips gives its ids back
+    # to anyone who tokenizes it (CaptureRollouts falls back to that).
+    # Two stored prompts decoding to one text share a key: the later wins
+    # and CaptureRollouts would give the earlier one its ids. Counted, so a
+    # user can see it happen.
+    if texts.get(text, ids) != ids:
+        decode_stats["collided"] += 1
+    texts[text] = ids
+    return text
 
 
 PROMPT_IDS_KEPT = 4096

@@ -289,24 +289,8 @@ def trl_reward(
     name = _callable_name(func)
 
     def score(td: TensorDictBase) -> torch.Tensor:
-        shape, toks, assts = sequences(td, layout)
-        prompt_ids, completion_ids = [], []
-        for i, (t, a) in enumerate(zip(toks, assts, strict=True)):
-            span = a.nonzero()[:, 0]
-            first = int(span[0]) if span.numel() else len(t)
-            if span.numel() and int(span[-1]) - first + 1 != span.numel():
-                raise ValueError(
-                    f"item {i}: the assistant mask is not one span (multi-turn); TRL's "
-                    "(prompt, completion) pair cannot hold it"
-                )
-            prompt_ids.append(t[:first].tolist())
-            completion_ids.append(t[first : first + span.numel()].tolist())
-        prompts: list[Any] = tokenizer.batch_decode(prompt_ids)
-        # As GRPOTrainer decodes completions for its reward functions.
-        completions: list[Any] = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if conversational:
-            prompts = [[{"role": "user", "content": p}] for p in prompts]
-            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        shape, prompt_ids, completion_ids = _prompt_completion_ids(td, layout)
+        prompts, completions = _texts(tokenizer, prompt_ids, completion_ids, conversational)
         state = trainer_state if trainer_state is not None else _fresh_state()
         step = None if trainer_state is None else int(trainer_state.global_step)
         if step is None or step != module._logs_step:
@@ -330,9 +314,9 @@ def trl_reward(
         if inspect.isawaitable(out):
             out = _await(out)
         values = list(out)
-        if len(values) != len(toks):
+        if len(values) != len(prompt_ids):
             raise ValueError(
-                f"reward function {name!r}: expected {len(toks)} rewards, found {len(values)}"
+                f"reward function {name!r}: expected {len(prompt_ids)} rewards, found {len(values)}"
             )
         return torch.tensor(
             [math.nan if v is None else float(v) for v in values], dtype=torch.float32
@@ -340,6 +324,42 @@ def trl_reward(
 
     module = RewardModule(score, layout=layout, name=name)
     return module
+
+
+def _prompt_completion_ids(
+    td: TensorDictBase, layout: Layout
+) -> tuple[torch.Size, list[list[int]], list[list[int]]]:
+    """The reward's shape and each item's prompt ids (the real tokens before its assistant
+    span) and completion ids (the span); an item of several spans is refused."""
+    shape, toks, assts = sequences(td, layout)
+    prompt_ids, completion_ids = [], []
+    for i, (t, a) in enumerate(zip(toks, assts, strict=True)):
+        span = a.nonzero()[:, 0]
+        first = int(span[0]) if span.numel() else len(t)
+        if span.numel() and int(span[-1]) - first + 1 != span.numel():
+            raise ValueError(
+                f"item {i}: the assistant mask is not one span (multi-turn); TRL's "
+                "(prompt, completion) pair cannot hold it"
+            )
+        prompt_ids.append(t[:first].tolist())
+        completion_ids.append(t[first : first + span.numel()].tolist())
+    return shape, prompt_ids, completion_ids
+
+
+def _texts(
+    tokenizer: Any,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    conversational: bool,
+) -> tuple[list[Any], list[Any]]:
+    """Prompts and completions decoded as GRPOTrainer hands them to a reward function."""
+    prompts: list[Any] = tokenizer.batch_decode(prompt_ids)
+    # As GRPOTrainer decodes completions for its reward functions.
+    completions: list[Any] = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    if conversational:
+        prompts = [[{"role": "user", "content": p}] for p in prompts]
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    return prompts, completions
 
 
 def _callable_name(func: Any) -> str:

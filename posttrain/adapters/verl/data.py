@@ -138,6 +138,33 @@ def to_layout(data: Any, *, layout: Layout = LLM_LAYOUT_V1) -> TensorDict:
         >>> td["masks", "all_assistant_mask"].tolist(), td["log_probs", "full"].tolist()
         ([[False, False, False, True, False]], [[0.0, 0.0, 0.0, -0.5, 0.0]])
     """
+    batch, non_tensor, meta = _proto_parts(data)
+    ids, attn_raw, attn, resp_raw, resp, p = _tokens_and_masks(batch)
+    b, t = ids.shape
+    asst = torch.zeros_like(attn)
+    asst[:, p:] = resp
+    k = layout.key
+    out: dict[Any, Any] = {k("tokens"): ids, k("attention_mask"): attn, k("assistant_mask"): asst}
+    _batch_values(batch, layout, (b, t, p), out)
+    kinds = _non_tensor_values(batch, non_tensor, b, out)
+    if "uid" in non_tensor:
+        out[k("group_id")] = _group_ids(non_tensor["uid"])
+    out[(VERL_KEY, "meta_info")] = NonTensorData(dict(meta), batch_size=[b])
+    out[FORMAT_KEY] = NonTensorData(
+        {
+            "prompt_length": p,
+            "batch_keys": list(batch.keys()),
+            "attention_mask": str(attn_raw.dtype),
+            "response_mask": None if resp_raw is None else str(resp_raw.dtype),
+            "non_tensor": kinds,
+        },
+        batch_size=[b],
+    )
+    return TensorDict(out, batch_size=[b])
+
+
+def _proto_parts(data: Any) -> tuple[TensorDictBase, dict[str, Any], dict[str, Any]]:
+    """A ``DataProto``'s ``batch``, ``non_tensor_batch`` and ``meta_info``, each checked."""
     batch = getattr(data, "batch", None)
     non_tensor = getattr(data, "non_tensor_batch", None)
     meta = getattr(data, "meta_info", None)
@@ -155,6 +182,15 @@ def to_layout(data: Any, *, layout: Layout = LLM_LAYOUT_V1) -> TensorDict:
                 else ""
             )
         )
+    return batch, non_tensor, meta
+
+
+def _tokens_and_masks(
+    batch: TensorDictBase,
+) -> tuple[torch.Tensor, Any, torch.Tensor, Any, torch.Tensor, int]:
+    """``input_ids``, the attention mask as given and as bool, the response mask as given
+    (``None`` when absent) and as bool [B, R], and the prompt length P: each checked against
+    verl's format (``responses`` and ``prompts`` the slices of ``input_ids``)."""
     ids = batch.get("input_ids", None)
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype != torch.int64:
         said = f"{list(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else "no such key"
@@ -187,10 +223,18 @@ def to_layout(data: Any, *, layout: Layout = LLM_LAYOUT_V1) -> TensorDict:
         raise VerlFormatError(
             f"'response_mask': rows {rows[:10]} mark tokens attention_mask does not"
         )
-    asst = torch.zeros_like(attn)
-    asst[:, p:] = resp
+    return ids, attn_raw, attn, resp_raw, resp, p
+
+
+def _batch_values(
+    batch: TensorDictBase, layout: Layout, btp: tuple[int, int, int], out: dict[Any, Any]
+) -> None:
+    """Into ``out``: the mapped response-aligned values as [B, T] layout fields, the reward,
+    and every other batch tensor under ``("verl", key)`` (``btp``: B, T and the prompt
+    length P)."""
     k = layout.key
-    out: dict[Any, Any] = {k("tokens"): ids, k("attention_mask"): attn, k("assistant_mask"): asst}
+    b, t, p = btp
+    r = t - p
     for key, v in batch.items():
         if key in _DERIVED:
             continue
@@ -205,6 +249,13 @@ def to_layout(data: Any, *, layout: Layout = LLM_LAYOUT_V1) -> TensorDict:
     rewards = batch.get("token_level_rewards", None)
     if rewards is not None:
         out[k("reward")] = _response_value(rewards, "token_level_rewards", (b, r)).sum(-1).float()
+
+
+def _non_tensor_values(
+    batch: TensorDictBase, non_tensor: dict[str, Any], b: int, out: dict[Any, Any]
+) -> dict[str, str]:
+    """Into ``out``: each ``non_tensor_batch`` array under ``("verl", key)`` as a
+    ``NonTensorStack``; returns each array's numpy dtype (``"object"`` for objects)."""
     clash = sorted(
         {*batch.keys(), *non_tensor} & {"meta_info", "format"} | set(batch.keys()) & set(non_tensor)
     )
@@ -226,20 +277,7 @@ def to_layout(data: Any, *, layout: Layout = LLM_LAYOUT_V1) -> TensorDict:
             )
         kinds[key] = arr.dtype.str if arr.dtype != object else "object"
         out[(VERL_KEY, key)] = NonTensorStack(*(NonTensorData(x) for x in arr), batch_size=[b])
-    if "uid" in non_tensor:
-        out[k("group_id")] = _group_ids(non_tensor["uid"])
-    out[(VERL_KEY, "meta_info")] = NonTensorData(dict(meta), batch_size=[b])
-    out[FORMAT_KEY] = NonTensorData(
-        {
-            "prompt_length": p,
-            "batch_keys": list(batch.keys()),
-            "attention_mask": str(attn_raw.dtype),
-            "response_mask": None if resp_raw is None else str(resp_raw.dtype),
-            "non_tensor": kinds,
-        },
-        batch_size=[b],
-    )
-    return TensorDict(out, batch_size=[b])
+    return kinds
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -355,6 +393,12 @@ def from_layout(
         td = to_padded(td, pad_token_id=pad_token_id, layout=layout)
     if td.batch_dims != 1:
         td = td.reshape(-1)
+    return _from_any_layout(td, layout, pad_token_id)
+
+
+def _from_any_layout(td: TensorDictBase, layout: Layout, pad_token_id: int) -> Any:
+    """The way to verl for a dense layout batch :func:`to_layout` did not make: laid out as
+    verl's rollout lays it out (:func:`_place`), the mapped values response-aligned."""
     k = layout.key
     tensors, rows, cols, rcol, p = _place(td, layout, pad_token_id)
     resp = tensors["response_mask"].bool()
