@@ -19,23 +19,12 @@ REFERENCE_IMPLS = "posttrain/reference_impls/"
 
 _SPLITTING = "being split into modules of one job each"
 ALLOWED: dict[str, str] = {
-    # Modules, by path.
-    "posttrain/conformance/suites/generation.py": _SPLITTING,
-    # Functions, by qualified name.
-    "posttrain.conformance.suites.generation._machine": _SPLITTING,
-    "posttrain.reference_impls.pg_loss.PolicyGradientLoss.__init__": _SPLITTING,
-    "posttrain.reference_impls.pg_loss.PolicyGradientLoss.forward": _SPLITTING,
-    "posttrain.adapters.trl.dataset.prompt_dataset": _SPLITTING,
-    "posttrain.adapters.trl.reward.trl_reward": _SPLITTING,
-    "posttrain.adapters.verl.data.to_layout": _SPLITTING,
-    "posttrain.adapters.verl.data.from_layout": _SPLITTING,
+    # Modules by path ("posttrain/x.py"), functions by qualified name ("posttrain.x.f").
 }
 """Offenders of the module and function limits: ``{path or qualified name: reason}``."""
 
 ALLOWED_REFERENCE: dict[str, str] = {
-    "posttrain/reference_impls/pg_loss.py": _SPLITTING,
     "posttrain/reference_impls/sft_dpo.py": _SPLITTING,
-    "posttrain/reference_impls/ring_buffer.py": _SPLITTING,
 }
 """Reference implementations over the reference limit: ``{path: reason}``."""
 

@@ -20,7 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from posttrain.contracts import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
-from posttrain.reference_impls.ring_buffer import _tensordict
+from posttrain.reference_impls._ring_rows import as_tensordict as _tensordict
 
 __all__ = ["EXTRA_MUTANTS", "MUTANTS", "PRIORITIZED_RING", "PrioritizedRing"]
 
