@@ -4,7 +4,7 @@ verl's functions (``verl/trainer/ppo/core_algos.py``: GRPO and its vectorized tw
 its vectorized twin, REINFORCE++ and REINFORCE++-baseline) run here on a DataProto whose
 rewards and groups reach posttrain through the layout codec (``posttrain.adapters.verl.
 data``); posttrain's are ``grpo_advantages`` / ``grpo_advantage`` /
-``reinforce_plus_plus_advantage`` (``posttrain/adapters/nemo_rl/advantages.py``). The groups
+``reinforce_plus_plus_advantage`` (``posttrain/adapters/nemo_rl/mirror/advantages.py``). The groups
 are ragged (1, 2, 3, 5, 4 and 4 answers), one of them constant (1/3 four times) and one near
 constant (1/3, 1/3, 1/3, 0.9). Agreement is asserted within 1e-6; each place they differ is
 asserted as it is, and published in docs/verl.md.
