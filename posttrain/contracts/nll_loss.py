@@ -18,6 +18,17 @@ Example:
 
 _M = Level.MUST
 
+_BATCHES = (
+    "Batches of 1 to 5 rows and T from 2 (one scored position) to 24 columns, every token an id "
+    "in [0, V) of the suite's policy (V = 64; the ids 0, the policy's pad id, and V - 1 placed "
+    "on assistant tokens as boundaries: no id is an ignore_index, the masks alone exclude), prompts of 0 to T - 1 tokens and answers of any length, right-padded, with "
+    "rows whose assistant mask is all False (one, or all but one), a row attended and answered "
+    "from position 0 to the last column (no prompt, no padding) and ragged lengths; the "
+    "policy's output head scaled by 1 or 30 (logits of magnitude up to a few hundred, "
+    "near-one-hot next-token distributions). A batch without any assistant token is not drawn "
+    "(nothing to average over). The boundaries first: one row of T = 2, a full row of T = 24."
+)
+
 NLL = Contract(
     id="nll_loss",
     title="Supervised (NLL) loss",
@@ -28,10 +39,13 @@ NLL = Contract(
         "the declared aggregation (see option `aggregation`). The assistant mask marks the "
         "tokens trained on; position 0 never counts (no logit predicts it), the prompt and "
         "padding never do. The log-prob of token t is read from the logits at t - 1 (Hugging "
-        "Face's convention). Only the policy's log-probs carry a gradient: no label smoothing, "
-        "no z-loss, no temperature inside `loss_nll`. Label smoothing is out of scope of v1 "
-        "(a smoothed `loss_nll` fails NLL-003 and NLL-004 as any other value does; NLL-004's "
-        "message says the loss reaches the logits other than through the tokens' log-probs)."
+        "Face's convention). Only the policy's log-probs carry a gradient: no z-loss, no temperature inside "
+        "`loss_nll`, and no label smoothing unless it is asked for: under capability "
+        "`label_smoothing` (since 1.1) the factory takes `label_smoothing=ε` by name and, "
+        "for ε > 0, smooths the targets as `torch.nn.functional.cross_entropy(label_smoothing=ε)` "
+        "does (NLL-009); NLL-003 to NLL-008 check the loss built with `label_smoothing=0.0`. "
+        "Undeclared, ε is 0: a `loss_nll` that smooths anyway fails NLL-003 and NLL-004, the "
+        "message naming the smoothing."
         "\n\n"
         "The counts are those of the policy-gradient loss (contract `loss`, `GlobalCounts`): "
         "`tokens` counts assistant tokens, `sequences` rows holding at least one. Under "
@@ -47,45 +61,66 @@ NLL = Contract(
         "gradients, and checks the others only for finiteness. The suite runs in float32 with "
         "a tiny real Hugging Face causal LM it supplies; values are compared with the formula "
         "computed in float64 from the same policy within 1e-5 (relative) and gradients "
-        "within 1e-4 (relative)."
+        "within 1e-4 (relative). Each requirement's domain says what its check draws "
+        "(since 1.1): batch shapes, masks and tokens are generated, the boundaries tried first, "
+        "deterministically under `--conformance-seed`; bfloat16 and float16 policies are out of "
+        "scope of v1 (the suite's policy is float32).\n\n"
+        "No call sequence is driven statefully: the loss is a function of the policy, the batch "
+        "and `counts`, and what a sequence of calls must satisfy (micro-batches of one step "
+        "adding up to the whole batch, in any order and any split) is drawn by NLL-008 as a "
+        "split of the batch; every check calls one loss object on several batches in turn, so "
+        "a value carried from one call to the next shows as a wrong value."
     ),
     protocol=LossModuleV1,
     extra_protocols=(SupportsGlobalCounts, GlobalCounts),
-    version="1.0",
+    version="1.1",
     factory=(
         "factory(policy, aggregation=<declared>) -> LossModuleV1  # policy: an HF-style causal "
         "LM the suite supplies; the declared aggregation reaches the factory by name; capability "
-        "global_counts: loss(td, counts=GlobalCounts(...)) on micro-batches (NLL-007, NLL-008)"
+        "global_counts: loss(td, counts=GlobalCounts(...)) on micro-batches (NLL-007, NLL-008); "
+        "capability label_smoothing: factory(policy, aggregation=..., label_smoothing=ε) (NLL-009)"
     ),
     uses_layout=True,
     capabilities=(
-        Capability(name="global_counts", text="`loss(td, counts=GlobalCounts(tokens=..., sequences=...))` normalizes by the global batch's counts (all micro-batches, all data-parallel ranks): N becomes `counts.tokens` and S `counts.sequences` in the aggregation weights; without `counts`, by `GlobalCounts.of(td)`."),
+        Capability(name="global_counts", text="`loss(td, counts=GlobalCounts(tokens=..., sequences=...))` normalizes by the global batch's counts (all micro-batches, all data-parallel ranks): N becomes `counts.tokens` and S `counts.sequences` in the aggregation weights; without `counts`, by `GlobalCounts.of(td)`.", undeclared="`loss(td)` alone, normalized by the batch's own `GlobalCounts.of(td)` (NLL-003: a row without an assistant token weighs nothing and is not one of the S rows); NLL-007 and NLL-008 do not apply."),
+        Capability(name="label_smoothing", text="The factory takes `label_smoothing=ε` by name (ε in [0, 1)): each assistant token's term becomes (1 - ε)·(-log p(token)) + ε·mean over the V vocabulary entries of -log p(v), both from the logits at t - 1, as `torch.nn.functional.cross_entropy(label_smoothing=ε)` defines it (transformers' `label_smoothing_factor`); ε = 0 is the plain NLL. The ε the suite checks is declared in `Implementation.extras['label_smoothing']`; since 1.1.", undeclared="ε = 0: the factory gets no `label_smoothing` keyword and `loss_nll` is the unsmoothed NLL (NLL-003, NLL-004 fail a loss that smooths, naming the smoothing); NLL-009 does not apply."),
     ),
     options=(
         Option(name="aggregation", values=NLL_AGGREGATIONS, default="token_mean", text="How -log p is reduced (m the assistant mask, position 0 excluded; N tokens, S rows holding one, L_i row i's count): `token_mean` w = m/N (NeMo-RL's NLLLossFn, TorchRL's SFTLoss `sum`/N); `seq_mean_token_mean` w = m/(S·L_i); `seq_mean_token_sum` w = m/S."),
     ),
     requirements=(
-        Requirement(id="NLL-001", level=_M, title="scalar finite terms",
-            text="`loss(td)` MUST return a TensorDict or mapping whose `loss_*` entries are finite scalar tensors, including `loss_nll`."),
-        Requirement(id="NLL-002", level=_M, title="gradients reach the policy",
-            text="`loss_nll` MUST carry a gradient that reaches the policy's parameters (non-zero and finite).", depends_on=("NLL-001",)),
-        Requirement(id="NLL-003", level=_M, title="loss value",
-            text="`loss_nll` MUST equal Σ w·(-log p) over the batch, log p(token_t) read from the logits at t - 1 and w the declared aggregation's weights (assistant tokens only: prompt, padding and position 0 weigh nothing), computed in float64 from the same policy, within 1e-5 relative.", depends_on=("NLL-001",)),
-        Requirement(id="NLL-004", level=_M, title="gradient through the log-probs only",
-            text="The gradient of `loss_nll` with respect to each token's log-prob MUST be -w (the declared aggregation's weight; 0 outside the assistant mask), however the loss calls the policy; a `loss_nll` that reaches the logits other than through the tokens' log-probs (label smoothing, a z-loss, a temperature) has no such gradient and fails, saying so.", depends_on=("NLL-002",)),
-        Requirement(id="NLL-005", level=_M, title="padding is inert",
-            text="Appending padding columns (attention and assistant mask False), or changing the tokens at padding positions, MUST NOT change any output.", depends_on=("NLL-001",)),
-        Requirement(id="NLL-006", level=_M, title="bad layout rejected",
-            text="A batch missing `tokens`, the attention mask or the assistant mask, or with a mask of a non-bool dtype (a float32 or int64 0/1 mask) MUST raise an error naming the key: a mask is never taken as weights, nor a missing one replaced by another."),
-        Requirement(id="NLL-007", level=_M, title="global counts normalize", capability="global_counts",
-            text="`loss(td, counts=GlobalCounts(tokens=N, sequences=S))` MUST give the `loss_nll` of NLL-003 with the token count replaced by N and the row count by S, whatever the batch's own counts.", depends_on=("NLL-001",)),
-        Requirement(id="NLL-008", level=_M, title="micro-batches add up", capability="global_counts",
-            text="For any split of a batch into micro-batches (uneven, a single row, one without any assistant token), each called with the whole batch's `GlobalCounts.of(td)`, the micro-batches' `loss_*` terms MUST sum to the whole batch's called without counts, and the policy-parameter gradients of their sums to its gradient, within 1e-5 of the largest magnitude: `loss(td)` normalizes by `GlobalCounts.of(td)`, whose `sequences` holds only rows with an assistant token.", depends_on=("NLL-002",)),
+        Requirement(id="NLL-001", level=_M, title="scalar finite terms", tightened=("1.1",),
+            text="`loss(td)` MUST return a TensorDict or mapping whose `loss_*` entries are finite scalar tensors, including `loss_nll`.",
+            domain=_BATCHES),
+        Requirement(id="NLL-002", level=_M, title="gradients reach the policy", tightened=("1.1",),
+            text="`loss_nll` MUST carry a gradient that reaches the policy's parameters (non-zero and finite).", depends_on=("NLL-001",),
+            domain=_BATCHES),
+        Requirement(id="NLL-003", level=_M, title="loss value", tightened=("1.1",),
+            text="`loss_nll` MUST equal Σ w·(-log p) over the batch, log p(token_t) read from the logits at t - 1 and w the declared aggregation's weights (assistant tokens only: prompt, padding and position 0 weigh nothing), computed in float64 from the same policy, within 1e-5 relative.", depends_on=("NLL-001",),
+            domain=_BATCHES),
+        Requirement(id="NLL-004", level=_M, title="gradient through the log-probs only", tightened=("1.1",),
+            text="The gradient of `loss_nll` with respect to each token's log-prob MUST be -w (the declared aggregation's weight; 0 outside the assistant mask), however the loss calls the policy; a `loss_nll` that reaches the logits other than through the tokens' log-probs (label smoothing, a z-loss, a temperature) has no such gradient and fails, saying so.", depends_on=("NLL-002",),
+            domain=_BATCHES),
+        Requirement(id="NLL-005", level=_M, title="padding is inert", tightened=("1.1",),
+            text="Appending padding columns (attention and assistant mask False), or changing the tokens at padding positions, MUST NOT change any output.", depends_on=("NLL-001",),
+            domain=_BATCHES + " Rows right- or left-padded (a left-padded row's padding precedes its prompt); 1 to 5 padding columns appended; the padding tokens replaced by other ids in [0, V)."),
+        Requirement(id="NLL-006", level=_M, title="bad layout rejected", tightened=("1.1",),
+            text="A batch missing `tokens`, the attention mask or the assistant mask, or with a mask of a non-bool dtype (a float32 or int64 0/1 mask) MUST raise an error naming the key: a mask is never taken as weights, nor a missing one replaced by another.",
+            domain="Each of `tokens`, the attention mask and the assistant mask missing; each mask as float32, float16, bfloat16, float64, int64, int32, int8 and uint8 0/1 values (every one tried), on batches of 1 to 4 rows."),
+        Requirement(id="NLL-007", level=_M, title="global counts normalize", capability="global_counts", tightened=("1.1",),
+            text="`loss(td, counts=GlobalCounts(tokens=N, sequences=S))` MUST give the `loss_nll` of NLL-003 with the token count replaced by N and the row count by S, whatever the batch's own counts.", depends_on=("NLL-001",),
+            domain=_BATCHES + " N from the batch's own token count to 1000 times it, S from its own row count (rows holding an assistant token) to 1000 times it, the batch's own counts tried first."),
+        Requirement(id="NLL-008", level=_M, title="micro-batches add up", capability="global_counts", tightened=("1.1",),
+            text="For any split of a batch into micro-batches (uneven, a single row, one without any assistant token), each called with the whole batch's `GlobalCounts.of(td)`, the micro-batches' `loss_*` terms MUST sum to the whole batch's called without counts, and the policy-parameter gradients of their sums to its gradient, within 1e-5 of the largest magnitude: `loss(td)` normalizes by `GlobalCounts.of(td)`, whose `sequences` holds only rows with an assistant token.", depends_on=("NLL-002",),
+            domain=_BATCHES + " Any order of the rows cut anywhere into micro-batches, each padded to its own longest row; single-row micro-batches and one without an assistant token tried first."),
+        Requirement(id="NLL-009", level=_M, title="label smoothing as declared", capability="label_smoothing", since="1.1",
+            text="Built with `label_smoothing=ε` (the declared `extras['label_smoothing']`), `loss_nll` MUST equal Σ w·((1 - ε)·(-log p(token_t)) + ε·(1/V)·Σ_v -log p(v)), both from the logits at t - 1 and w the declared aggregation's weights, computed in float64 from the same policy within 1e-5 relative, and its policy-parameter gradients MUST be that formula's within 1e-4 of the largest: a smoothing term of the wrong sign or weight, or over the wrong positions, fails here, the message naming the smoothing.", depends_on=("NLL-002",),
+            domain=_BATCHES + " ε the declared one; the policy's output head scaled by 1 or 30."),
     ),
 )  # fmt: skip
 """The ``nll_loss`` contract (specs/nll_loss-v1.md).
 
 Example:
     >>> NLL.version, [r.id for r in NLL.requirements][:2]
-    ('1.0', ['NLL-001', 'NLL-002'])
+    ('1.1', ['NLL-001', 'NLL-002'])
 """

@@ -19,7 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.reference_impls.pg_loss import _token_log_probs
+from posttrain.reference_impls.pg_loss import _log_softmax, _token_log_probs
 
 NLL_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 """How :class:`NLLLoss` reduces -log p: over the global token count, or per sequence (sum or
@@ -36,14 +36,28 @@ def _real(x: object) -> bool:
 
 
 def _mask_and_log_probs(
-    policy: Any, td: TensorDictBase, layout: Layout
+    policy: Any, td: TensorDictBase, layout: Layout, smoothing: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trained positions and each one's log p(token); with ``smoothing`` ε > 0, instead
+    of log p(token) the negated smoothed cross-entropy term, (1 - ε)·log p(token) +
+    ε·mean_v log p(v) (cross_entropy's label smoothing), both from the logits at t - 1."""
     k = layout.key
     tokens, attn = td.get(k("tokens")), td.get(k("attention_mask"))
     mask = td.get(k("assistant_mask")) & attn
     mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
     logits = policy(input_ids=tokens, attention_mask=attn.long()).logits
-    return mask, torch.where(mask, _token_log_probs(logits, tokens), 0.0)
+    logp = _token_log_probs(logits, tokens)
+    if smoothing > 0:
+        uniform = _log_softmax(logits).mean(-1)
+        uniform = torch.cat([torch.zeros_like(uniform[:, :1]), uniform], dim=1)
+        logp = (1 - smoothing) * logp + smoothing * uniform
+    return mask, torch.where(mask, logp, 0.0)
+
+
+def _smoothing(value: object, upper: float) -> float:
+    if not _real(value) or not 0 <= float(value) < upper:  # type: ignore[arg-type]
+        raise ValueError(f"label_smoothing: expected a number in [0, {upper:g}), found {value!r}")
+    return float(value)  # type: ignore[arg-type]
 
 
 def _dpo_own(mask: torch.Tensor) -> GlobalCounts:
@@ -85,10 +99,21 @@ class NLLLoss(torch.nn.Module):
         Traceback (most recent call last):
         ...
         ValueError: aggregation: expected one of ['token_mean', 'seq_mean_token_sum', 'seq_mean_token_mean'], found 'sum'
+
+    ``label_smoothing=ε`` smooths the targets as ``torch.nn.functional.cross_entropy`` does:
+    each token's term is (1 - ε)·(-log p(token)) + ε·mean_v(-log p(v)).
+
+        >>> NLLLoss(tiny_causal_lm(vocab_size=64), label_smoothing=0.1).label_smoothing
+        0.1
     """
 
     def __init__(
-        self, policy: Any, *, aggregation: str = "token_mean", layout: Layout = LLM_LAYOUT_V1
+        self,
+        policy: Any,
+        *,
+        aggregation: str = "token_mean",
+        label_smoothing: float = 0.0,
+        layout: Layout = LLM_LAYOUT_V1,
     ) -> None:
         super().__init__()
         if aggregation not in NLL_AGGREGATIONS:
@@ -97,12 +122,13 @@ class NLLLoss(torch.nn.Module):
             )
         self.policy = policy
         self.aggregation = aggregation
+        self.label_smoothing = _smoothing(label_smoothing, 1.0)
         self.layout = layout
 
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
         """The NLL of ``td``'s assistant tokens, normalized by ``counts`` (default: td's own)."""
         self.layout.validate_batch(td, context=type(self).__name__)
-        mask, logp = _mask_and_log_probs(self.policy, td, self.layout)
+        mask, logp = _mask_and_log_probs(self.policy, td, self.layout, self.label_smoothing)
         c = _counts(mask, counts)
         m = mask.to(logp.dtype)
         if self.aggregation == "token_mean":
@@ -122,7 +148,8 @@ class DPOLoss(torch.nn.Module):
 
     Per pair, the reward of an answer is sum_t (log p - log p_ref) over its assistant tokens
     (their mean with ``preference_average``); the loss is -log sigmoid(beta (r_chosen -
-    r_rejected)) averaged over pairs, times ``preference_weight``, plus ``sft_weight`` times
+    r_rejected)) averaged over pairs (conservative DPO's -(1 - ε) log sigmoid(beta Δ) - ε log
+    sigmoid(-beta Δ) with ``label_smoothing`` ε, as TRL's sigmoid loss), times ``preference_weight``, plus ``sft_weight`` times
     the chosen answers' NLL (a per-answer sum, or mean with ``sft_average``, averaged over
     pairs). Rows 2i and 2i + 1 are pair i's chosen and rejected answers; a pair whose chosen
     row has no assistant token weighs nothing. The loss averages over the pairs whose chosen
@@ -156,6 +183,7 @@ class DPOLoss(torch.nn.Module):
         sft_weight: float = 0.0,
         preference_average: bool = False,
         sft_average: bool = False,
+        label_smoothing: float = 0.0,
         layout: Layout = LLM_LAYOUT_V1,
     ) -> None:
         super().__init__()
@@ -172,6 +200,7 @@ class DPOLoss(torch.nn.Module):
         self.sft_weight = float(sft_weight)
         self.preference_average = bool(preference_average)
         self.sft_average = bool(sft_average)
+        self.label_smoothing = _smoothing(label_smoothing, 0.5)
         self.layout = layout
 
     @staticmethod
@@ -212,8 +241,11 @@ class DPOLoss(torch.nn.Module):
         chosen, rejected = rewards[0::2], rewards[1::2]
         valid = (n_tok[0::2] > 0).to(logp.dtype)
         pairs = max(c.sequences, 1) / 2
-        pref = (-torch.nn.functional.logsigmoid(self.beta * (chosen - rejected)) * valid).sum()
-        pref = pref / pairs
+        margin = self.beta * (chosen - rejected)
+        eps = self.label_smoothing  # conservative DPO: the preference is wrong with prob. ε
+        ls = torch.nn.functional.logsigmoid
+        pair = -(1 - eps) * ls(margin) - eps * ls(-margin) if eps > 0 else -ls(margin)
+        pref = (pair * valid).sum() / pairs
         out: dict[str, torch.Tensor] = {"loss_preference": self.preference_weight * pref}
         sft = torch.zeros((), dtype=logp.dtype)
         if self.sft_weight > 0:
@@ -234,8 +266,15 @@ class DPOLoss(torch.nn.Module):
 _DPO_BETA = 0.5  # large enough that σ(-β·Δ) differs visibly from 1/2 on the suite's pairs
 
 
-def make_dpo_loss(policy: Any, *, token_reduction: str = "sum", beta: float = _DPO_BETA) -> DPOLoss:
-    """The ``dpo_loss`` factory: :class:`DPOLoss` with option ``token_reduction`` by name.
+def make_dpo_loss(
+    policy: Any,
+    *,
+    token_reduction: str = "sum",
+    beta: float = _DPO_BETA,
+    label_smoothing: float = 0.0,
+) -> DPOLoss:
+    """The ``dpo_loss`` factory: :class:`DPOLoss` with option ``token_reduction`` and
+    ``label_smoothing`` (capability ``label_smoothing``) by name.
 
     Example:
         >>> from posttrain.testing import tiny_causal_lm
@@ -248,7 +287,15 @@ def make_dpo_loss(policy: Any, *, token_reduction: str = "sum", beta: float = _D
     """
     if token_reduction not in ("sum", "mean"):
         raise ValueError(f"token_reduction: expected 'sum' or 'mean', found {token_reduction!r}")
-    return DPOLoss(policy, beta=beta, preference_average=token_reduction == "mean")
+    return DPOLoss(
+        policy,
+        beta=beta,
+        preference_average=token_reduction == "mean",
+        label_smoothing=label_smoothing,
+    )
+
+
+_SMOOTHING = 0.1  # the label smoothing the reference rows declare (capability label_smoothing)
 
 
 def _nll_impl(aggregation: str) -> Implementation:
@@ -256,8 +303,9 @@ def _nll_impl(aggregation: str) -> Implementation:
         "nll_loss",
         NLLLoss,
         name=f"posttrain.NLLLoss[{aggregation}]",
-        capabilities={"global_counts"},
+        capabilities={"global_counts", "label_smoothing"},
         options={"aggregation": aggregation},
+        extras={"label_smoothing": _SMOOTHING},
         description="Reference supervised NLL loss over the assistant tokens (NeMo-RL's NLLLossFn).",
     )
 
@@ -278,9 +326,9 @@ def _dpo_impl(token_reduction: str) -> Implementation:
         "dpo_loss",
         make_dpo_loss,
         name=f"posttrain.DPOLoss[{token_reduction}]",
-        capabilities={"global_counts"},
+        capabilities={"global_counts", "label_smoothing"},
         options={"token_reduction": token_reduction},
-        extras={"beta": _DPO_BETA},
+        extras={"beta": _DPO_BETA, "label_smoothing": _SMOOTHING},
         description="Reference sigmoid DPO loss over interleaved pairs (NeMo-RL's DPOLossFn).",
     )
 

@@ -7,6 +7,7 @@ an accuracy of 1.33 with an empty rejected row).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,8 +27,15 @@ _BETA = 0.5
 class BuggyDPO(DPOLoss):
     """The reference DPO (no SFT term) with one bug (``bug``), everything else as the reference."""
 
-    def __init__(self, policy: Any, *, bug: str, token_reduction: str = "sum") -> None:
-        super().__init__(policy, beta=_BETA, preference_average=token_reduction == "mean")
+    def __init__(
+        self, policy: Any, *, bug: str, token_reduction: str = "sum", label_smoothing: float = 0.0
+    ) -> None:
+        super().__init__(
+            policy,
+            beta=_BETA,
+            preference_average=token_reduction == "mean",
+            label_smoothing=label_smoothing,
+        )
         self.bug = bug
 
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
@@ -68,7 +76,14 @@ class BuggyDPO(DPOLoss):
             valid = ((n_tok[0::2] > 0) | (n_tok[1::2] > 0)).to(logp.dtype)
         pairs = max(c.sequences, 1) / 2
         beta = self.beta * self.beta if bug == "beta_twice" else self.beta
-        pref = (-torch.nn.functional.logsigmoid(beta * (chosen - rejected)) * valid).sum() / pairs
+        ls, eps = torch.nn.functional.logsigmoid, self.label_smoothing
+        margin = beta * (chosen - rejected)
+        pair = -(1 - eps) * ls(margin) - eps * ls(-margin)
+        if bug == "smoothing_sign":  # cDPO's ε term added with the wrong sign
+            pair = -(1 - eps) * ls(margin) + eps * ls(-margin)
+        if bug == "log_of_sigmoid":  # -log(sigmoid(x)): inf once sigmoid underflows
+            pair = -torch.log(torch.sigmoid(margin))
+        pref = (pair * valid).sum() / pairs
         if bug == "shape_one":
             pref = pref.reshape(1)
         if bug == "detached":
@@ -100,6 +115,14 @@ MUTANTS: dict[str, Implementation] = {
     "DPO-007": _impl("DPO-007", "ignores_counts"),
     "DPO-008": _impl("DPO-008", "metrics_per_micro_batch"),
     "DPO-009": _impl("DPO-009", "reference_free"),
+    "DPO-010": Implementation(
+        "dpo_loss",
+        partial(BuggyDPO, bug="smoothing_sign"),
+        name="mutant-DPO-010-smoothing_sign",
+        capabilities={"global_counts", "label_smoothing"},
+        options={"token_reduction": "sum"},
+        extras={"beta": _BETA, "label_smoothing": 0.1},
+    ),
 }
 """Requirement id -> a DPO loss that breaks exactly that requirement."""
 
@@ -111,5 +134,6 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("DPO-005", _impl("DPO-005", "rewards_times_beta")),
     ("DPO-006", _impl("DPO-006", "either_row_counts")),
     ("DPO-009", _impl("DPO-009", "drops_odd_row")),
+    ("DPO-001", _impl("DPO-001", "log_of_sigmoid")),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""

@@ -23,8 +23,15 @@ TOK, ATT, ASST = K("tokens"), K("attention_mask"), K("assistant_mask")
 class BuggyNLL(NLLLoss):
     """The reference NLL with one bug (``bug``), everything else as the reference."""
 
-    def __init__(self, policy: Any, *, bug: str, aggregation: str = "token_mean") -> None:
-        super().__init__(policy, aggregation=aggregation)
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        bug: str,
+        aggregation: str = "token_mean",
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__(policy, aggregation=aggregation, label_smoothing=label_smoothing)
         self.bug = bug
 
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
@@ -44,8 +51,17 @@ class BuggyNLL(NLLLoss):
             logits = self.policy(input_ids=tokens, attention_mask=attn.long()).logits
             lp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
             logp = torch.where(mask, lp, 0.0)
+        elif bug == "no_attention_mask":  # model(input_ids) alone: the real tokens see padding
+            tokens, attn = td.get(TOK), td.get(ATT)
+            mask = td.get(ASST) & attn
+            mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
+            lp = torch.log_softmax(self.policy(input_ids=tokens).logits[:, :-1].float(), -1)
+            lp = lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+            logp = torch.where(mask, torch.cat([torch.zeros_like(lp[:, :1]), lp], 1), 0.0)
         else:
-            mask, logp = _mask_and_log_probs(self.policy, td, self.layout)
+            mask, logp = _mask_and_log_probs(self.policy, td, self.layout, self.label_smoothing)
+        if bug == "pad_id_ignored":  # cross_entropy(ignore_index=pad_token_id), the pad id 0
+            mask = mask & (td.get(TOK) != 0)
         if bug == "trains_on_prompt":
             attn = td.get(ATT).clone()
             attn[:, 0] = False
@@ -68,6 +84,16 @@ class BuggyNLL(NLLLoss):
             uniform = -torch.log_softmax(logits[:, :-1].float(), -1).mean(-1)
             uniform = torch.cat([torch.zeros_like(uniform[:, :1]), uniform], 1)
             nll = 0.9 * nll + 0.1 * uniform
+        if bug in ("z_loss", "smoothing_sign"):
+            tokens, attn = td.get(TOK), td.get(ATT)
+            logits = self.policy(input_ids=tokens, attention_mask=attn.long()).logits[:, :-1]
+            if bug == "z_loss":  # PaLM's z-loss, 1e-4 logsumexp², left on inside loss_nll
+                extra = 1e-4 * torch.logsumexp(logits.float(), -1) ** 2
+            else:  # the smoothing term's sign flipped: (1 - ε)·NLL - ε·mean_v(-log p_v)
+                eps = self.label_smoothing
+                nll = -(1 - eps) * _mask_and_log_probs(self.policy, td, self.layout)[1]
+                extra = eps * torch.log_softmax(logits.float(), -1).mean(-1)
+            nll = nll + torch.cat([torch.zeros_like(extra[:, :1]), extra], 1)
         if self.aggregation == "token_mean":
             loss = (nll * m).sum() / max(c.tokens, 1)
         else:
@@ -123,6 +149,14 @@ MUTANTS: dict[str, Implementation] = {
     "NLL-006": _impl("NLL-006", "missing_mask_is_attention"),
     "NLL-007": _impl("NLL-007", "ignores_counts"),
     "NLL-008": _impl("NLL-008", "counts_every_row", agg="seq_mean_token_sum"),
+    "NLL-009": Implementation(
+        "nll_loss",
+        partial(BuggyNLL, bug="smoothing_sign"),
+        name="mutant-NLL-009-smoothing_sign",
+        capabilities={"global_counts", "label_smoothing"},
+        options={"aggregation": "token_mean"},
+        extras={"label_smoothing": 0.1},
+    ),
 }
 """Requirement id -> an NLL loss that breaks exactly that requirement."""
 
@@ -131,5 +165,8 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("NLL-003", _impl("NLL-003", "counts_position_0")),
     ("NLL-006", _impl("NLL-006", "masks_as_weights")),
     ("NLL-008", _impl("NLL-008", "no_clamp", agg="seq_mean_token_mean")),
+    ("NLL-003", _impl("NLL-003", "pad_id_ignored")),
+    ("NLL-004", _impl("NLL-004", "z_loss")),
+    ("NLL-005", _impl("NLL-005", "no_attention_mask")),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""

@@ -6,17 +6,24 @@ Pairs are consecutive rows (2i chosen, 2i + 1 rejected) sharing a prompt; the re
 log-probs are the policy's own minus per-token offsets, so every reward is off zero and both
 signs of r_chosen - r_rejected occur. The expected loss, gradients and metrics are computed
 here in float64 from the same policy.
+
+Every check draws its pairs from the requirement's domain (:class:`Pairs`, the boundaries
+first): 1 to 4 pairs, 2 to 20 columns, empty rows in any pair, ties, reference offsets up to
+200 nats (margins β·Δ past ±100, where σ underflows in float32) and a policy whose output head
+is scaled up.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from posttrain.conformance.context import Context
+from posttrain.conformance.explore import for_all
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.conformance.suites.loss_kit import ASST, ATT, RLP, TOK, V
@@ -31,9 +38,13 @@ from posttrain.conformance.suites.loss_kit import setup as _setup
 from posttrain.conformance.suites.loss_kit import term_logp_grads as _term_logp_grads
 from posttrain.conformance.suites.loss_kit import with_value as _with
 from posttrain.conformance.suites.nll_loss import (
+    Case,
     check_parts_add_up,
     gradient_reaches,
     log_probs64,
+    nll_batch,
+    policies,
+    with_split,
 )
 from posttrain.testing import llm_batch
 
@@ -47,6 +58,117 @@ def _beta(ctx: Context) -> float:
     if isinstance(beta, bool) or not isinstance(beta, int | float) or not beta > 0:
         raise _fail(f"Implementation.extras['beta'] (a positive number) is {beta!r}")
     return float(beta)
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """One batch of the DPO requirements' domain; its repr is the batch's recipe
+    (``pairs_case(ctx, policy, Pairs(...))`` rebuilds it under the run's seed).
+
+    ``empty``: per pair, which rows hold no assistant token (``""`` none, ``"rejected"``,
+    ``"both"``, ``"chosen"``); ``offset``: the reference log-probs' largest per-token offset
+    from the policy's own, in nats; ``margin``: ``"random"`` offsets of either sign,
+    ``"against"`` the chosen answers' reference at 0 and the rejected ones' ``offset`` below
+    the policy's (β·Δ far below 0), ``"for"`` the mirror; ``tie``: the last pair's rejected
+    row a copy of its chosen one; ``full_pair``: pair 0 answered from position 0 to the last
+    column; ``edges``: ids 0 and V - 1 on pair 0's answers; ``peaked``: the output head
+    scaled by 30.
+    """
+
+    pairs: int
+    width: int
+    seed: int = 0
+    empty: tuple[str, ...] = ()
+    offset: float = 1.0
+    margin: str = "random"
+    tie: bool = False
+    full_pair: bool = False
+    edges: bool = False
+    peaked: bool = False
+
+
+_EMPTY = ("", "rejected", "both", "chosen")
+
+
+def pair_cases() -> Any:
+    """The domain's strategy: at least one counted pair (pair 0's chosen row holds a token)."""
+    from hypothesis import strategies as st
+
+    def build(n: int) -> Any:
+        return st.builds(
+            Pairs,
+            pairs=st.just(n),
+            width=st.integers(2, 20),
+            seed=st.integers(0, 2**16),
+            empty=st.tuples(
+                st.sampled_from(_EMPTY[:2]), *[st.sampled_from(_EMPTY) for _ in range(n - 1)]
+            ),
+            offset=st.sampled_from((1.0, 200.0)) | st.floats(0.01, 200.0),
+            margin=st.sampled_from(("random", "against", "for")),
+            tie=st.booleans(),
+            full_pair=st.booleans(),
+            edges=st.booleans(),
+            peaked=st.booleans(),
+        )
+
+    return st.integers(1, 4).flatmap(build)
+
+
+PAIR_BOUNDARIES = (
+    Pairs(1, 2),  # one pair, one scored position each
+    Pairs(2, 16, 1, offset=200.0, margin="against", full_pair=True),  # β·Δ far below -100
+    Pairs(3, 12, 2, ("", "", ""), tie=True, edges=True, peaked=True),
+    Pairs(4, 14, 3, ("rejected", "both", "chosen", ""), offset=200.0, margin="for"),
+)
+
+
+def pairs_case(ctx: Context, policy: Any, case: Pairs) -> TensorDictBase:
+    """The batch ``case`` describes (rows 2i chosen, 2i + 1 rejected, sharing a prompt)."""
+    b, t = 2 * case.pairs, case.width
+    g = torch.Generator().manual_seed(ctx.seed * 7919 + case.seed + 3)
+    td = nll_batch(ctx, Case(b, t, case.seed))
+    tokens, att, asst = (td.get(k).clone() for k in (TOK, ATT, ASST))
+    lengths = torch.randint(2, t + 1, (b,), generator=g) if t > 2 else torch.full((b,), 2)
+    prompts = torch.rand(case.pairs, generator=g) * (lengths[0::2].clamp_max(lengths[1::2]) - 1)
+    prompts = prompts.long().repeat_interleave(2)
+    tokens[1::2] = torch.where(
+        torch.arange(t) < prompts[1::2, None], tokens[0::2], tokens[1::2]
+    )  # the rejected answer shares its pair's prompt
+    if case.full_pair:
+        lengths[:2], prompts[:2] = t, 0
+    pos = torch.arange(t).expand(b, t)
+    att = pos < lengths[:, None]
+    asst = att & (pos >= prompts[:, None])
+    if case.edges:
+        for i in (0, 1):
+            at = asst[i].nonzero().flatten()
+            at = at[at > 0]
+            tokens[i, at[0::2]] = V - 1
+            tokens[i, at[1::2]] = 0
+    if case.tie and case.pairs > 1:
+        for x in (tokens, att, asst):
+            x[-1] = x[-2]
+    for p, which in enumerate(case.empty):
+        if which in ("chosen", "both"):
+            asst[2 * p] = False
+        if which in ("rejected", "both"):
+            asst[2 * p + 1] = False
+    td.set(TOK, tokens)
+    td.set(ATT, att)
+    td.set(ASST, asst)
+    off = (2 * torch.rand(b, t, generator=g, dtype=torch.float64) - 1) * case.offset
+    lp = log_probs64(policy, td)
+    if case.margin != "random":
+        mag = case.offset * (0.5 + 0.5 * torch.rand(b, t, generator=g, dtype=torch.float64))
+        high = 0 if case.margin == "against" else 1  # the row whose reference sits at 0
+        off = torch.zeros_like(off)
+        off[high::2] = lp[high::2]  # its reference log-probs 0: r = Σ log p
+        off[1 - high :: 2] = mag[1 - high :: 2]  # the other's offset below: r = Σ offset
+    ref = (lp - off).float()
+    if case.tie and case.pairs > 1:
+        ref[-1] = ref[-2]
+    td.set(RLP, torch.where(asst, ref, float("nan")))
+    return td
 
 
 def pairs_batch(ctx: Context, policy: Any, *, pairs: int = PAIRS, seed: int = 0) -> TensorDictBase:
@@ -77,9 +199,14 @@ def _mask(td: TensorDictBase) -> torch.Tensor:
 
 
 def expected(
-    ctx: Context, policy: Any, td: TensorDictBase, pairs: int | None = None
+    ctx: Context,
+    policy: Any,
+    td: TensorDictBase,
+    pairs: int | None = None,
+    smoothing: float = 0.0,
 ) -> dict[str, Any]:
-    """The loss, metrics and per-token gradient the contract asks for, in float64."""
+    """The loss, metrics and per-token gradient the contract asks for, in float64
+    (``smoothing``: conservative DPO's ε)."""
     beta = _beta(ctx)
     m = _mask(td).double()
     ref = torch.where(_mask(td), td.get(RLP).double(), 0.0)
@@ -91,16 +218,22 @@ def expected(
     valid = (n_tok[0::2] > 0).double()
     p = float(valid.sum()) if pairs is None else float(pairs)
     delta = chosen - rejected
-    loss = float((-torch.nn.functional.logsigmoid(beta * delta) * valid).sum() / p)
-    g_pair = -beta * torch.sigmoid(-beta * delta) * valid / p  # d loss / d r_chosen
+    ls = torch.nn.functional.logsigmoid
+    pair = -(1 - smoothing) * ls(beta * delta) - smoothing * ls(-beta * delta)
+    loss = float((pair * valid).sum() / p)
+    slope = (1 - smoothing) * torch.sigmoid(-beta * delta) - smoothing * torch.sigmoid(beta * delta)
+    g_pair = -beta * slope * valid / p  # d loss / d r_chosen
     g_row = torch.stack([g_pair, -g_pair], -1).flatten() * scale
     return {
         "loss_preference": loss,
         "accuracy": float(((chosen > rejected).double() * valid).sum() / p),
         "rewards_chosen_mean": float((chosen * valid).sum() / p),
         "rewards_rejected_mean": float((rejected * valid).sum() / p),
+        "plain": float((-ls(beta * delta) * valid).sum() / p),  # -log σ(β·Δ), averaged
+        "mirror": float((-ls(-beta * delta) * valid).sum() / p),  # -log σ(-β·Δ), averaged
         "grad": g_row[:, None] * m,
         "delta": delta,
+        "pairs": [(float(a), float(b)) for a, b in zip(chosen, rejected, strict=True)],
     }
 
 
@@ -118,76 +251,147 @@ def _declared(ctx: Context) -> str:
     return f"token_reduction {ctx.options['token_reduction']!r}, beta {_beta(ctx):g}"
 
 
+def _pairs_shape(td: TensorDictBase, want: dict[str, Any]) -> str:
+    m = _mask(td)
+    counted = int(m[0::2].any(-1).sum())
+    d = want["delta"]
+    return (
+        f"{m.shape[0] // 2} pairs x {m.shape[1]} columns ({counted} counted; β·Δ from "
+        f"{float(d.min()) * _BETA_OF[0]:.4g} to {float(d.max()) * _BETA_OF[0]:.4g})"
+    )
+
+
+_BETA_OF = [1.0]  # the running check's β, for messages
+
+
+class PairLosses:
+    """The suite's two policies (the second's output head scaled by 30) and the loss built
+    on each, with ``label_smoothing`` passed by name under the capability."""
+
+    def __init__(self, ctx: Context, smoothing: float = 0.0) -> None:
+        _BETA_OF[0] = _beta(ctx)
+        self.policy = policies(ctx)
+        kw: dict[str, Any] = dict(ctx.impl.options)
+        if "label_smoothing" in ctx.capabilities:
+            kw["label_smoothing"] = smoothing
+        self.loss = {k: ctx.make(p, **kw) for k, p in self.policy.items()}
+
+    def __call__(self, case: Pairs) -> tuple[Any, Any]:
+        return self.policy[case.peaked], self.loss[case.peaked]
+
+
 @requirement("DPO-001")
 def scalar_finite_terms(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    _check_scalar_finite_terms(loss(pairs_batch(ctx, policy)), "loss_preference")
+    losses = PairLosses(ctx)
+
+    def check(case: Pairs) -> None:
+        policy, loss = losses(case)
+        _check_scalar_finite_terms(loss(pairs_case(ctx, policy, case)), "loss_preference")
+
+    for_all(ctx, pair_cases(), check, examples=6, boundaries=PAIR_BOUNDARIES)
 
 
 @requirement("DPO-002")
 def gradients_reach_policy(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    gradient_reaches(
-        policy, _loss_term(loss(pairs_batch(ctx, policy)), "loss_preference"), "loss_preference"
-    )
+    losses = PairLosses(ctx)
+
+    def check(case: Pairs) -> None:
+        policy, loss = losses(case)
+        term = _loss_term(loss(pairs_case(ctx, policy, case)), "loss_preference")
+        gradient_reaches(policy, term, "loss_preference")
+
+    # not at β·Δ far above 0: σ(-β·Δ) underflows and the gradient is 0, as it should be
+    calm = st_calm(pair_cases())
+    for_all(ctx, calm, check, examples=4, boundaries=(PAIR_BOUNDARIES[0], PAIR_BOUNDARIES[2]))
+
+
+def untied(strategy: Any) -> Any:
+    """``strategy``'s pairs without a tie: the gradient probe tells rows apart by their tokens,
+    and a tie's two rows are one."""
+    return strategy.map(lambda c: replace(c, tie=False))
+
+
+_UNTIED = tuple(replace(c, tie=False) for c in (PAIR_BOUNDARIES[:3]))
+
+
+def st_calm(strategy: Any) -> Any:
+    """``strategy``'s pairs with small reference offsets (every pair's gradient alive)."""
+    return strategy.map(lambda c: replace(c, offset=min(c.offset, 1.0), margin="random"))
 
 
 @requirement("DPO-003")
 def preference_loss_value(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    td = pairs_batch(ctx, policy)
-    with torch.no_grad():
-        got = _scalars(loss(td))
-    want = expected(ctx, policy, td)
-    what = f"{_declared(ctx)}, {PAIRS} pairs (rows 2i chosen, 2i + 1 rejected)"
-    if "loss_preference" in got and not math.isclose(
-        got["loss_preference"], want["loss_preference"], rel_tol=1e-5, abs_tol=1e-7
-    ):
-        swapped = expected(ctx, policy, td[torch.arange(2 * PAIRS) ^ 1])["loss_preference"]
-        hint = ""
-        if math.isclose(got["loss_preference"], swapped, rel_tol=1e-5):
-            hint = " (it is the loss with chosen and rejected swapped)"
-        raise _fail(
-            f"{what}: loss_preference is {got['loss_preference']:.6g}, expected "
-            f"{want['loss_preference']:.6g} (mean over pairs of -log sigmoid(beta (r_chosen - "
-            f"r_rejected)), in float64){hint}"
-        )
-    _compare(got, want, ("loss_preference",), what)
+    losses = PairLosses(ctx)
+
+    def check(case: Pairs) -> None:
+        policy, loss = losses(case)
+        td = pairs_case(ctx, policy, case)
+        with torch.no_grad():
+            got = _scalars(loss(td))
+        want = expected(ctx, policy, td)
+        what = f"{_declared(ctx)}, {_pairs_shape(td, want)} (rows 2i chosen, 2i + 1 rejected)"
+        if "loss_preference" in got and not math.isclose(
+            got["loss_preference"], want["loss_preference"], rel_tol=1e-5, abs_tol=1e-6
+        ):
+            swapped = expected(ctx, policy, td[torch.arange(td.batch_size[0]) ^ 1])
+            hint = ""
+            if math.isclose(got["loss_preference"], swapped["loss_preference"], rel_tol=1e-5):
+                hint = " (it is the loss with chosen and rejected swapped)"
+            a, b = want["plain"], want["mirror"]
+            eps = (got["loss_preference"] - a) / (b - a) if b != a else 0.0
+            if 1e-3 <= abs(eps) < 1 and abs(eps - round(eps, 3)) < 1e-4:
+                hint = (
+                    f" (it is conservative DPO's label smoothing with ε = {round(eps, 3):g}: "
+                    f"-(1 - ε)·log σ(β·Δ) - ε·log σ(-β·Δ); undeclared, ε is 0)"
+                )
+            raise _fail(
+                f"{what}: loss_preference is {got['loss_preference']:.6g}, expected "
+                f"{want['loss_preference']:.6g} (mean over pairs of -log sigmoid(beta (r_chosen "
+                f"- r_rejected)), in float64){hint}"
+            )
+        _compare(got, want, ("loss_preference",), what)
+
+    for_all(ctx, pair_cases(), check, examples=10, boundaries=PAIR_BOUNDARIES)
 
 
 @requirement("DPO-004")
 def gradient_through_both_answers(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    td = pairs_batch(ctx, policy)
-    got = _term_logp_grads(policy, loss, td, "loss_preference")
-    want = expected(ctx, policy, td)["grad"].float()
-    if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
-        i, t = divmod(int((got - want).abs().argmax()), T)
-        row = "chosen" if i % 2 == 0 else "rejected"
-        raise _fail(
-            f"{_declared(ctx)}: d loss_preference / d logp at row {i} (pair {i // 2}'s {row} "
-            f"answer), position {t} is {float(got[i, t]):.6g}, expected {float(want[i, t]):.6g}"
-        )
+    losses = PairLosses(ctx)
+
+    def check(case: Pairs) -> None:
+        policy, loss = losses(case)
+        td = pairs_case(ctx, policy, case)
+        got = _term_logp_grads(policy, loss, td, "loss_preference")
+        want_all = expected(ctx, policy, td)
+        want = want_all["grad"].float()
+        if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
+            i, t = divmod(int((got - want).abs().argmax()), want.shape[1])
+            row = "chosen" if i % 2 == 0 else "rejected"
+            raise _fail(
+                f"{_declared(ctx)}, {_pairs_shape(td, want_all)}: d loss_preference / d logp at "
+                f"row {i} (pair {i // 2}'s {row} answer), position {t} is "
+                f"{float(got[i, t]):.6g}, expected {float(want[i, t]):.6g}"
+            )
+
+    for_all(ctx, untied(pair_cases()), check, examples=5, boundaries=_UNTIED)
 
 
 @requirement("DPO-005")
 def reward_metrics(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    td = pairs_batch(ctx, policy, seed=5)
-    # Pair 1's rejected answer is its chosen one: equal rewards, a tie.
-    for key in (TOK, ATT, ASST, RLP):
-        v = td.get(key).clone()
-        v[3] = v[2]
-        td.set(key, v)
-    with torch.no_grad():
-        got = _scalars(loss(td))
-    want = expected(ctx, policy, td)
-    _compare(
-        got,
-        want,
-        _METRICS,
-        f"{_declared(ctx)}, {PAIRS} pairs, pair 1's two answers equal (a tie, no win)",
-    )
+    losses = PairLosses(ctx)
+
+    def check(case: Pairs) -> None:
+        policy, loss = losses(case)
+        td = pairs_case(ctx, policy, case)
+        with torch.no_grad():
+            got = _scalars(loss(td))
+        want = expected(ctx, policy, td)
+        tie = ", its last pair's two answers equal (a tie, no win)" if case.tie else ""
+        _compare(got, want, _METRICS, f"{_declared(ctx)}, {_pairs_shape(td, want)}{tie}")
+
+    tied = pair_cases().map(lambda c: replace(c, tie=c.pairs > 1))
+    edge = (PAIR_BOUNDARIES[2], replace(PAIR_BOUNDARIES[3], tie=True), PAIR_BOUNDARIES[1])
+    for_all(ctx, tied, check, examples=6, boundaries=edge)
 
 
 def _sparse_pairs(ctx: Context, policy: Any, pairs: int, seed: int) -> TensorDictBase:
@@ -210,11 +414,14 @@ def _sparse_pairs(ctx: Context, policy: Any, pairs: int, seed: int) -> TensorDic
 
 @requirement("DPO-006")
 def pairs_counted(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    td = _sparse_pairs(ctx, policy, 6, seed=9)
+    from hypothesis import strategies as st
+
+    losses = PairLosses(ctx)
+    policy0 = losses.policy[False]
+    td = _sparse_pairs(ctx, policy0, 6, seed=9)
     with torch.no_grad():
-        got = _scalars(loss(td))
-    want = expected(ctx, policy, td)
+        got = _scalars(losses.loss[False](td))
+    want = expected(ctx, policy0, td)
     _compare(
         got,
         want,
@@ -222,6 +429,22 @@ def pairs_counted(ctx: Context) -> None:
         f"{_declared(ctx)}, 6 pairs: pair 1's and pair 5's rejected rows, both rows of pair 2 "
         f"and pair 4's chosen row without assistant tokens (4 counted pairs)",
     )
+
+    def check(case: Pairs) -> None:
+        policy, loss = losses(case)
+        td = pairs_case(ctx, policy, case)
+        with torch.no_grad():
+            got = _scalars(loss(td))
+        want = expected(ctx, policy, td)
+        which = ", ".join(
+            f"pair {i}: {e or 'both rows answered'}" for i, e in enumerate(case.empty)
+        )
+        what = f"{_declared(ctx)}, {_pairs_shape(td, want)}; empty rows by pair: {which}"
+        _compare(got, want, ("loss_preference", *_METRICS), what)
+
+    sparse = pair_cases().filter(lambda c: any(c.empty[1:]) or c.empty[0] == "rejected")
+    for_all(ctx, sparse | st.just(PAIR_BOUNDARIES[3]), check, examples=5,
+            boundaries=(PAIR_BOUNDARIES[3],))  # fmt: skip
 
 
 def _dpo_counts(td: TensorDictBase) -> Any:
@@ -233,51 +456,141 @@ def _dpo_counts(td: TensorDictBase) -> Any:
 
 @requirement("DPO-007")
 def global_counts_normalize(ctx: Context) -> None:
+    from hypothesis import strategies as st
+
     from posttrain.contracts.loss import GlobalCounts
 
-    policy, loss = _setup(ctx)
-    td = _sparse_pairs(ctx, policy, 3, seed=13)
-    own = _dpo_counts(td)
-    for counts in (own, GlobalCounts(3 * own.tokens + 5, own.sequences + 6)):
+    losses = PairLosses(ctx)
+
+    def check(drawn: tuple[Pairs, float, float]) -> None:
+        case, more_tokens, more_pairs = drawn
+        policy, loss = losses(case)
+        td = pairs_case(ctx, policy, case)
+        own = _dpo_counts(td)
+        counts = GlobalCounts(
+            round(own.tokens * more_tokens), 2 * round(own.sequences // 2 * more_pairs)
+        )
         with torch.no_grad():
             got = float(_loss_term(_call_counted(loss, td, counts), "loss_preference"))
-        want = expected(ctx, policy, td, pairs=counts.sequences // 2)["loss_preference"]
-        if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7):
+        want = expected(ctx, policy, td, pairs=counts.sequences // 2)
+        if not math.isclose(got, want["loss_preference"], rel_tol=1e-5, abs_tol=1e-7):
             raise _fail(
-                f"{_declared(ctx)}, 3 pairs (pair 1's rejected row empty) called with "
-                f"counts={counts}: loss_preference is {got:.6g}, expected {want:.6g} (the mean "
-                f"over {counts.sequences // 2} pairs)"
+                f"{_declared(ctx)}, {_pairs_shape(td, want)}, called with counts={counts}: "
+                f"loss_preference is {got:.6g}, expected {want['loss_preference']:.6g} (the "
+                f"mean over {counts.sequences // 2} pairs)"
             )
+
+    factor = st.sampled_from((1.0, 1000.0)) | st.floats(1.0, 1000.0)
+    edge = [
+        (PAIR_BOUNDARIES[3], 1.0, 1.0),
+        (PAIR_BOUNDARIES[3], 3.4, 3.0),
+        (PAIR_BOUNDARIES[0], 1000.0, 1000.0),
+    ]
+    for_all(ctx, st.tuples(pair_cases(), factor, factor), check, examples=4, boundaries=edge)
 
 
 _PAIR_SPLITS = (((0,), (1, 2, 3)), ((0, 1, 3), (2,)), ((3, 1), (2, 0)))
 
 
+def _rows(split: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(r for p in part for r in (2 * p, 2 * p + 1)) for part in split)
+
+
 @requirement("DPO-008")
 def micro_batches_add_up(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    td = _sparse_pairs(ctx, policy, 4, seed=17)
-    rows = tuple(
-        tuple(tuple(r for p in part for r in (2 * p, 2 * p + 1)) for part in split)
-        for split in _PAIR_SPLITS
-    )
-    where = f"{_declared(ctx)}, 4 pairs (pair 1's rejected row empty, pair 2 empty) as rows"
-    check_parts_add_up(policy, loss, td, _dpo_counts(td), rows, where, _METRICS)
+    losses = PairLosses(ctx)
+
+    def check(drawn: tuple[Pairs, tuple[tuple[int, ...], ...]]) -> None:
+        case, split = drawn
+        policy, loss = losses(case)
+        td = pairs_case(ctx, policy, case)
+        want = expected(ctx, policy, td)
+        where = f"{_declared(ctx)}, {_pairs_shape(td, want)} as rows"
+        splits = _PAIR_SPLITS if split == () else (split,)  # () marks the sparse batch's three
+        rows = tuple(_rows(s) for s in splits)
+        check_parts_add_up(policy, loss, td, _dpo_counts(td), rows, where, _METRICS)
+
+    sparse = Pairs(4, 10, 17, ("", "rejected", "both", ""))
+    edge = [(sparse, ()), (PAIR_BOUNDARIES[0], ((0,),))]
+    calm = st_calm(pair_cases())
+    for_all(ctx, with_split(calm, lambda c: c.pairs), check, examples=3, boundaries=edge)
+
+
+_NOT_BOOL = (
+    torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
+)  # fmt: skip
 
 
 @requirement("DPO-009")
 def bad_layout_rejected(ctx: Context) -> None:
     policy, loss = _setup(ctx)
     td0 = pairs_batch(ctx, policy)
-    refused = [
-        (td0.clone().exclude(RLP), RLP, "the reference log-probs missing"),
-        (_with(td0.clone(), ASST, td0.get(ASST).float()), ASST, "a float32 assistant mask (0/1)"),
-        (_with(td0.clone(), ATT, td0.get(ATT).long()), ATT, "an int64 attention mask (0/1)"),
-    ]
+    refused = [(td0.clone().exclude(RLP), RLP, "the reference log-probs missing")]
+    for key, name in ((ASST, "assistant"), (ATT, "attention")):
+        for dtype in _NOT_BOOL:
+            what = f"a {str(dtype).removeprefix('torch.')} {name} mask (0/1)"
+            refused.append((_with(td0.clone(), key, td0.get(key).to(dtype)), key, what))
     _refuse_each(loss, refused)
-    try:
+    for rows in (2 * PAIRS - 1, 3, 1):
+        try:
+            with torch.no_grad():
+                loss(td0[:rows])
+        except Exception:
+            continue
+        raise _fail(f"a batch of {rows} rows (an odd number: a half pair) was accepted")
+
+
+def _declared_smoothing(ctx: Context) -> float:
+    eps = ctx.impl.extras.get("label_smoothing")
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 0.5:
+        raise _fail(
+            "capability label_smoothing is declared but Implementation.extras['label_smoothing'] "
+            f"(a number in (0, 1/2)) is {eps!r}"
+        )
+    return float(eps)
+
+
+@requirement("DPO-010")
+def label_smoothing_as_declared(ctx: Context) -> None:
+    eps = _declared_smoothing(ctx)
+    losses = PairLosses(ctx, eps)
+
+    def check(case: Pairs) -> None:
+        policy, loss = losses(case)
+        td = pairs_case(ctx, policy, case)
+        want = expected(ctx, policy, td, smoothing=eps)
+        what = f"label smoothing ε = {eps:g}, {_declared(ctx)}, {_pairs_shape(td, want)}"
         with torch.no_grad():
-            loss(td0[: 2 * PAIRS - 1])
-    except Exception:
-        return
-    raise _fail(f"a batch of {2 * PAIRS - 1} rows (an odd number: a half pair) was accepted")
+            got = _scalars(loss(td))
+        value = got.get("loss_preference")
+        if value is not None and not math.isclose(
+            value, want["loss_preference"], rel_tol=1e-5, abs_tol=1e-6
+        ):
+            hint = ""
+            a, b = want["plain"], want["mirror"]
+            for other, why in (
+                (a, "the plain sigmoid loss: label_smoothing=ε did not reach it"),
+                ((1 - eps) * a - eps * b, "conservative DPO with the ε term's sign flipped"),
+                (eps * a + (1 - eps) * b, "conservative DPO with ε and 1 - ε swapped"),
+            ):
+                if math.isclose(value, other, rel_tol=1e-5):
+                    hint = f" (it is {why})"
+                    break
+            raise _fail(
+                f"{what}: loss_preference is {value:.6g}, expected "
+                f"{want['loss_preference']:.6g} (mean over pairs of -(1 - ε)·log σ(β·Δ) - "
+                f"ε·log σ(-β·Δ), in float64){hint}"
+            )
+        _compare(got, want, ("loss_preference",), what)
+        grads = _term_logp_grads(policy, loss, td, "loss_preference")
+        g_want = want["grad"].float()
+        if not torch.allclose(grads, g_want, atol=1e-6, rtol=1e-4):
+            i, t = divmod(int((grads - g_want).abs().argmax()), g_want.shape[1])
+            row = "chosen" if i % 2 == 0 else "rejected"
+            raise _fail(
+                f"{what}: d loss_preference / d logp at row {i} (pair {i // 2}'s {row} answer), "
+                f"position {t} is {float(grads[i, t]):.6g}, expected {float(g_want[i, t]):.6g} "
+                f"(∓β·((1 - ε)·σ(-β·Δ) - ε·σ(β·Δ))·c/P)"
+            )
+
+    for_all(ctx, untied(pair_cases()), check, examples=5, boundaries=_UNTIED)

@@ -5,20 +5,39 @@ the logits of every policy call, its global-count splits): the NLL is the policy
 objective at ratio 1 with advantage 1 where the term is -log p itself, so the gradient with
 respect to each token's log-prob is minus the aggregation's weight, and the value is the
 float64 sum of w·(-log p) computed here from the same policy.
+
+Every check draws its batches from the requirement's domain (:class:`Case`, the boundaries
+first): 1 to 5 rows, 2 to 24 columns, empty and full rows, ids 0 and V - 1 on assistant
+tokens, left padding where padding is the subject, and a policy whose output head is scaled up
+(near-one-hot distributions, large logits), so a term that reaches the logits other than
+through log p (a z-loss) leaves a visible gradient.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from posttrain.conformance.context import Context
+from posttrain.conformance.explore import for_all
 from posttrain.conformance.registry import requirement
+from posttrain.conformance.suites._compare import leaves
 from posttrain.conformance.suites._fail import fail as _fail
-from posttrain.conformance.suites.loss_kit import ASST, ATT, TOK, V
+from posttrain.conformance.suites.loss_kit import (
+    ASST,
+    ATT,
+    PEAK,
+    RLP,
+    SLP,
+    TOK,
+    V,
+    split_strategy,
+)
 from posttrain.conformance.suites.loss_kit import EMPTY_ROW as _EMPTY_ROW
 from posttrain.conformance.suites.loss_kit import SPLITS as _SPLITS
 from posttrain.conformance.suites.loss_kit import call_counted as _call_counted
@@ -38,9 +57,99 @@ from posttrain.conformance.suites.loss_kit import trimmed as _trimmed
 from posttrain.conformance.suites.loss_kit import value_and_grads as _value_and_grads
 from posttrain.conformance.suites.loss_kit import weights_for as _weights_for
 from posttrain.conformance.suites.loss_kit import with_value as _with
-from posttrain.testing import llm_batch
+from posttrain.testing import llm_batch, tiny_causal_lm
 
 B, T = 4, 10
+
+
+@dataclass(frozen=True)
+class Case:
+    """One batch of the NLL requirements' domain; its repr is the batch's recipe
+    (``nll_batch(ctx, Case(...))`` rebuilds it under the run's seed).
+
+    ``empty``: rows without an assistant token, none, ``"one"`` (row 1) or ``"all_but_one"``;
+    ``full_row``: row 0 attended and answered from position 0 to the last column; ``edges``:
+    ids 0 and V - 1 on row 0's and the last row's assistant tokens; ``peaked``: the policy's
+    output head scaled by 30; ``left``: every row left-padded.
+    """
+
+    rows: int
+    width: int
+    seed: int = 0
+    empty: str = "none"
+    full_row: bool = False
+    edges: bool = False
+    peaked: bool = False
+    left: bool = False
+
+
+def cases(*, left: bool = False) -> Any:
+    """The domain's strategy (``left``: left padding drawn too)."""
+    from hypothesis import strategies as st
+
+    return st.builds(
+        Case,
+        rows=st.integers(1, 5),
+        width=st.integers(2, 24),
+        seed=st.integers(0, 2**16),
+        empty=st.sampled_from(("none", "one", "all_but_one")),
+        full_row=st.booleans(),
+        edges=st.booleans(),
+        peaked=st.booleans(),
+        left=st.booleans() if left else st.just(False),
+    )
+
+
+BOUNDARIES = (
+    Case(1, 2),  # one row, one scored position
+    Case(5, 24, 1, "one", full_row=True, edges=True, peaked=True),
+    Case(4, 11, 2, "all_but_one", full_row=True),
+    Case(3, 9, 3, edges=True),
+)
+
+
+def nll_batch(ctx: Context, case: Case) -> TensorDictBase:
+    """The batch ``case`` describes: ragged right-padded rows (left-padded with ``left``),
+    prompts of 0 to length - 2 tokens, each row's answer to its last attended column."""
+    b, t = case.rows, case.width
+    wide = llm_batch(b, max(t, 8), vocab_size=V, seed=ctx.seed * 7919 + case.seed)
+    td = wide.empty()
+    for key, v in leaves(wide).items():  # the layout's other fields, cut to T columns
+        td.set(key, v[:, :t] if v.ndim == 2 else v)
+    g = torch.Generator().manual_seed(ctx.seed * 7919 + case.seed + 1)
+    tokens = torch.randint(0, V, (b, t), generator=g)
+    # The tiny policy's id 0 is its padding id, whose embedding is zero: a row whose only
+    # context is id 0 has no gradient to give. Position 0 is never scored, only context.
+    tokens[:, 0] = torch.randint(1, V, (b,), generator=g)
+    lengths = torch.randint(2, t + 1, (b,), generator=g) if t > 2 else torch.full((b,), 2)
+    prompts = (torch.rand(b, generator=g) * (lengths - 1)).long()
+    if case.left:  # the first attended token is a prompt token (no logit of the row predicts it)
+        prompts = prompts.clamp_min(1)
+    if case.full_row:
+        lengths[0], prompts[0] = t, int(case.left)
+    pos = torch.arange(t).expand(b, t)
+    att = pos < lengths[:, None]
+    asst = att & (pos >= prompts[:, None])
+    if case.empty == "one" and b > 1:
+        asst[1] = False
+    elif case.empty == "all_but_one":
+        asst[1:] = False
+    if case.edges:
+        for i in {0, b - 1}:
+            at = asst[i].nonzero().flatten()
+            at = at[at > 0]
+            tokens[i, at[0::2]] = 0
+            tokens[i, at[1::2]] = V - 1
+    if case.left:
+        for i in range(b):
+            shift = t - int(lengths[i])
+            tokens[i], att[i], asst[i] = (x[i].roll(shift) for x in (tokens, att, asst))
+    td.set(TOK, tokens)
+    td.set(ATT, att)
+    td.set(ASST, asst)
+    for key in (SLP, RLP):
+        td.set(key, torch.where(asst, -0.5, float("nan")))
+    return td
 
 
 def batch(ctx: Context, *, b: int = B, seed: int = 0) -> TensorDictBase:
@@ -53,13 +162,48 @@ def batch(ctx: Context, *, b: int = B, seed: int = 0) -> TensorDictBase:
     return td
 
 
+def policies(ctx: Context) -> dict[bool, Any]:
+    """The suite's policy, and a copy whose output head is scaled by 30 (key ``True``)."""
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    peaked = copy.deepcopy(policy)
+    with torch.no_grad():
+        peaked.get_output_embeddings().weight.mul_(PEAK)
+    return {False: policy, True: peaked}
+
+
+def build(ctx: Context, policy: Any, smoothing: float = 0.0) -> Any:
+    """The loss on ``policy``, the declared options by name; under capability
+    label_smoothing with ``label_smoothing=smoothing`` (0.0: the plain NLL of NLL-003 to 008)."""
+    kw: dict[str, Any] = dict(ctx.impl.options)
+    if "label_smoothing" in ctx.capabilities:
+        kw["label_smoothing"] = smoothing
+    return ctx.make(policy, **kw)
+
+
+class Losses:
+    """The suite's two policies and the loss built on each, built once per check."""
+
+    def __init__(self, ctx: Context, smoothing: float = 0.0) -> None:
+        self.policy = policies(ctx)
+        self.loss = {k: build(ctx, p, smoothing) for k, p in self.policy.items()}
+
+    def __call__(self, case: Any) -> tuple[Any, Any]:
+        return self.policy[case.peaked], self.loss[case.peaked]
+
+
 def log_probs64(policy: Any, td: TensorDictBase) -> torch.Tensor:
     """log p(token_t) from the logits at t - 1, in float64 ([B, T]; position 0 is 0)."""
+    return _log_softmax64(policy, td)[0]
+
+
+def _log_softmax64(policy: Any, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token_t) and mean_v log p(v) from the logits at t - 1, in float64 (position 0: 0)."""
     with torch.no_grad():
         logits = policy(input_ids=td.get(TOK), attention_mask=td.get(ATT).long()).logits
     lp = torch.log_softmax(logits[:, :-1].double(), -1)
     picked = lp.gather(-1, td.get(TOK)[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    zero = torch.zeros_like(picked[:, :1])
+    return torch.cat([zero, picked], dim=1), torch.cat([zero, lp.mean(-1)], dim=1)
 
 
 def _nll_want(ctx: Context, policy: Any, td: TensorDictBase, tokens: int, seqs: int) -> float:
@@ -67,10 +211,37 @@ def _nll_want(ctx: Context, policy: Any, td: TensorDictBase, tokens: int, seqs: 
     return float((w * -log_probs64(policy, td)).sum())
 
 
+def _shape(td: TensorDictBase) -> str:
+    m = (td.get(ASST) & td.get(ATT))[:, 1:]
+    return (
+        f"a batch of {m.shape[0]} rows x {m.shape[1] + 1} columns ({int(m.sum())} assistant "
+        f"tokens in {int(m.any(-1).sum())} rows)"
+    )
+
+
+def _smoothing_hint(got: float, plain: float, uniform: float) -> str:
+    """Names a label smoothing ``got`` is: the ε with got = (1 - ε)·plain + ε·uniform, when
+    it is a round one (a smoothing left on, or its sign flipped)."""
+    if uniform == plain:
+        return ""
+    eps = (got - plain) / (uniform - plain)
+    if 1e-3 <= abs(eps) < 1 and abs(eps - round(eps, 3)) < 1e-4:
+        return (
+            f" (it is the NLL label-smoothed with ε = {round(eps, 3):g}: (1 - ε)·NLL + ε·mean "
+            f"over the vocabulary of -log p; undeclared, ε is 0)"
+        )
+    return ""
+
+
 @requirement("NLL-001")
 def scalar_finite_terms(ctx: Context) -> None:
-    _, loss = _setup(ctx)
-    _check_scalar_finite_terms(loss(batch(ctx)), "loss_nll")
+    losses = Losses(ctx)
+
+    def check(case: Case) -> None:
+        _, loss = losses(case)
+        _check_scalar_finite_terms(loss(nll_batch(ctx, case)), "loss_nll")
+
+    for_all(ctx, cases(), check, examples=6, boundaries=BOUNDARIES[:2])
 
 
 def gradient_reaches(policy: Any, term: torch.Tensor, name: str) -> None:
@@ -88,81 +259,131 @@ def gradient_reaches(policy: Any, term: torch.Tensor, name: str) -> None:
 
 @requirement("NLL-002")
 def gradients_reach_policy(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    gradient_reaches(policy, _loss_term(loss(batch(ctx)), "loss_nll"), "loss_nll")
+    losses = Losses(ctx)
+
+    def check(case: Case) -> None:
+        policy, loss = losses(case)
+        gradient_reaches(policy, _loss_term(loss(nll_batch(ctx, case)), "loss_nll"), "loss_nll")
+
+    for_all(ctx, cases(), check, examples=4, boundaries=BOUNDARIES[:2])
 
 
 @requirement("NLL-003")
 def loss_value(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    td = batch(ctx)
-    with torch.no_grad():
-        got = float(_loss_term(loss(td), "loss_nll"))
-    want = _nll_want(ctx, policy, td, *_counts_of(td.get(ASST)))
-    if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7):
-        lp = log_probs64(policy, td)
+    losses = Losses(ctx)
+
+    def check(case: Case) -> None:
+        policy, loss = losses(case)
+        td = nll_batch(ctx, case)
+        with torch.no_grad():
+            got = float(_loss_term(loss(td), "loss_nll"))
+        want = _nll_want(ctx, policy, td, *_counts_of(td.get(ASST) & td.get(ATT)))
+        if math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7):
+            return
+        lp, mean_lp = _log_softmax64(policy, td)
         attended = td.get(ATT).clone()
         attended[:, 0] = False
         every = float(-(lp * attended).sum() / attended.sum())
-        hint = ""
+        mask = td.get(ASST) & td.get(ATT)
+        w = _weights_for(ctx, mask, *_counts_of(mask))
+        hint = _smoothing_hint(got, want, float((w * -mean_lp).sum()))
         if math.isclose(got, every, rel_tol=1e-5):
             hint = " (it is the token mean over every attended token, the prompt's included)"
         raise _fail(
-            f"aggregation {ctx.options['aggregation']!r}: loss_nll of a batch of {B} rows is "
+            f"aggregation {ctx.options['aggregation']!r}: loss_nll of {_shape(td)} is "
             f"{got:.6g}, expected {want:.6g} (sum of w x -log p over the assistant tokens, "
             f"log p from the logits one position earlier, in float64){hint}"
         )
 
+    for_all(ctx, cases(), check, examples=12, boundaries=BOUNDARIES)
+
 
 @requirement("NLL-004")
 def gradient_through_log_probs(ctx: Context) -> None:
-    policy, loss = _setup(ctx)
-    td = batch(ctx)
-    mask = td.get(ASST) & td.get(ATT)
-    got = _term_logp_grads(policy, loss, td, "loss_nll")
-    want = (-_weights_for(ctx, mask, *_counts_of(mask))).float()
-    if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
-        i, t = divmod(int((got - want).abs().argmax()), T)
-        where = (
-            "an assistant token" if mask[i, t] and t else "a position outside the assistant mask"
-        )
-        raise _fail(
-            f"aggregation {ctx.options['aggregation']!r}: d loss_nll / d logp at row {i}, "
-            f"position {t} ({where}) is {float(got[i, t]):.6g}, expected -weight = "
-            f"{float(want[i, t]):.6g}"
-        )
+    losses = Losses(ctx)
+
+    def check(case: Case) -> None:
+        policy, loss = losses(case)
+        td = nll_batch(ctx, case)
+        mask = td.get(ASST) & td.get(ATT)
+        got = _term_logp_grads(policy, loss, td, "loss_nll")
+        want = (-_weights_for(ctx, mask, *_counts_of(mask))).float()
+        if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
+            i, t = divmod(int((got - want).abs().argmax()), want.shape[1])
+            where = (
+                "an assistant token"
+                if mask[i, t] and t
+                else "a position outside the assistant mask"
+            )
+            raise _fail(
+                f"aggregation {ctx.options['aggregation']!r}, {_shape(td)}: d loss_nll / d logp "
+                f"at row {i}, position {t} ({where}) is {float(got[i, t]):.6g}, expected "
+                f"-weight = {float(want[i, t]):.6g}"
+            )
+
+    for_all(ctx, cases(), check, examples=6, boundaries=BOUNDARIES[:3])
+
+
+def _scramble(td: TensorDictBase, shift: int) -> TensorDictBase:
+    pad = ~td.get(ATT)
+    return _with(td, TOK, torch.where(pad, (td.get(TOK) + shift) % V, td.get(TOK)))
 
 
 @requirement("NLL-005")
 def padding_inert(ctx: Context) -> None:
-    _, loss = _setup(ctx)
-    td = batch(ctx)
+    from hypothesis import strategies as st
 
-    def scramble(td: TensorDictBase) -> TensorDictBase:
-        pad = ~td.get(ATT)
-        return _with(td, TOK, torch.where(pad, (td.get(TOK) + 17) % V, td.get(TOK)))
+    losses = Losses(ctx)
 
-    with torch.no_grad():
-        base = _scalars(loss(td.clone()))
-        for change, what in ((_pad, "appending 3 padding columns"),
-                             (scramble, "changing the tokens at padding positions")):  # fmt: skip
-            _same(base, _scalars(loss(change(td.clone()))), what)
+    def check(drawn: tuple[Case, int, int]) -> None:
+        case, extra, shift = drawn
+        _, loss = losses(case)
+        td = nll_batch(ctx, case)
+        where = f"{'left' if case.left else 'right'}-padded {_shape(td)}"
+        with torch.no_grad():
+            base = _scalars(loss(td.clone()))
+            for changed, what in (
+                (_pad(td.clone(), extra), f"appending {extra} padding columns"),
+                (_scramble(td.clone(), shift), "changing the tokens at padding positions"),
+            ):
+                _same(base, _scalars(loss(changed)), f"{where}: {what}")
+
+    strategy = st.tuples(cases(left=True), st.integers(1, 5), st.integers(1, V - 1))
+    edge = (
+        (Case(3, 12, 4, left=True), 3, 17),
+        (Case(2, 10, 5, "one", left=True, peaked=True), 1, 1),
+        (BOUNDARIES[2], 5, 30),
+    )
+    for_all(ctx, strategy, check, examples=5, boundaries=edge)
+
+
+_NOT_BOOL = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int8, torch.uint8,
+)  # fmt: skip
 
 
 @requirement("NLL-006")
 def bad_layout_rejected(ctx: Context) -> None:
+    from hypothesis import strategies as st
+
     _, loss = _setup(ctx)
-    td0 = batch(ctx)
-    asst, att = td0.get(ASST), td0.get(ATT)
-    refused = [
-        (td0.clone().exclude(TOK), TOK, "the tokens missing"),
-        (td0.clone().exclude(ASST), ASST, "the assistant mask missing"),
-        (td0.clone().exclude(ATT), ATT, "the attention mask missing"),
-        (_with(td0.clone(), ASST, asst.float()), ASST, "a float32 assistant mask (0/1)"),
-        (_with(td0.clone(), ASST, asst.long()), ASST, "an int64 assistant mask (0/1)"),
-        (_with(td0.clone(), ATT, att.long()), ATT, "an int64 attention mask (0/1)"),
-    ]
-    _refuse_each(loss, refused)
+
+    def check(rows: int) -> None:
+        td0 = nll_batch(ctx, Case(rows, 10, 6))
+        refused = [
+            (td0.clone().exclude(TOK), TOK, "the tokens missing"),
+            (td0.clone().exclude(ASST), ASST, "the assistant mask missing"),
+            (td0.clone().exclude(ATT), ATT, "the attention mask missing"),
+        ]
+        for key, name in ((ASST, "assistant"), (ATT, "attention")):
+            for dtype in _NOT_BOOL:
+                value = td0.get(key).to(dtype)
+                what = f"a {str(dtype).removeprefix('torch.')} {name} mask (0/1)"
+                refused.append((_with(td0.clone(), key, value), key, f"{what}, {rows} rows"))
+        _refuse_each(loss, refused)
+
+    for_all(ctx, st.integers(1, 4), check, examples=1, boundaries=[4, 1])
 
 
 def counted_batch(ctx: Context) -> TensorDictBase:
@@ -176,22 +397,31 @@ def counted_batch(ctx: Context) -> TensorDictBase:
 
 @requirement("NLL-007")
 def global_counts_normalize(ctx: Context) -> None:
+    from hypothesis import strategies as st
+
     from posttrain.contracts.loss import GlobalCounts
 
-    policy, loss = _setup(ctx)
-    td = counted_batch(ctx)
-    n, s = _counts_of(td.get(ASST))
-    for tokens, seqs in ((n, s), (3 * n + 5, 2 * s + 3)):
+    losses = Losses(ctx)
+
+    def check(drawn: tuple[Case, float, float]) -> None:
+        case, more_tokens, more_rows = drawn
+        policy, loss = losses(case)
+        td = nll_batch(ctx, case)
+        n, s = _counts_of(td.get(ASST) & td.get(ATT))
+        tokens, seqs = round(n * more_tokens), round(s * more_rows)
         with torch.no_grad():
             got = float(_loss_term(_call_counted(loss, td, GlobalCounts(tokens, seqs)), "loss_nll"))
         want = _nll_want(ctx, policy, td, tokens, seqs)
         if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7):
             raise _fail(
-                f"aggregation {ctx.options['aggregation']!r}, a batch of {n} assistant tokens "
-                f"in {s} rows called with counts=GlobalCounts({tokens}, {seqs}): loss_nll is "
-                f"{got:.6g}, expected {want:.6g} (normalized by {tokens} tokens and {seqs} "
-                f"sequences)"
+                f"aggregation {ctx.options['aggregation']!r}, {_shape(td)} called with "
+                f"counts=GlobalCounts({tokens}, {seqs}): loss_nll is {got:.6g}, expected "
+                f"{want:.6g} (normalized by {tokens} tokens and {seqs} sequences)"
             )
+
+    factor = st.sampled_from((1.0, 1000.0)) | st.floats(1.0, 1000.0)
+    edge = [(BOUNDARIES[1], 1.0, 1.0), (BOUNDARIES[2], 3.4, 1000.0), (BOUNDARIES[0], 1000.0, 2.0)]
+    for_all(ctx, st.tuples(cases(), factor, factor), check, examples=5, boundaries=edge)
 
 
 def check_parts_add_up(
@@ -236,14 +466,105 @@ def check_parts_add_up(
             )
 
 
+def with_split(strategy: Any, rows_of: Any) -> Any:
+    """``strategy``'s draws paired with any split of their ``rows_of(draw)`` rows."""
+    from hypothesis import strategies as st
+
+    def pair(x: Any) -> Any:
+        n = rows_of(x)
+        split = split_strategy(n) if n > 1 else st.just(((0,),))
+        return st.tuples(st.just(x), split)
+
+    return strategy.flatmap(pair)
+
+
 @requirement("NLL-008")
 def micro_batches_add_up(ctx: Context) -> None:
     from posttrain.contracts.loss import GlobalCounts
 
-    policy, loss = _setup(ctx)
-    td = counted_batch(ctx)
-    where = (
-        f"aggregation {ctx.options['aggregation']!r}, a batch of 5 rows (row {_EMPTY_ROW} "
-        f"without assistant tokens)"
+    losses = Losses(ctx)
+
+    def check(drawn: tuple[Case, tuple[tuple[int, ...], ...]]) -> None:
+        case, split = drawn
+        policy, loss = losses(case)
+        td = nll_batch(ctx, case)
+        where = f"aggregation {ctx.options['aggregation']!r}, {_shape(td)}"
+        splits = _SPLITS if split == () else (split,)  # () marks the counted batch's three
+        check_parts_add_up(policy, loss, td, GlobalCounts.of(td), splits, where)
+
+    counted = Case(5, 10, 16, "one", full_row=True)
+    edge = [(counted, ()), (BOUNDARIES[0], ((0,),))]
+    for_all(ctx, with_split(cases(), lambda c: c.rows), check, examples=3, boundaries=edge)
+
+
+def _declared_smoothing(ctx: Context) -> float:
+    eps = ctx.impl.extras.get("label_smoothing")
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
+        raise _fail(
+            "capability label_smoothing is declared but Implementation.extras['label_smoothing'] "
+            f"(a number in (0, 1)) is {eps!r}"
+        )
+    return float(eps)
+
+
+def _param_grads(policy: Any, term: torch.Tensor) -> torch.Tensor:
+    params = [p for p in policy.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(term, params, allow_unused=True)
+    return torch.cat(
+        [
+            (g if g is not None else torch.zeros_like(p)).detach().double().flatten()
+            for g, p in zip(grads, params, strict=True)
+        ]
     )
-    check_parts_add_up(policy, loss, td, GlobalCounts.of(td), _SPLITS, where)
+
+
+@requirement("NLL-009")
+def label_smoothing_as_declared(ctx: Context) -> None:
+    eps = _declared_smoothing(ctx)
+    losses = Losses(ctx, eps)
+
+    def check(case: Case) -> None:
+        policy, loss = losses(case)
+        td = nll_batch(ctx, case)
+        mask = td.get(ASST) & td.get(ATT)
+        w = _weights_for(ctx, mask, *_counts_of(mask))
+        lp, mean_lp = _log_softmax64(policy, td)
+        plain, uniform = float((w * -lp).sum()), float((w * -mean_lp).sum())
+        want = (1 - eps) * plain + eps * uniform
+        term = _loss_term(loss(td), "loss_nll")
+        got = float(term.detach())
+        what = (
+            f"label smoothing ε = {eps:g}, aggregation {ctx.options['aggregation']!r}, {_shape(td)}"
+        )
+        if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7):
+            hint = ""
+            for value, why in (
+                (plain, "the NLL unsmoothed: label_smoothing=ε did not reach it"),
+                ((1 - eps) * plain - eps * uniform, "the smoothing term with its sign flipped"),
+                ((1 + eps) * plain - eps * uniform, "the smoothing term with its sign flipped"),
+                (plain + eps * uniform, "the smoothing term added without (1 - ε)"),
+            ):
+                if math.isclose(got, value, rel_tol=1e-5):
+                    hint = f" (it is {why})"
+                    break
+            raise _fail(
+                f"{what}: loss_nll is {got:.6g}, expected {want:.6g} = (1 - ε)·{plain:.6g} + "
+                f"ε·{uniform:.6g} (the NLL and the mean over the vocabulary of -log p, "
+                f"float64){hint}"
+            )
+        logits = policy(input_ids=td.get(TOK), attention_mask=td.get(ATT).long()).logits
+        lsm = torch.log_softmax(logits[:, :-1].double(), -1)
+        per_token = -(1 - eps) * lsm.gather(-1, td.get(TOK)[:, 1:, None])[..., 0]
+        per_token = per_token - eps * lsm.mean(-1)
+        g_want = _param_grads(policy, (w[:, 1:] * per_token).sum())
+        g_got = _param_grads(policy, term)
+        err = float((g_got - g_want).abs().max())
+        if not err <= 1e-4 * max(float(g_want.abs().max()), 1e-12):
+            raise _fail(
+                f"{what}: the policy-parameter gradients of loss_nll differ from those of "
+                f"(1 - ε)·NLL + ε·mean over the vocabulary of -log p by up to {err:.3g} "
+                f"(largest {float(g_want.abs().max()):.3g}): the smoothing does not reach the "
+                f"logits as label smoothing does"
+            )
+
+    for_all(ctx, cases(), check, examples=6, boundaries=BOUNDARIES[:3])
