@@ -13,10 +13,8 @@ A variant the kit does not kill is a strict xfail in ``KIT_DEFECTS`` (the reason
 kit missed), so this file passes today and records the kit's reach; an entry is removed when
 the kit kills its variant.
 
-Tally: the 3 HookedLoss rows conform; 18 of 26 variants FAIL their requirement (rollout 5 of 7,
-loss 7 of 9, nll_loss 2 of 5, dpo_loss 4 of 5). Of the 8 in KIT_DEFECTS, two are still refused
-by another requirement (nll z-loss by NLL-003, the chunked tail by NLL-008); six pass the kit
-whole.
+Tally: the 3 HookedLoss rows conform; 22 of 26 variants FAIL their requirement (rollout 5 of 7,
+loss 7 of 9, nll_loss 5 of 5, dpo_loss 5 of 5); the 4 in KIT_DEFECTS pass the kit whole.
 """
 
 from __future__ import annotations
@@ -66,22 +64,6 @@ KIT_DEFECTS: dict[str, str] = {
     "loss/promotes_to_float64": (
         "LOSS-009 passes a loss that returns float64 terms for float64 inputs: the dtype of "
         "the outputs is not compared with the layout's."
-    ),
-    "nll_loss/chunked_drops_tail": (
-        "NLL-003 passes a loss that never scores the last (T - 1) mod 4 positions (only "
-        "NLL-008 fails it): its batches likely hold no assistant token there."
-    ),
-    "nll_loss/no_attention_mask": (
-        "NLL-005 passes a loss that calls the policy without attention_mask: padding is "
-        "likely only appended or changed after the real tokens, where a causal model never looks."
-    ),
-    "nll_loss/z_loss_inside": (
-        "NLL-004 passes a loss_nll holding a 1e-4 z-loss (NLL-003 fails its value): the "
-        "gradient check does not see the logsumexp term."
-    ),
-    "dpo_loss/log_of_sigmoid": (
-        "DPO-001 passes -log(sigmoid(β·Δ)), which is inf below β·Δ ≈ -104: no batch has a "
-        "margin that large, it seems."
     ),
 }
 
