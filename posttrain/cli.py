@@ -185,6 +185,10 @@ def _run_check(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _report(argv: list[str]) -> int:
+    from posttrain._commands import report_parser
+
+    # --help and usage errors before the suites (and torch) are imported.
+    report_parser(f"{_PROG} report").parse_args(argv)
     from posttrain.conformance import matrix
 
     return matrix.main(argv, prog=f"{_PROG} report")
@@ -205,12 +209,18 @@ def _list() -> int:
 
 
 def _specs(argv: list[str]) -> int:
+    from posttrain._commands import specs_parser
+
+    specs_parser(f"{_PROG} specs").parse_args(argv)
     from posttrain import specgen
 
     return specgen.main(argv, prog=f"{_PROG} specs")
 
 
 def _plot(argv: list[str]) -> int:
+    from posttrain._commands import plot_parser
+
+    plot_parser(f"{_PROG} plot").parse_args(argv)
     from posttrain.observability import plot
 
     return plot.main(argv, prog=f"{_PROG} plot")

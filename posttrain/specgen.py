@@ -5,13 +5,12 @@ Run ``python -m posttrain.specgen specs`` (``make specs``); ``--check`` exits 1 
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
+from posttrain._commands import specs_parser
 from posttrain.conformance.outcome import report_schema
 from posttrain.contracts import CONTRACTS, LLM_LAYOUT_V1, Contract
 from posttrain.contracts.catalogue import CATALOGUE_V1, FRAMEWORKS, Catalogue
@@ -331,10 +330,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m posttrain.specgen
         >>> main([out, "--check"])
         0
     """
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
-    p.add_argument("out", type=Path, nargs="?", default=Path("specs"))
-    p.add_argument("--check", action="store_true", help="exit 1 if committed files differ")
-    args = p.parse_args(argv)
+    args = specs_parser(prog).parse_args(argv)
     files = render_all()
     if args.check:
         stale = [

@@ -176,8 +176,28 @@ def _heavy_imported_by(code: str) -> list[str]:
         "from posttrain.cli import main\ntry:\n    main(['check', 'loss', 'reference-buffer'])\n"
         "except SystemExit:\n    pass",
         "import posttrain.conformance",
+        *(
+            f"from posttrain.cli import main\ntry:\n    main({args!r})\nexcept SystemExit:\n    pass"
+            for args in (
+                ["report", "--help"],
+                ["specs", "--help"],
+                ["plot", "--help"],
+                ["report", "--rows", "bogus"],
+            )
+        ),
     ],
-    ids=["list", "help", "unknown-contract", "unknown-impl", "wrong-contract", "import-kit"],
+    ids=[
+        "list",
+        "help",
+        "unknown-contract",
+        "unknown-impl",
+        "wrong-contract",
+        "import-kit",
+        "report-help",
+        "specs-help",
+        "plot-help",
+        "report-usage-error",
+    ],
 )
 def test_the_command_answers_without_importing_torch_or_a_framework(code: str) -> None:
     assert _heavy_imported_by(code) == []

@@ -15,11 +15,9 @@ once more: the report shows both attempts.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import fnmatch
 import multiprocessing
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +25,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from posttrain._commands import ROW_KINDS as ROW_KINDS
+from posttrain._commands import default_jobs as default_jobs
+from posttrain._commands import report_parser
 from posttrain._listing import some_names as some_names
 from posttrain.conformance import html_report
 from posttrain.conformance.outcome import Report, Result, md_cell, reports_json, retry_note
@@ -34,9 +35,6 @@ from posttrain.conformance.runner import DEFAULT_TIMEOUT_S, run
 from posttrain.conformance.target import ENTRY_POINT_GROUP, TargetError, discover
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.registry import CONTRACTS
-
-ROW_KINDS = ("all", "in-process", "distributed")
-"""What ``--rows`` selects: every row, the rows :func:`is_distributed` rejects, or those it takes."""
 
 # The capability, per contract, whose checks start Ray or a torch.distributed group: a
 # remote_writers buffer is written by Ray tasks; a cross_process weight sync joins a process group.
@@ -142,19 +140,6 @@ def select(
             f"{ENTRY_POINT_GROUP!r}); valid: {some_names(sorted(impls))}"
         )
     return chosen
-
-
-def default_jobs() -> int:
-    """Worker processes by default: the cores this process may run on.
-
-    Example:
-        >>> default_jobs() >= 1
-        True
-    """
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _run_one(name: str, impl: Implementation, seed: int, timeout_s: float | None) -> Report:
@@ -464,30 +449,7 @@ def main(
         >>> main(["--out", "reports"])  # doctest: +SKIP
         0
     """
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
-    p.add_argument("--out", type=Path, default=Path("reports"), help="folder for the three files")
-    p.add_argument("--seed", type=int, default=0, help="seed of every suite's random data")
-    p.add_argument("--contract", default=None, help="only the implementations of this contract")
-    p.add_argument(
-        "--impl",
-        default=None,
-        metavar="GLOB",
-        help="only the implementations whose entry-point name matches this fnmatch glob",
-    )
-    p.add_argument(
-        "--rows",
-        choices=ROW_KINDS,
-        default="all",
-        help="in-process: the rows that start neither Ray nor torch.distributed (make report); "
-        "distributed: those that do (make report-distributed); default all",
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=default_jobs(),
-        metavar="N",
-        help="worker processes for the in-process rows (default: the cores, here %(default)s)",
-    )
+    p = report_parser(prog)
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs: expected a positive number of worker processes, found {args.jobs}")

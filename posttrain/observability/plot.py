@@ -14,7 +14,6 @@ and no axis carries an offset. Needs matplotlib (``posttrain[observability]``).
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import math
 import os
@@ -23,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain._commands import DEFAULT_SMOOTHING as DEFAULT_SMOOTHING
+from posttrain._commands import plot_parser
 from posttrain._deps import optional_deps
 from posttrain.contracts.catalogue import CATALOGUE_V1, RECIPES, recipe_metrics
 
@@ -55,9 +56,6 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 """Panel title -> the catalogue metrics it draws (a ``/mean`` with a ``/std``, or a metric
 with a ``<name>/std``, gets a band)."""
-
-DEFAULT_SMOOTHING = 0.6
-"""The EMA weight of the previous smoothed value (TensorBoard's slider): 0 draws the points."""
 
 
 @dataclass
@@ -487,27 +485,7 @@ def main(
         /.../dashboard.png
         0
     """
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="run directories")
-    p.add_argument("--out", type=Path, default=Path("dashboard.png"))
-    p.add_argument(
-        "--run",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="draw only runs whose label contains NAME (or matches it as a glob); repeatable",
-    )
-    p.add_argument(
-        "--mlflow-run", default=None, help="draw only the MLflow run of exactly this name"
-    )
-    p.add_argument(
-        "--smoothing",
-        type=float,
-        default=DEFAULT_SMOOTHING,
-        help=f"EMA weight in [0, 1), 0 draws the points (default {DEFAULT_SMOOTHING})",
-    )
-    p.add_argument("--title", default=None, help="figure title (default: the runs' labels)")
-    p.add_argument("--list", action="store_true", help="list the runs found and exit")
+    p = plot_parser(prog)
     args = p.parse_args(argv)
     if not 0.0 <= args.smoothing < 1.0:
         p.error(f"--smoothing: expected a weight in [0, 1), found {args.smoothing}")
