@@ -232,6 +232,11 @@ def expected(
         "plain": float((-ls(beta * delta) * valid).sum() / p),  # -log σ(β·Δ), averaged
         "mirror": float((-ls(-beta * delta) * valid).sum() / p),  # -log σ(-β·Δ), averaged
         "grad": g_row[:, None] * m,
+        # 1e-6 absolute, or the float32 rounding of an answer's log-probs and reference
+        # log-probs (2e-7 of Σ|log p| + |log p_ref|: a reward of two large sums cancels)
+        "atol": max(
+            1e-6, 2e-7 * float(((lp.abs() + ref.abs()) * m).sum(-1).max()) * max(1.0, beta)
+        ),
         "delta": delta,
         "pairs": [(float(a), float(b)) for a, b in zip(chosen, rejected, strict=True)],
     }
@@ -243,7 +248,7 @@ def _compare(
     for name in names:
         if name not in got:
             raise _fail(f"{what}: no {name!r} among the outputs {sorted(got)}")
-        if not math.isclose(got[name], want[name], rel_tol=1e-5, abs_tol=1e-6):
+        if not math.isclose(got[name], want[name], rel_tol=1e-5, abs_tol=want["atol"]):
             raise _fail(f"{what}: {name} is {got[name]:.6g}, expected {want[name]:.6g}")
 
 
@@ -331,7 +336,7 @@ def preference_loss_value(ctx: Context) -> None:
         want = expected(ctx, policy, td)
         what = f"{_declared(ctx)}, {_pairs_shape(td, want)} (rows 2i chosen, 2i + 1 rejected)"
         if "loss_preference" in got and not math.isclose(
-            got["loss_preference"], want["loss_preference"], rel_tol=1e-5, abs_tol=1e-6
+            got["loss_preference"], want["loss_preference"], rel_tol=1e-5, abs_tol=want["atol"]
         ):
             swapped = expected(ctx, policy, td[torch.arange(td.batch_size[0]) ^ 1])
             hint = ""
@@ -473,7 +478,7 @@ def global_counts_normalize(ctx: Context) -> None:
         with torch.no_grad():
             got = float(_loss_term(_call_counted(loss, td, counts), "loss_preference"))
         want = expected(ctx, policy, td, pairs=counts.sequences // 2)
-        if not math.isclose(got, want["loss_preference"], rel_tol=1e-5, abs_tol=1e-7):
+        if not math.isclose(got, want["loss_preference"], rel_tol=1e-5, abs_tol=want["atol"]):
             raise _fail(
                 f"{_declared(ctx)}, {_pairs_shape(td, want)}, called with counts={counts}: "
                 f"loss_preference is {got:.6g}, expected {want['loss_preference']:.6g} (the "
@@ -564,7 +569,7 @@ def label_smoothing_as_declared(ctx: Context) -> None:
             got = _scalars(loss(td))
         value = got.get("loss_preference")
         if value is not None and not math.isclose(
-            value, want["loss_preference"], rel_tol=1e-5, abs_tol=1e-6
+            value, want["loss_preference"], rel_tol=1e-5, abs_tol=want["atol"]
         ):
             hint = ""
             a, b = want["plain"], want["mirror"]
