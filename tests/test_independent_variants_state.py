@@ -57,45 +57,7 @@ BUGGY: dict[str, tuple[str, Implementation]] = {
 
 # Variants the kit does not fail on the requirement their bug breaks: what the kit missed.
 KIT_DEFECTS: dict[str, str] = {
-    # Caught, but not as a FAIL of the requirement whose sentence the bug breaks.
-    "weight_sync/all_buffers": (
-        "A valid state_dict() send refused (the kit's non-persistent buffer demanded) is "
-        "reported as ERROR of WS-001, not FAIL."
-    ),
-    "generation/squeezed_prompt": (
-        "A valid one-token request whose future raises TypeError is reported as ERROR of "
-        "GEN-001, not FAIL."
-    ),
-    "generation/budget_off_by_one": (
-        "GEN-001 never runs max_new_tokens=1 (R = 0); the short responses fail only "
-        "GEN-002/005/006/007, against a full-budget greedy decode."
-    ),
     # Not caught at all.
-    "weight_sync/delta_skip": (
-        "WS-001 never sends -0.0 over a +0.0 the receiver holds, so skipping tensors that "
-        "compare equal passes."
-    ),
-    "weight_sync/lexicographic_newest": (
-        "WS-002's several sends before one receive() never cross a digit boundary (9, 10), "
-        "so choosing the newest by its text passes."
-    ),
-    "metrics/last_step": (
-        "MET-007 never logs a value without a step after a step lower than the name's "
-        "highest, so 'last step + 1' passes."
-    ),
-    "metrics/outer_len_count": (
-        "MET-008 logs only 1-D values, so counting len(values) rather than every value passes."
-    ),
-    "metrics/nfc_texts": (
-        "MET-009's texts hold no decomposed character, so NFC-normalising them passes."
-    ),
-    "generation/none_timeout_zero": (
-        "GEN-008 never calls shutdown(timeout=None) with requests pending on a drain server."
-    ),
-    "generation/cancel_kills_worker": (
-        "No check cancels a future from the caller's side, so a worker that dies on "
-        "set_result of a cancelled future passes."
-    ),
 }
 
 

@@ -101,7 +101,7 @@ _M, _S = Level.MUST, Level.SHOULD
 
 GENERATION = Contract(
     id="generation",
-    version="1.3",
+    version="1.4",
     title="Generation server",
     purpose=(
         "Serves generation requests pushed by many callers: batches them, generates with the "
@@ -127,11 +127,11 @@ GENERATION = Contract(
     ),
     requirements=(
         Requirement(id="GEN-001", level=_M, title="response layout",
-            text="A response MUST hold `('tokens', 'response')` int64 [R] with 1 <= R <= max_new_tokens, `('log_probs', 'response')` float32 [R] and `policy_version` int64 []; a response that generated EOS MUST end with that EOS (nothing after it, so a policy whose first token is EOS answers `[EOS]`).", tightened=("1.3",),
-            domain="The suite's eight prompts (1 to 4 tokens), then a policy whose first token is EOS."),
+            text="A response MUST hold `('tokens', 'response')` int64 [R] with 1 <= R <= max_new_tokens, `('log_probs', 'response')` float32 [R] and `policy_version` int64 []; a response that generated EOS MUST end with that EOS (nothing after it, so a policy whose first token is EOS answers `[EOS]`).", tightened=("1.3", "1.4"),
+            domain="The suite's eight prompts (1 to 4 tokens) with `max_new_tokens=3`; servers built with `max_new_tokens` 1 and 5, each asked a one-token prompt, a three-token one, `[0]` (the pad id) and `[EOS, 63]`; then a policy whose first token is EOS. A valid request whose future fails (with any exception) fails this requirement, as it fails every requirement that submits one."),
         Requirement(id="GEN-002", level=_M, title="own response",
-            text="With many clients in concurrent threads submitting distinct prompts, every caller MUST receive the response to its own prompt, never another's (nor that of another request in flight on its own client).", tightened=("1.1", "1.3"), depends_on=("GEN-001",),
-            domain="Eight clients in threads, three requests each; four clients with four requests in flight each behind a held batch; then any prompts (every token id of the 64-token vocabulary, the pad id 0, EOS and 63 included, 1 to 14 tokens; 1 to 6 prompts, the edge prompts first) submitted together on new clients, and one after another on one client that reuses its request and prompt tensor (a view at an offset into one storage) rewritten in place once answered."),
+            text="With many clients in concurrent threads submitting distinct prompts, every caller MUST receive the response to its own prompt, never another's (nor that of another request in flight on its own client), also after other callers cancelled their futures at any point of their requests' lives.", tightened=("1.1", "1.3", "1.4"), depends_on=("GEN-001",),
+            domain="Eight clients in threads, three requests each; four clients with four requests in flight each behind a held batch; then any prompts (every token id of the 64-token vocabulary, the pad id 0, EOS and 63 included, 1 to 14 tokens; 1 to 6 prompts, the edge prompts first) submitted together on new clients, and one after another on one client that reuses its request and prompt tensor (a view at an offset into one storage) rewritten in place once answered; then a caller that cancels its future (where the handle has `cancel()`) right after submit, queued behind a held batch, while its own batch is held in flight, and after its answer, other callers' requests in flight then and submitted after each answered within 10 s."),
         Requirement(id="GEN-003", level=_M, title="batching does not change results",
             text="A request served alone and the same request served inside a batch MUST give the same tokens (greedy) and log-probs within 1e-4 (a response that ends at EOS ends there, whatever the other rows of its batch generate).", tightened=("1.1",), depends_on=("GEN-001",),
             domain="The suite's eight prompts served alone and four times over in one burst; a row ending at EOS batched with rows going on to `max_new_tokens`."),
@@ -148,8 +148,8 @@ GENERATION = Contract(
             text="A request with a missing key or a wrong dtype MUST fail its own future with an error naming the key, while concurrent and later valid requests are served.", depends_on=("GEN-001",), tightened=("1.3",),
             domain="A missing key and a float prompt next to valid requests; then any prompt as float32, float64, float16, bfloat16, int32, int16, uint8 or bool, or under another key (`('tokens', 'prompts')`, `'prompt'`, `('tokens', 'response')`, `'input_ids'`), each next to a valid request of the same tokens."),
         Requirement(id="GEN-008", level=_M, title="shutdown",
-            text="`shutdown` MUST return within its timeout with requests still pending, leave no pending future unresolved (each served or failed, as the `on_shutdown` option says; a cancelled future counts as failed), and be idempotent.", tightened=("1.2",), depends_on=("GEN-001",),
-            domain="32 requests pending at `shutdown(5.0)`, called twice; under `on_shutdown='fail'` (the default), requests queued behind forwards held at a gate."),
+            text="`shutdown` MUST return within its timeout (`None`: as long as the pending requests take) with requests still pending, leave no pending future unresolved (each served or failed, as the `on_shutdown` option says; a cancelled future counts as failed; a batch in flight when a timeout shorter than it runs out may settle after `shutdown` returns, as `ThreadPoolExecutor`'s running tasks do), and be idempotent.", tightened=("1.2", "1.4"), depends_on=("GEN-001",),
+            domain="32 requests pending at `shutdown(5.0)`, `shutdown(None)` and `shutdown(0)`, each called twice (under `on_shutdown='drain'` the first two serve every request; `shutdown(0)` need only resolve every one, a batch in flight settling at most 10 s after it returns; a future failed with a `TimeoutError` of its own counts as failed); under `on_shutdown='fail'` (the default), requests queued behind forwards held at a gate."),
         Requirement(id="GEN-009", level=_M, title="closed server refuses",
             text="A request submitted after `shutdown`, through any client (also one obtained before), MUST raise, or fail its future with a clear error or cancel it, instead of hanging.", tightened=("1.1",), depends_on=("GEN-008",),
             domain="A request after `shutdown` through a client taken (and used) before it and through a new client."),

@@ -14,7 +14,7 @@ import torch
 from posttrain.contracts import Implementation
 from posttrain.contracts.generation import RESPONSE_LOG_PROBS_KEY, request_problem
 from posttrain.reference_impls import ThreadGenerationServer
-from posttrain.reference_impls.generation_server import _Request
+from posttrain.reference_impls.generation_server import _Request, greedy_answers
 
 __all__ = ["EXTRA_MUTANTS", "MUTANTS"]
 
@@ -396,6 +396,51 @@ class SkipsUnchangedUpdate(ThreadGenerationServer):
         super().update_policy_weights_(weights)
 
 
+class ShortByOne(ThreadGenerationServer):
+    """Decodes ``max_new_tokens - 1`` tokens (the prefill's token counted as already in the
+    response): a server built with ``max_new_tokens=1`` answers nothing."""
+
+    def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.max_new_tokens == 1:
+            return [(p[:0], torch.zeros(0)) for p in prompts]
+        return greedy_answers(
+            self.policy, prompts, self.max_new_tokens - 1, pad=self.pad, eos=self.eos
+        )
+
+
+class SqueezesPrompt(ThreadGenerationServer):
+    """Reads the prompt with ``squeeze().tolist()``: a one-token prompt becomes a bare int and
+    its request fails with a TypeError."""
+
+    def _generate(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        for p in prompts:
+            list(p.squeeze().tolist())
+        return super()._generate(prompts)
+
+
+class DiesOnCancelled(ThreadGenerationServer):
+    """Answers with a bare ``set_result``, never asking whether the caller cancelled: a
+    cancelled future raises ``InvalidStateError`` in the worker, which dies, and every later
+    request waits forever."""
+
+    def _run(self, batch: list[_Request]) -> None:
+        for req in batch:
+            if req.future.cancelled():
+                req.future.set_result(None)  # raises InvalidStateError
+        super()._run(batch)
+
+
+class NoneMeansNoWait(ThreadGenerationServer):
+    """Declares ``on_shutdown='drain'`` but reads ``shutdown(timeout=None)`` as ``timeout or
+    0``: waiting as long as it takes waits for nothing, and the pending requests fail."""
+
+    def __init__(self, policy: Any, **kw: Any) -> None:
+        super().__init__(policy, **{**kw, "on_shutdown": "drain"})
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        super().shutdown(timeout or 0.0)
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("options", {"on_shutdown": "fail"})
     return Implementation("generation", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -434,6 +479,10 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("GEN-002", _impl("GEN-002", DropsPadTokens)),
     ("GEN-007", _impl("GEN-007", CastsIntegerPrompts)),
     ("GEN-005", _impl("GEN-005", SkipsUnchangedUpdate)),
+    ("GEN-001", _impl("GEN-001", ShortByOne)),
+    ("GEN-001", _impl("GEN-001", SqueezesPrompt)),
+    ("GEN-002", _impl("GEN-002", DiesOnCancelled)),
+    ("GEN-008", _impl("GEN-008", NoneMeansNoWait, options={"on_shutdown": "drain"})),
 ]
 """Named bugs beside the main mutants: a bad request that kills the server, a hang on shutdown,
 a server declaring on_shutdown='fail' that drains,
@@ -442,6 +491,8 @@ flight stamped with the version of weights that did not produce it (or given new
 way), stale weights behind an update (a scoring copy, a prefix cache, a private copy that the
 no-argument update never re-reads), a client from before shutdown that still queues, a cache
 keyed on the prompt's storage, pad ids dropped from prompts, integer prompts of another dtype
-cast and served, and an update with unchanged weights that keeps the version."""
+cast and served, an update with unchanged weights that keeps the version, a decode one token
+short of max_new_tokens, a one-token prompt squeezed to a bare int, a worker that dies on a
+future its caller cancelled, and shutdown(None) read as shutdown(0) on a draining server."""
 
 _ = RESPONSE_LOG_PROBS_KEY

@@ -342,6 +342,39 @@ class CountsNames(_Copying):
                 own[n].copy_(src)
 
 
+class SkipsEqualTensors(_Copying):
+    """A delta sync: skips a tensor that compares equal to the one it holds, so a -0.0 sent
+    over a +0.0 (equal under ``==``, other bits) is never written."""
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        for n, src in weights.items():
+            if not torch.equal(own[n], src):
+                own[n].copy_(src)
+
+
+class NewestByText(QueueReceiver):
+    """Applies the newest pending send, choosing it by its version as text: with 8, 9 and 10
+    pending, "9" wins."""
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        if not self._queue:
+            return None
+        self._pending = max(self._queue, key=lambda wv: str(wv[1]))
+        self._queue = []
+        return InProcessReceiver.receive(self, timeout)
+
+
+class DemandsEveryBuffer(InProcessReceiver):
+    """Checks the weights against ``named_buffers()``, non-persistent ones included: a full
+    ``state_dict()`` is refused as missing a buffer it never holds."""
+
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        for n, _b in self.model.named_buffers():
+            if n not in weights:
+                raise ValueError(f"weights: {n!r} is missing")
+        super().validate_weights(weights)
+
+
 def _factory(cls: type[InProcessReceiver]) -> Any:
     def make(model: torch.nn.Module) -> tuple[InProcessSender, InProcessReceiver]:
         r = cls(model)
@@ -382,6 +415,9 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("WS-005", _impl("WS-005", ComparesItemsize)),
     ("WS-006", _impl("WS-006", CountsNames)),
     ("WS-007", _impl("WS-007", LatencyInMilliseconds)),
+    ("WS-001", _impl("WS-001", SkipsEqualTensors)),
+    ("WS-002", _impl("WS-002", NewestByText)),
+    ("WS-001", _impl("WS-001", DemandsEveryBuffer)),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
 

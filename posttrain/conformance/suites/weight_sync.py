@@ -81,8 +81,16 @@ def _setup(ctx: Context) -> tuple[Any, Any, Any, Weights]:
 
 
 def _sync(sender: Any, receiver: Any, weights: Weights, version: int) -> None:
-    sender.send(weights, version=version)
-    receiver.receive(timeout=10.0)
+    """A sync the spec allows: an exception from it is the implementation failing to sync."""
+    try:
+        sender.send(weights, version=version)
+        receiver.receive(timeout=10.0)
+    except Exception as e:
+        raise _fail(
+            f"send(w, version={version}) of {len(weights)} tensors, the receiver's state_dict "
+            f"names, shapes and dtypes, then receive(): raised {type(e).__name__}: "
+            f"{str(e)[:300]}; expected the weights applied"
+        ) from e
 
 
 def _diff(model: Any, weights: Weights) -> list[str]:
@@ -119,6 +127,44 @@ def _specials(weights: Weights) -> Weights:
         k = min(len(SPECIALS), flat.numel())
         flat[:k] = torch.tensor(SPECIALS[:k], dtype=torch.float64).to(t.dtype)
         out[n] = t
+    return out
+
+
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32}
+
+
+def _zeros_and_nans(weights: Weights, seed: int) -> Weights:
+    """``weights`` with about half of each tensor's elements +0.0 or -0.0, and NaNs in every
+    other tensor: the tensors without NaN compare equal (``==``, ``torch.equal``) to their
+    :func:`_equal_twin`, the others equal with ``equal_nan``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (n, t) in enumerate(weights.items()):
+        t = t.detach().clone()
+        at = torch.rand(t.shape, generator=gen) < 0.5
+        sign = -1.0 if seed % 2 else 1.0  # -0.0 then +0.0, or +0.0 then -0.0
+        t[at] = torch.tensor(sign * 0.0, dtype=t.dtype)
+        if i % 2:
+            t[torch.rand(t.shape, generator=gen) < 0.2] = float("nan")
+        out[n] = t
+    return out
+
+
+def _equal_twin(weights: Weights) -> Weights:
+    """The same values with other bits: every zero and NaN has its sign flipped, and every NaN
+    its lowest payload bit. A receiver that skips a tensor comparing equal to what it holds
+    (a delta sync) keeps the old bits."""
+    out = {}
+    for n, t in weights.items():
+        ints = _BITS.get(t.dtype, torch.int16 if t.element_size() == 2 else None)
+        if ints is None or not t.is_floating_point():
+            out[n] = t.detach().clone()
+            continue
+        bits = t.detach().clone().view(ints)
+        nan, zero = torch.isnan(t), t == 0
+        bits[nan | zero] ^= torch.iinfo(ints).min  # the sign bit
+        bits[nan] ^= 1  # the payload's lowest bit (a quiet NaN stays a NaN)
+        out[n] = bits.view(t.dtype)
     return out
 
 
@@ -182,34 +228,48 @@ def bit_exact_after_sync(ctx: Context) -> None:
     n = len(source)
     version = [1]
 
-    def one(case: tuple[list[int], str, bool, int]) -> None:
-        order, layout, special, noise = case
+    def one(case: tuple[list[int], str, bool, int, bool]) -> None:
+        order, layout, special, noise, twin = case
         gen = torch.Generator().manual_seed(noise)
         values = {k: t + torch.randn(t.shape, generator=gen).to(t.dtype) for k, t in source.items()}
         if special:
             values = _specials(values)
-        sent = _ordered(_laid_out(values, layout), order)
-        version[0] += 1
-        _sync(sender, receiver, sent, version[0])
         what = (
-            f"after syncing version {version[0]} with the names in order {order} "
-            f"(the receiver's own is {list(range(n))}), tensors {layout}"
-            + (", special values (NaN, -0.0, inf, subnormal) first" if special else "")
+            f"the names in order {order} (the receiver's own is {list(range(n))}), tensors "
+            f"{layout}" + (", special values (NaN, -0.0, inf, subnormal) first" if special else "")
         )
-        _expect_equal(model, values, what)
+        if twin:  # values equal to the ones the receiver holds, in other bits
+            values = _zeros_and_nans(values, noise)
+            version[0] += 1
+            _sync(sender, receiver, _ordered(_laid_out(values, layout), order), version[0])
+            _expect_equal(model, values, f"after syncing version {version[0]} with {what}")
+            values = _equal_twin(values)
+            what += (
+                ", the values of the sync before with every zero's and NaN's sign flipped "
+                "(equal under ==, other bits)"
+            )
+        version[0] += 1
+        _sync(sender, receiver, _ordered(_laid_out(values, layout), order), version[0])
+        _expect_equal(model, values, f"after syncing version {version[0]} with {what}")
 
     ident = list(range(n))
     explore.for_all(
         ctx,
         st.tuples(
-            st.permutations(ident), st.sampled_from(LAYOUTS), st.booleans(), st.integers(0, 2**16)
+            st.permutations(ident),
+            st.sampled_from(LAYOUTS),
+            st.booleans(),
+            st.integers(0, 2**16),
+            st.booleans(),
         ),
         one,
         examples=6,
         boundaries=[
-            (ident[::-1], "contiguous", False, 1),
-            (_same_shape_swaps(source), "offset_views", True, 2),
-            (ident, "non_contiguous", True, 3),
+            (ident[::-1], "contiguous", False, 1, False),
+            (_same_shape_swaps(source), "offset_views", True, 2, False),
+            (ident, "non_contiguous", True, 3, False),
+            (ident, "contiguous", False, 4, True),
+            (ident[::-1], "offset_views", False, 5, True),
         ],
     )
     remote = "cross_process" in ctx.capabilities
@@ -253,78 +313,152 @@ def _mix(model: Any, sent: dict[int, Weights], versions: tuple[int, ...]) -> str
     return ", ".join(f"{len(ns)} {k} (e.g. {ns[:2]})" for k, ns in sorted(by.items()))
 
 
-@requirement("WS-002")
-def version_propagates(ctx: Context) -> None:
-    sender, receiver, model, source = _setup(ctx)
-    applies_on_send = "applies_on_send" in ctx.capabilities
-    # Distinct weights per version: a receiver reporting one version while holding another's
-    # weights is caught only if the two differ.
-    sent: dict[int, Weights] = {0: {n: t.detach().clone() for n, t in model.state_dict().items()}}
-    for v in (1, 2, 5, 6, 7):
-        sent[v] = _variant(source, v)
-    unadopted: list[int] = []  # sent, not yet adopted by a receive()
+def _snapshot(w: Weights) -> Weights:
+    return {n: t.detach().clone() for n, t in w.items()}
 
-    def between(what: str) -> None:
-        # Read right after send returns: a transport that writes on send has written by then
-        # (TorchRL's schemes return once the receiving end acknowledged).
-        held = receiver.version
-        if not applies_on_send:
-            if _diff(model, sent[held]):
+
+class _SyncSpec:
+    """The executable model of WS-002 (and of WS-003's in-place changes), driven on one pair.
+
+    ``held`` is the version the receiver must report and ``unadopted`` the sends not yet
+    adopted. A send leaves ``held`` alone; a ``receive()`` with sends pending adopts the next
+    or the newest of them (either is allowed) and drops the older ones; one with nothing
+    pending changes nothing. After every step the model holds ``held``'s weights (or, under
+    ``applies_on_send``, one unadopted send's, whole). Sends are fresh dicts or the
+    ``state_dict()`` of a live trainer module changed in place between sends (the same tensor
+    objects, new values). With ``aliasing`` (WS-003) the sender's tensors of every adopted
+    send may be changed in place, and the receiver's model must not move.
+    """
+
+    def __init__(self, ctx: Context, *, aliasing: bool = False) -> None:
+        self.sender, self.receiver, self.model, self.source = _setup(ctx)
+        self.applies_on_send = "applies_on_send" in ctx.capabilities
+        self.aliasing = aliasing
+        self.trainer = sync_model(ctx.seed + 2)
+        self.held = int(self.receiver.version)
+        self.sent: dict[int, Weights] = {self.held: _snapshot(self.model.state_dict())}
+        self.objects: dict[int, Weights] = {}  # what was passed to send, by version
+        self.live: set[int] = set()  # versions sent as the trainer's live state_dict
+        self.unadopted: list[int] = []
+
+    def weights(self, live: bool, seed: int) -> tuple[Weights, bool]:
+        """The next send's weights: the trainer's live tensors stepped in place, or fresh."""
+        gen = torch.Generator().manual_seed(seed)
+        if live and not (self.live & set(self.unadopted)):
+            with torch.no_grad():
+                for t in self.trainer.state_dict().values():
+                    t.add_(torch.randn(t.shape, generator=gen))
+            return self.trainer.state_dict(), True
+        return {n: t + torch.randn(t.shape, generator=gen) for n, t in self.source.items()}, False
+
+    def send(self, weights: Weights, version: int, *, live: bool = False) -> None:
+        self.sent[version] = _snapshot(weights)
+        self.objects[version] = weights
+        if live:
+            self.live.add(version)
+        self.sender.send(weights, version=version)
+        self.unadopted.append(version)
+        self.check(f"after send(version={version}) and before a receive()")
+
+    def receive(self) -> None:
+        if not self.unadopted:
+            with contextlib.suppress(TimeoutError, FuturesTimeout):
+                self.receiver.receive(timeout=0.01)
+            self.check("after a receive() with nothing sent since the last one")
+            return
+        pending = list(self.unadopted)
+        self.receiver.receive(timeout=10.0)
+        got = self.receiver.version
+        allowed = sorted({pending[0], pending[-1]})
+        if got not in allowed:
+            raise _fail(
+                f"after a receive() with versions {pending} sent since the last, "
+                f"receiver.version is {got!r}; expected "
+                + " or ".join(map(str, allowed))
+                + " (the next pending send or the newest)"
+            )
+        self.held = int(got)
+        self.unadopted = [v for v in pending if v > got]
+        self.check(f"after a receive() with versions {pending} sent since the last")
+        if self.aliasing:  # the trainer's next step changes what it sent, right after a sync
+            self.change(1.0)
+
+    def check(self, what: str) -> None:
+        got = self.receiver.version
+        if got != self.held:
+            raise _fail(
+                f"{what}: receiver.version is {got!r}; expected {self.held} (the version "
+                f"adopted last; sends not yet adopted: {self.unadopted})"
+            )
+        if self.aliasing:
+            return
+        if not self.applies_on_send or not self.unadopted:
+            if _diff(self.model, self.sent[self.held]):
+                pending = f"; sends not yet adopted: {self.unadopted}" if self.unadopted else ""
                 raise _fail(
-                    f"{what}, receiver.version is {held} but the model holds "
-                    f"{_held(model, sent)}; expected version {held}'s weights unchanged until "
-                    "a receive() adopts the new ones (a receiver whose send writes into the "
-                    "model declares capability applies_on_send)"
+                    f"{what}: receiver.version is {self.held} but the model holds "
+                    f"{_held(self.model, self.sent)}{pending}"
                 )
             return
-        whole = (held, *unadopted)
-        if all(_diff(model, sent[v]) for v in whole):
-            want = " or ".join(map(str, whole))
+        whole = (self.held, *self.unadopted)
+        if all(_diff(self.model, self.sent[v]) for v in whole):
             raise _fail(
                 f"{what}, under capability applies_on_send, the model's tensors are "
-                f"{_mix(model, sent, whole)}; expected the weights of version {want}, whole"
+                f"{_mix(self.model, self.sent, whole)}; expected the weights of version "
+                + " or ".join(map(str, whole))
+                + ", whole"
             )
 
-    def send(v: int) -> None:
-        before = receiver.version
-        sender.send(sent[v], version=v)
-        if receiver.version != before:
+    def change(self, delta: float) -> None:
+        """The sender changes in place every tensor it sent under a version adopted or dropped."""
+        before = _snapshot(self.model.state_dict())
+        done = [v for v in self.objects if v <= self.held]
+        if self.live & set(self.unadopted):
+            done = [v for v in done if v not in self.live]
+        with torch.no_grad():
+            for v in done:
+                for t in self.objects[v].values():
+                    t.add_(delta)
+        changed = _diff(self.model, before)
+        if changed:
             raise _fail(
-                f"send(version={v}) changed receiver.version from {before!r} to "
-                f"{receiver.version!r} before any receive(); expected it unchanged until then"
+                f"after the sender changed in place the tensors it sent as versions {done} "
+                f"(adopted or dropped: version {self.held} is held), the receiver's model "
+                f"changed: {len(changed)} tensors, e.g. {changed[:3]}"
             )
-        unadopted.append(v)
-        between(f"after send(version={v}) and before receive()")
+        for v in done:
+            self.objects.pop(v)
 
-    def receive(what: str, allowed: tuple[int, ...]) -> int:
-        receiver.receive(timeout=10.0)
-        got = receiver.version
-        if got not in allowed:
-            want = " or ".join(map(str, allowed))
-            raise _fail(f"{what}, receiver.version is {got!r}; expected {want}")
-        if _diff(model, sent[got]):
-            raise _fail(
-                f"{what}, receiver.version is {got} but the model holds {_held(model, sent)}"
-            )
-        unadopted[:] = [v for v in unadopted if v > got]
-        return int(got)
 
+# Several sends pending at one receive(): across a digit count (a version compared as text
+# takes 9 for newer than 10) and around 2**31 (a version kept in an int32 wraps there).
+PENDING_GROUPS = ((6, 7), (8, 9, 10), (98, 99, 100, 101), (2**31 - 1, 2**31, 2**31 + 1))
+
+
+@requirement("WS-002")
+def version_propagates(ctx: Context) -> None:
+    # Distinct weights per version: a receiver reporting one version while holding another's
+    # weights is caught only if the two differ.
+    spec = _SyncSpec(ctx)
+    versions = [1, 2, 5, *(v for group in PENDING_GROUPS for v in group)]
+    weights = {v: _variant(spec.source, k + 1) for k, v in enumerate(versions)}
     for v in (1, 2, 5):
-        send(v)
-        receive(f"after send(version={v}) and receive()", (v,))
-    send(6)
-    send(7)
-    # Queue semantics apply 6 now and 7 at the next receive; latest-wins applies 7 at once.
-    if receive("after send(version=6), send(version=7) and one receive()", (6, 7)) == 6:
-        between("after send(version=6), send(version=7) and one receive() that adopted 6")
-        receive("after send(version=6), send(version=7) and two receive()s", (7,))
-
+        spec.send(weights[v], v)
+        spec.receive()
+    # Queue semantics adopt the next at each receive; latest-wins adopts the newest at once.
+    for group in PENDING_GROUPS:
+        for v in group:
+            spec.send(weights[v], v)
+        while spec.unadopted:
+            spec.receive()
     explore.run_machine(ctx, _machine(ctx), examples=_examples(ctx, 5), steps=12)
 
 
 # Version gaps the machine draws: the next version, skips, and a jump past 2**31 (a version
-# kept in an int32 wraps there).
+# kept in an int32 wraps there); and the versions it starts above, so that its sequences
+# cross digit counts (9 to 10, 99 to 100) and 2**31.
 GAPS = (1, 1, 2, 9, 2**31)
+STARTS = (0, 7, 97, 2**31 - 3)
 
 
 def _examples(ctx: Context, n: int) -> int:
@@ -333,66 +467,19 @@ def _examples(ctx: Context, n: int) -> int:
 
 
 def _machine(ctx: Context, *, aliasing: bool = False) -> type[Any]:
-    """Random send/receive sequences, each on a new pair, against a model of the spec.
-
-    The model (WS-002): ``held``, the version the receiver reports, and ``unadopted``, the
-    sends not yet adopted. A send leaves ``held`` alone; a ``receive()`` with sends pending
-    adopts one of them (the next or the newest: either is allowed) and drops the older ones;
-    one with nothing pending changes nothing. After every step the model holds ``held``'s
-    weights (or, under ``applies_on_send``, one unadopted send's, whole). Sends are fresh dicts
-    or the ``state_dict()`` of a live trainer module changed in place between sends (the same
-    tensor objects, new values). With ``aliasing`` (WS-003) a step may also change in place the
-    sender's tensors of every adopted send, and the receiver's model must not move.
-    """
+    """Random send/receive sequences, each on a new pair, against :class:`_SyncSpec`."""
     from hypothesis import strategies as st
-    from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
-
-    applies_on_send = "applies_on_send" in ctx.capabilities
-
-    def snapshot(w: Weights) -> Weights:
-        return {n: t.detach().clone() for n, t in w.items()}
+    from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
     class WeightSyncMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.sender, self.receiver, self.model, self.source = _setup(ctx)
-            self.trainer = sync_model(ctx.seed + 2)
+            self.spec = _SyncSpec(ctx, aliasing=aliasing)
             self.last = 0
-            self.held = int(self.receiver.version)
-            self.sent: dict[int, Weights] = {self.held: snapshot(self.model.state_dict())}
-            self.objects: dict[int, Weights] = {}  # what was passed to send, by version
-            self.live: set[int] = set()  # versions sent as the trainer's live state_dict
-            self.unadopted: list[int] = []
 
-        def _check(self, what: str) -> None:
-            got = self.receiver.version
-            if got != self.held:
-                raise _fail(
-                    f"{what}: receiver.version is {got!r}; expected {self.held} (the version "
-                    f"adopted last; sends not yet adopted: {self.unadopted})"
-                )
-            if aliasing:
-                return
-            if not applies_on_send or not self.unadopted:
-                if _diff(self.model, self.sent[self.held]):
-                    raise _fail(
-                        f"{what}: receiver.version is {self.held} but the model holds "
-                        f"{_held(self.model, self.sent)}"
-                        + (
-                            "; sends not yet adopted: " + str(self.unadopted)
-                            if self.unadopted
-                            else ""
-                        )
-                    )
-                return
-            whole = (self.held, *self.unadopted)
-            if all(_diff(self.model, self.sent[v]) for v in whole):
-                raise _fail(
-                    f"{what}, under capability applies_on_send, the model's tensors are "
-                    f"{_mix(self.model, self.sent, whole)}; expected the weights of version "
-                    + " or ".join(map(str, whole))
-                    + ", whole"
-                )
+        @initialize(start=st.sampled_from(STARTS))
+        def start_above(self, start: int) -> None:
+            self.last = start
 
         @rule(gap=st.sampled_from(GAPS), live=st.booleans(), seed=st.integers(0, 2**16))
         def send(self, gap: int, live: bool, seed: int) -> None:
@@ -405,71 +492,18 @@ def _machine(ctx: Context, *, aliasing: bool = False) -> type[Any]:
             self.receive()
 
         def _send(self, gap: int, live: bool, seed: int) -> None:
-            gen = torch.Generator().manual_seed(seed)
-            if live and not (self.live & set(self.unadopted)):
-                # A trainer's step: its own tensors change in place, then it sends them again.
-                with torch.no_grad():
-                    for t in self.trainer.state_dict().values():
-                        t.add_(torch.randn(t.shape, generator=gen))
-                weights: Weights = self.trainer.state_dict()
-            else:
-                live = False
-                weights = {
-                    n: t + torch.randn(t.shape, generator=gen) for n, t in self.source.items()
-                }
+            weights, live = self.spec.weights(live, seed)
             self.last += gap
-            v = self.last
-            self.sent[v] = snapshot(weights)
-            self.objects[v] = weights
-            if live:
-                self.live.add(v)
-            self.sender.send(weights, version=v)
-            self.unadopted.append(v)
-            self._check(f"after send(version={v}) and before a receive()")
+            self.spec.send(weights, self.last, live=live)
 
         @rule()
         def receive(self) -> None:
-            if not self.unadopted:
-                with contextlib.suppress(TimeoutError, FuturesTimeout):
-                    self.receiver.receive(timeout=0.01)
-                self._check("after a receive() with nothing sent since the last one")
-                return
-            self.receiver.receive(timeout=10.0)
-            got = self.receiver.version
-            if got not in self.unadopted:
-                raise _fail(
-                    f"after a receive() with versions {self.unadopted} sent since the last, "
-                    f"receiver.version is {got!r}; expected one of them"
-                )
-            self.held = int(got)
-            self.unadopted = [v for v in self.unadopted if v > got]
-            self._check("after a receive()")
-            if aliasing:  # the trainer's next step changes what it sent, right after a sync
-                self._change(1.0)
+            self.spec.receive()
 
         @precondition(lambda self: aliasing)
         @rule(delta=st.sampled_from((1.0, -0.5, 1e6)))
         def change_sent_tensors(self, delta: float) -> None:
-            self._change(delta)
-
-        def _change(self, delta: float) -> None:
-            before = snapshot(self.model.state_dict())
-            done = [v for v in self.objects if v <= self.held]
-            if self.live & set(self.unadopted):
-                done = [v for v in done if v not in self.live]
-            with torch.no_grad():
-                for v in done:
-                    for t in self.objects[v].values():
-                        t.add_(delta)
-            changed = _diff(self.model, before)
-            if changed:
-                raise _fail(
-                    f"after the sender changed in place the tensors it sent as versions {done} "
-                    f"(adopted or dropped: version {self.held} is held), the receiver's model "
-                    f"changed: {len(changed)} tensors, e.g. {changed[:3]}"
-                )
-            for v in done:
-                self.objects.pop(v)
+            self.spec.change(delta)
 
     WeightSyncMachine.__name__ = "WeightSyncMachine"
     return WeightSyncMachine
