@@ -27,6 +27,7 @@ from posttrain.adapters.nemo_rl.mirror.loss_functions import (
     clipped_pg_options,
 )
 from posttrain.adapters.nemo_rl.train_data import NemoFormatError, from_layout
+from posttrain.adapters.nemo_rl.upstream import from_nemo_rl
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import GlobalCounts
@@ -67,11 +68,8 @@ def _takes_counts(loss: Any) -> bool:
 
 def _enum(name: str, value: str) -> Any:
     """NeMo-RL's enum member where nemo_rl imports, else its string value."""
-    try:
-        from nemo_rl.algorithms.loss import interfaces
-    except ImportError:
-        return value
-    return getattr(interfaces, name)(value)
+    enum = from_nemo_rl(name)
+    return value if enum is None else enum(value)
 
 
 def global_counts(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,17 +10,26 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+UPSTREAM = {
+    "BatchedDataDict": "nemo_rl.distributed.batched_data_dict",
+    "LossType": "nemo_rl.algorithms.loss.interfaces",
+    "LossInputType": "nemo_rl.algorithms.loss.interfaces",
+}
+"""Each NeMo-RL name an adapter uses where ``nemo_rl`` imports: the module defining it (7ea279a)."""
+
 MIRRORED = {
     "BatchedDataDict": (
-        "nemo_rl.distributed.batched_data_dict",
+        UPSTREAM["BatchedDataDict"],
         "posttrain.adapters.nemo_rl.mirror.batched_data_dict",
     ),
 }
-"""Each mirrored name: (the ``nemo_rl`` module defining it, the mirror module copying it)."""
+"""Each mirrored name: (the ``nemo_rl`` module defining it, the mirror module copying it).
+
+The loss enums have no mirror: without ``nemo_rl`` the loss wrappers carry their string values."""
 
 
 def from_nemo_rl(name: str) -> Any | None:
-    """``nemo_rl``'s own object ``name`` (a key of :data:`MIRRORED`), or ``None`` where it does not import.
+    """``nemo_rl``'s own object ``name`` (a key of :data:`UPSTREAM`), or ``None`` where it does not import.
 
     Looked up at each call, so a ``nemo_rl`` installed later is picked up; an unknown
     ``name`` raises ``KeyError`` naming the known ones.
@@ -29,10 +38,10 @@ def from_nemo_rl(name: str) -> Any | None:
         >>> from_nemo_rl("BatchedDataDict") is None  # nemo_rl is not installed here
         True
     """
-    if name not in MIRRORED:
-        raise KeyError(f"name: expected one of {sorted(MIRRORED)}, found {name!r}")
+    if name not in UPSTREAM:
+        raise KeyError(f"name: expected one of {sorted(UPSTREAM)}, found {name!r}")
     try:
-        module = importlib.import_module(MIRRORED[name][0])
+        module = importlib.import_module(UPSTREAM[name])
     except ImportError:
         return None
     return getattr(module, name)
@@ -45,6 +54,8 @@ def nemo_rl_or_mirror(name: str) -> Any:
         >>> nemo_rl_or_mirror("BatchedDataDict").__module__  # nemo_rl is not installed here
         'posttrain.adapters.nemo_rl.mirror.batched_data_dict'
     """
+    if name not in MIRRORED:
+        raise KeyError(f"name: expected one of {sorted(MIRRORED)}, found {name!r}")
     found = from_nemo_rl(name)
     if found is not None:
         return found
