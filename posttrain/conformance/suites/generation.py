@@ -50,6 +50,7 @@ from posttrain.conformance.suites.generation_serving import (
     _Gate,
     _mismatch,
     _outcome,
+    _outcomes,
     _prompts,
     _request,
     _result,
@@ -582,13 +583,9 @@ def _shutdown_with_pending(ctx: Context, timeout: float | None, mode: str) -> No
         _stop(server)
         raise _fail(f"{call} has not returned after {bound:.0f} s (hangs)")
     elapsed = time.perf_counter() - start
-    outcomes = [_outcome(f) for f in futures]
     # A timeout shorter than the batch in flight: that batch may settle after shutdown
     # returns (as ThreadPoolExecutor's running tasks do), but never stay pending.
-    settle_by = time.perf_counter() + (SHUTDOWN_GRACE if timeout == 0.0 else 0.0)
-    while "pending" in outcomes and time.perf_counter() < settle_by:
-        time.sleep(0.01)
-        outcomes = [_outcome(f) for f in futures]
+    outcomes = _outcomes(futures, SHUTDOWN_GRACE if timeout == 0.0 else 0.0)
     if "pending" in outcomes:
         after = f" and {SHUTDOWN_GRACE:.0f} s more" if timeout == 0.0 else ""
         raise _fail(

@@ -210,17 +210,28 @@ def _settled(handle: Any) -> bool:
     return bool(done()) if callable(done) else False
 
 
-def _outcome(handle: Any) -> str:
+def _outcome(handle: Any, wait: float = 0.0) -> str:
     """``"served"``, ``"failed"`` or ``"pending"``, read through ``.result(timeout)`` alone:
     the Protocol promises nothing else of what ``submit`` returns. A cancelled future is a
-    settled failure."""
+    settled failure. A ``TimeoutError`` is the request's own (failed, not pending) when the
+    handle says it is done, or when it came well before ``wait`` ran out."""
+    start = time.perf_counter()
     try:
-        handle.result(timeout=0)
+        handle.result(timeout=wait)
     except (TimeoutError, FuturesTimeout):
-        return "failed" if _settled(handle) else "pending"
+        early = wait > 0 and time.perf_counter() - start < wait / 2
+        return "failed" if early or _settled(handle) else "pending"
     except (Exception, CancelledError):
         return "failed"
     return "served"
+
+
+def _outcomes(handles: list[Any], within: float) -> list[str]:
+    """Each handle's :func:`_outcome`, waiting up to ``within`` seconds in all for the
+    pending ones (at least 0.2 s each, so that a handle with ``.result`` alone that failed
+    with a ``TimeoutError`` of its own is told from one still pending)."""
+    deadline = time.perf_counter() + within
+    return [_outcome(h, max(deadline - time.perf_counter(), 0.2)) for h in handles]
 
 
 def _check_layout(out: Any, what: str, max_new: int = MAX_NEW) -> None:
