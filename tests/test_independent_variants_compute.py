@@ -13,8 +13,8 @@ A variant the kit does not kill is a strict xfail in ``KIT_DEFECTS`` (the reason
 kit missed), so this file passes today and records the kit's reach; an entry is removed when
 the kit kills its variant.
 
-Tally: the 3 HookedLoss rows conform; 22 of 26 variants FAIL their requirement (rollout 5 of 7,
-loss 7 of 9, nll_loss 5 of 5, dpo_loss 5 of 5); the 4 in KIT_DEFECTS pass the kit whole.
+Tally: the 3 HookedLoss rows conform; 24 of 26 variants FAIL their requirement (rollout 7 of 7,
+loss 7 of 9, nll_loss 5 of 5, dpo_loss 5 of 5); the 2 in KIT_DEFECTS pass the kit whole.
 """
 
 from __future__ import annotations
@@ -49,14 +49,6 @@ DEMOS: dict[str, Callable[[], bool]] = {
 
 # Variants the kit does not kill today (their requirement PASSes): what the kit missed.
 KIT_DEFECTS: dict[str, str] = {
-    "rollout/truncated_prompt": (
-        "ROLL-002 passes a source that keeps only the last 4 tokens of every prompt: its prompts "
-        "are likely all short enough to pass uncut."
-    ),
-    "rollout/none_update_ignored": (
-        "ROLL-005 passes a source whose update_policy_weights_(None) bumps the version without "
-        "re-reading the policy's weights: the no-argument update is not checked."
-    ),
     "loss/kl_clamped": (
         "LOSS-019 passes a KL estimate clamped to [-10, 10] (verl's low_var_kl): its shifts "
         "δ_t are likely too small for k3(δ) to reach 10."

@@ -21,16 +21,34 @@ def test_raw_collector_fails_exactly_torchrl_s_deviations() -> None:
     assert "the generated EOS is masked out as padding" in failing["ROLL-001"]
 
 
-def test_raw_collector_without_eos_as_pad_fails_roll_004_and_008() -> None:
+def test_raw_collector_without_eos_as_pad_fails_roll_002_004_and_008() -> None:
     # The deviations ROLL-001 blocks in a full run, each run alone.
     from posttrain.conformance.runner import Session
 
     session = Session(RAW_LLM_COLLECTOR)
     rows = {
-        rid: session.run_one(session.contract.requirement(rid)) for rid in ("ROLL-004", "ROLL-008")
+        rid: session.run_one(session.contract.requirement(rid))
+        for rid in ("ROLL-002", "ROLL-004", "ROLL-008")
     }
+    assert "not one of the prompts given" in rows["ROLL-002"].message, rows["ROLL-002"].message
     assert "has no attribute 'data'" in rows["ROLL-004"].message
     assert "sample_log_probs [0.0," in rows["ROLL-008"].message
+
+
+def test_adapted_collector_keeps_prompt_tokens_equal_to_the_pad_id() -> None:
+    from posttrain.testing import tiny_causal_lm
+
+    src = rollout.llm_collector(
+        tiny_causal_lm(), [[5, 0, 7], [0, 8], [2, 0]], 1, max_new_tokens=2, adapted=True
+    )
+    try:
+        [batch] = list(src)
+    finally:
+        src.shutdown()
+    for item, prompt in zip(batch.tensordicts, ([5, 0, 7], [0, 8], [2, 0]), strict=True):
+        toks, asst = item["tokens", "full"].tolist(), item["masks", "all_assistant_mask"].tolist()
+        assert toks[: asst.index(True)] == prompt
+        assert all(item["masks", "all_attention_mask"].tolist())
 
 
 def test_adapted_collector_passes_every_applicable_requirement() -> None:

@@ -233,38 +233,53 @@ METRICS = Contract(
         "Names outside the catalogue's alphabet (MET-002: `^[a-z0-9_]+(/[a-z0-9_]+)*$`, up to "
         "250 characters), such as upper case, '-', '.', spaces, empty segments or longer "
         "names, are out of scope of v1: a sink may store, rewrite or refuse them, and the "
-        "suite logs none."
+        "suite logs none. Also out of scope: a sink made again on a directory a closed sink "
+        "wrote (reopening a run); several processes writing one run is the `cross_process` "
+        "capability."
     ),
     protocol=MetricSinkV1,
-    version="1.3",
+    version="1.4",
     factory=(
         "factory(directory: pathlib.Path) -> MetricSinkV1  # and Implementation.extras['reader']"
         "(directory) -> {name: [(step, value), ...]}, reading through the backend's own reader"
     ),
     capabilities=(
-        Capability(name="flush", text="`flush()` makes everything logged so far readable by the backend's own reader.", methods=("flush",)),
-        Capability(name="cross_process", text="Several processes may log into one run."),
-        Capability(name="histogram", text="`log_histogram(name, values, step)` stores a distribution (TensorBoard histograms, `wandb.Histogram`); read back with `Implementation.extras['histogram_reader'](directory) -> {name: [(step, {'count', 'min', 'max'}), ...]}`.", methods=("log_histogram",)),
-        Capability(name="samples", text="`log_samples(name, rows, step)` stores a table of (prompt, completion, reward) rows (`wandb.Table`); read back with `Implementation.extras['samples_reader'](directory) -> {name: [(step, [(prompt, completion, reward), ...]), ...]}`.", methods=("log_samples",)),
+        Capability(name="flush", text="`flush()` makes everything logged so far readable by the backend's own reader.", methods=("flush",),
+            undeclared="No `flush()` is called: everything logged is read back once the sink is closed (its `close()`, else its `flush()`, else nothing), in MET-003's random sequences as in every other check; MET-005 does not apply."),
+        Capability(name="cross_process", text="Several processes may log into one run.",
+            undeclared="Every value is logged from the suite's own process, through one sink per run; MET-006 does not apply."),
+        Capability(name="histogram", text="`log_histogram(name, values, step)` stores a distribution (TensorBoard histograms, `wandb.Histogram`); read back with `Implementation.extras['histogram_reader'](directory) -> {name: [(step, {'count', 'min', 'max'}), ...]}`.", methods=("log_histogram",),
+            undeclared="`log_histogram` is not called (a sink without the capability need not have it); MET-008 does not apply. Scalars are checked as for every sink."),
+        Capability(name="samples", text="`log_samples(name, rows, step)` stores a table of (prompt, completion, reward) rows (`wandb.Table`); read back with `Implementation.extras['samples_reader'](directory) -> {name: [(step, [(prompt, completion, reward), ...]), ...]}`.", methods=("log_samples",),
+            undeclared="`log_samples` is not called (a sink without the capability need not have it); MET-009 does not apply. Scalars are checked as for every sink."),
     ),
     requirements=(
-        Requirement(id="MET-001", level=_M, title="read back exactly", tightened=("1.1", "1.2"),
-            text="Every logged (name, step, value) MUST read back from the backend with the same name, step and value (float32 rounding allowed); two values logged for one name at one step are two points, and both read back."),
-        Requirement(id="MET-002", level=_M, title="catalogue names", tightened=("1.2",),
-            text="Names matching `^[a-z0-9_]+(/[a-z0-9_]+)*$` of up to 250 characters (MLflow's limit for a metric key) MUST be stored unchanged, slashes included.", depends_on=("MET-001",)),
-        Requirement(id="MET-003", level=_M, title="steps kept apart", tightened=("1.2",),
-            text="Values logged for one name at different steps MUST all be kept, each with its step, in whatever order the steps come (a step lower than one already logged for the name included).", depends_on=("MET-001",)),
+        Requirement(id="MET-001", level=_M, title="read back exactly", tightened=("1.1", "1.2", "1.4"),
+            text="Every logged (name, step, value) MUST read back from the backend with the same name, step and value (float32 rounding allowed); two values logged for one name at one step are two points, and both read back.",
+            domain="Five points of three names (two values of one name at one step, back to back and apart); then sinks each given 1 to 20 values, each under a name of its own at one step, across float32's range (MLflow's and TensorBoard's float32 rounding allowed): 0.0, -0.0, ±1, ±3e38, 1e-40, -1e-45, 1/3, 2**24 + 1 tried first, then any finite float within ±3e38."),
+        Requirement(id="MET-002", level=_M, title="catalogue names", tightened=("1.2", "1.4"),
+            text="Names matching `^[a-z0-9_]+(/[a-z0-9_]+)*$` of up to 250 characters (MLflow's limit for a metric key) MUST be stored unchanged, slashes included.", depends_on=("MET-001",),
+            domain="Five catalogue names and three of exactly 250 characters (many short segments, one segment alone, a group over one long leaf) on one sink; then sinks each given 1 to 12 names drawn over the alphabet: 1 to 6 segments of 1 to 40 characters of [a-z0-9_] (a digit or '_' first included) joined by '/'. Names outside the alphabet are never logged (out of scope)."),
+        Requirement(id="MET-003", level=_M, title="steps kept apart", tightened=("1.2", "1.4"),
+            text="Values logged for one name at different steps MUST all be kept, each with its step, in whatever order the steps come (a step lower than one already logged for the name included).", depends_on=("MET-001",),
+            domain="One name at steps 0, 1, 2, 10, 5, 3 in that order; then random sequences on a new sink each, read back once it is closed: points of four plain names with MET-001's values at steps 0 to 12, 2**31 - 1, 2**31, 10**12 and up to 2**40, in any order, repeated and lower than the name's highest, and one burst of 257 or 600 points of one name at consecutive steps (past a writer's batch or queue size). Every point read back, each once."),
         Requirement(id="MET-004", level=_S, title="non-finite values kept",
-            text="NaN and infinite values SHOULD be stored as such rather than dropped or replaced.", depends_on=("MET-001",)),
-        Requirement(id="MET-005", level=_M, title="flush", capability="flush", tightened=("1.2",),
-            text="After `flush()`, everything logged so far, under every name, MUST be readable without closing the sink.", depends_on=("MET-001",)),
+            text="NaN and infinite values SHOULD be stored as such rather than dropped or replaced.", depends_on=("MET-001",),
+            domain="NaN, +inf and -inf at steps 0, 1, 2 of one name."),
+        Requirement(id="MET-005", level=_M, title="flush", capability="flush", tightened=("1.2", "1.4"),
+            text="After `flush()`, everything logged so far, under every name, MUST be readable without closing the sink.", depends_on=("MET-001",),
+            domain="Four points of three names (the first name again last), flushed and read; then MET-003's random sequences with `flush()` among the calls, everything logged so far read back after each flush, before close."),
         Requirement(id="MET-006", level=_M, title="several writers", capability="cross_process",
-            text="Metrics logged from several processes into one run MUST all read back.", depends_on=("MET-001",)),
+            text="Metrics logged from several processes into one run MUST all read back.", depends_on=("MET-001",),
+            domain="Two spawned processes, each a sink on the same directory logging three steps of a name of its own and of one shared name."),
         Requirement(id="MET-007", level=_S, title="no step: the next step", since="1.1",
-            text="A value logged without a step (`step=None`) SHOULD be recorded at the sink's next step for its name, one past the highest step logged for that name through the sink (0 for its first value), and read back there, not raise or fall back to step 0 (a SHOULD until v2: the 1.0 Protocol allowed `step=None` without saying what it means).", depends_on=("MET-001",)),
+            text="A value logged without a step (`step=None`) SHOULD be recorded at the sink's next step for its name, one past the highest step logged for that name through the sink (0 for its first value), and read back there, not raise or fall back to step 0 (a SHOULD until v2: the 1.0 Protocol allowed `step=None` without saying what it means).", depends_on=("MET-001",), tightened=("1.4",),
+            domain="Four names: three values without a step; two steps then none; step 5 then none; steps 5 and 2 then none (6, not 3). Then MET-003's random sequences with `step=None` among the steps, each expected where `NextStep` puts it."),
         Requirement(id="MET-008", level=_M, title="distributions", capability="histogram", since="1.3",
-            text="`log_histogram(name, values, step)` with finite values MUST store one distribution per call that reads back at its step with the number of values, their minimum and their maximum (float32 rounding allowed), steps in any order, a sample whose values are all equal included; a NaN or infinite value MUST be refused with ValueError rather than binned or dropped.", depends_on=("MET-001",)),
+            text="`log_histogram(name, values, step)` with finite values MUST store one distribution per call that reads back at its step with the number of values, their minimum and their maximum (float32 rounding allowed), steps in any order, a sample whose values are all equal included; a NaN or infinite value MUST be refused with ValueError rather than binned or dropped.", depends_on=("MET-001",), tightened=("1.4",),
+            domain="Lists of 1 to 102 values (all equal, one value, negatives, 1e6 beside -2e5), two calls of one name at one step, steps in any order, and a [3, 4] tensor (12 values, not 3); then a list holding NaN."),
         Requirement(id="MET-009", level=_M, title="completion samples", capability="samples", since="1.3",
-            text="`log_samples(name, rows, step)` with rows of (prompt: str, completion: str, reward: float) MUST store one table per call that reads back at its step with every row in order, each text unchanged (newlines, leading and trailing spaces, non-ASCII, empty and 20,000-character texts) and each reward as logged (NaN kept); tables of one name at several steps are all kept.", depends_on=("MET-001",)),
+            text="`log_samples(name, rows, step)` with rows of (prompt: str, completion: str, reward: float) MUST store one table per call that reads back at its step with every row in order, each text unchanged (newlines, leading and trailing spaces, non-ASCII, empty and 20,000-character texts) and each reward as logged (NaN kept); tables of one name at several steps are all kept.", depends_on=("MET-001",), tightened=("1.4",),
+            domain="Four tables of two names: texts with newlines (\\n, \\r\\n), tabs, leading and trailing spaces, accents, CJK, emoji, U+2028, decomposed (NFD: e + U+0301) beside composed characters, compatibility characters (U+212B, U+FB01), empty and 20,000-character texts; rewards 1.0, -0.5, NaN, 0.125; two tables of one name at one step."),
     ),
 )  # fmt: skip

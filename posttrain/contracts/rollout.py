@@ -56,8 +56,11 @@ ROLLOUT = Contract(
         "`update_policy_weights_(weights)` copies `weights` or keeps the tensors it was given "
         "(a colocated source shares them with the trainer by design; a trainer that then "
         "changes them in place owes the source another update for the change to be stamped), "
-        "and what it does with a name its policy does not have (raise, or ignore it); either "
-        "way `policy_version` names the weights the source generates with (ROLL-003, ROLL-005)."
+        "and what it does with a name its policy does not have: raise, or ignore it while its "
+        "version rises (a version names the weights, and two versions may name equal weights, "
+        "as ROLL-004's update with unchanged values does). Either way `policy_version` names "
+        "the weights the source generates with (ROLL-003, ROLL-005): an update that raises "
+        "leaves the weights and the version as they were."
     ),
     protocol=RolloutSourceV1,
     factory=(
@@ -65,7 +68,7 @@ ROLLOUT = Contract(
         "max_new_tokens: int) -> RolloutSourceV1  # policy: an HF causal LM the suite supplies"
     ),
     uses_layout=True,
-    version="1.2",
+    version="1.3",
     capabilities=(
         Capability(name="ragged", text="Yields ragged batches (lazy stacks / jagged tensors) instead of padded ones.",
             undeclared="Batches are checked as padded ones (ROLL-001's layout, prompts right- or left-padded); ROLL-010 does not apply."),
@@ -79,17 +82,17 @@ ROLLOUT = Contract(
             text="Every batch MUST meet the LLM layout v1 (tokens, attention mask, assistant mask, policy_version) with the assistant mask covering exactly the generated tokens: every generated token (the EOS that ends a response included, also where the pad token is EOS), and no prompt or padding token. Prompts MAY be left-padded (TRL's arrangement).", tightened=("1.1", "1.2"),
             domain="Two batches of a source over the suite's four prompts (2 to 4 tokens) with scripted weights: two responses end early at EOS, and the pad token is EOS."),
         Requirement(id="ROLL-002", level=_M, title="prompt preserved",
-            text="The real tokens (attention mask True) before the first assistant token MUST be the prompt the source was given.", depends_on=("ROLL-001",),
-            domain="The first batch of a source over the suite's four prompts (token ids 5 to 16, 1 to 4 tokens)."),
+            text="The real tokens (attention mask True) before the first assistant token MUST be the prompt the source was given.", depends_on=("ROLL-001",), tightened=("1.3",),
+            domain="The first batch of a source over the suite's four prompts (token ids 5 to 16, 1 to 4 tokens); then sources over 1 to 6 prompts of 1 to 24 token ids drawn over the whole vocabulary (0 to 63: the pad id 0 and EOS 2 included, anywhere in a prompt), with max_new_tokens 1 to 6. Tried first: prompts the pad id starts, ends or fills ([0, 5, 0], [0], [0, 0, 6]), EOS inside a prompt, a one-token prompt, a 24-token prompt beside a 1-token one."),
         Requirement(id="ROLL-003", level=_M, title="version stamped",
-            text="Every item MUST carry `policy_version` equal to the source's `policy_version` when it was generated; that version names the weights, so without `update_policy_weights_` it MUST stay the same from batch to batch.", tightened=("1.1", "1.2"), depends_on=("ROLL-001",),
-            domain="Three batches without an update, then three after `update_policy_weights_(weights)` with scripted weights whose tokens name them."),
+            text="Every item MUST carry `policy_version` equal to the source's `policy_version` when it was generated; that version names the weights, so without `update_policy_weights_` it MUST stay the same from batch to batch.", tightened=("1.1", "1.2", "1.3"), depends_on=("ROLL-001",),
+            domain="Three batches without an update, then three after `update_policy_weights_(weights)` with scripted weights whose tokens name them; then random sequences (a fixed one first) of batches and updates on a source: fresh weight dicts, the policy changed in place followed by `update_policy_weights_(None)`, and full dicts with one name the policy lacks (raised: nothing may change; accepted: an update like any other), the same weights again included. After every step the stamps and `policy_version` name the weights the tokens show (a batch of the weights before an update may come once, stamped with their version)."),
         Requirement(id="ROLL-004", level=_M, title="version rises on update",
             text="After `update_policy_weights_`, `policy_version` and the stamps of later batches MUST be greater than before.", depends_on=("ROLL-003",),
             domain="One batch, `update_policy_weights_` with the policy's own `state_dict()` (unchanged values), one batch."),
         Requirement(id="ROLL-005", level=_M, title="new weights used",
-            text="Batches generated after `update_policy_weights_` returns MUST come from the new weights (checked through the generated tokens or log-probs).", depends_on=("ROLL-004",),
-            domain="One batch, then `update_policy_weights_` with weights that emit one forced token, one batch."),
+            text="Batches generated after `update_policy_weights_` returns MUST come from the new weights (checked through the generated tokens or log-probs).", depends_on=("ROLL-004",), tightened=("1.3",),
+            domain="One batch, then `update_policy_weights_` with weights that emit one forced token, one batch; then ROLL-003's random sequences of batches and updates (fresh dicts, `None` after the policy changed in place, a name the policy lacks), every batch after an update compared with what the weights loaded last generate."),
         Requirement(id="ROLL-006", level=_M, title="declared end",
             text="When a total is declared, iteration MUST stop after exactly that many batches.", depends_on=("ROLL-001",),
             domain="A declared total of 3 batches, iterated to its end (counted up to 10)."),

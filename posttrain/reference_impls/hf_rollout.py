@@ -69,7 +69,30 @@ class HFRolloutSource:
         if self._closed:
             raise SourceClosed("update_policy_weights_ after shutdown()")
         if weights is not None:
-            self.policy.load_state_dict(dict(weights), strict=True)
+            weights = dict(weights)
+            # Checked before any write: load_state_dict(strict=True) copies every tensor it
+            # knows and only then raises for a name it does not, leaving the policy changed
+            # under the old version.
+            own = self.policy.state_dict()
+            problems = [f"unknown name {n!r}" for n in weights if n not in own]
+            problems += [f"missing name {n!r}" for n in own if n not in weights]
+            problems += [
+                f"{n!r}: expected {own[n].dtype} {list(own[n].shape)}, found "
+                f"{getattr(w, 'dtype', type(w).__name__)} {list(getattr(w, 'shape', []))}"
+                for n, w in weights.items()
+                if n in own
+                and (
+                    not isinstance(w, torch.Tensor)
+                    or w.shape != own[n].shape
+                    or w.dtype != own[n].dtype
+                )
+            ]
+            if problems:
+                raise ValueError(
+                    "update_policy_weights_: weights rejected (policy unchanged): "
+                    + "; ".join(problems[:10])
+                )
+            self.policy.load_state_dict(weights, strict=True)
         self._version += 1
 
     def shutdown(self) -> None:

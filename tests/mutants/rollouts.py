@@ -58,9 +58,12 @@ class StampsNextVersion(_Edit):
 
 
 class VersionNeverMoves(HFRolloutSource):
+    """Loads new weights (checked first, as the reference does) but never bumps the version."""
+
     def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
-        if weights is not None:
-            self.policy.load_state_dict(dict(weights))
+        version = self._version
+        super().update_policy_weights_(weights)
+        self._version = version
 
 
 class GeneratesWithACopy(HFRolloutSource):
@@ -203,6 +206,33 @@ class LeftPadded(HFRolloutSource):
         return moved
 
 
+class DropsPadIdFromPrompts(HFRolloutSource):
+    """Takes a prompt token equal to the pad id for padding (TorchRL's TransformersWrapper
+    masks as tokens != pad_token_id): the model never sees it, and the batch's prompt lacks it."""
+
+    def __init__(self, policy: Any, prompts: list[list[int]], *args: Any, **kw: Any) -> None:
+        super().__init__(policy, prompts, *args, **kw)
+        self.prompts = [[t for t in p if t != self.pad] or p for p in self.prompts]
+
+
+class NoneUpdateKeepsOldWeights(HFRolloutSource):
+    """Generates with a private copy that only explicit weights refresh: after the policy is
+    changed in place, ``update_policy_weights_(None)`` bumps the version and nothing else."""
+
+    def __init__(self, policy: Any, *args: Any, **kw: Any) -> None:
+        super().__init__(copy.deepcopy(policy), *args, **kw)
+
+
+class LoadsThenRefusesUnknown(HFRolloutSource):
+    """``load_state_dict(strict=True)`` as is: every known tensor is copied, then the unknown
+    name raises, so the weights change under the old version."""
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        if weights is not None:
+            self.policy.load_state_dict(dict(weights), strict=True)
+        self._version += 1
+
+
 def _impl(req: str, cls: type[HFRolloutSource], **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"log_probs", "groups"})
     return Implementation(
@@ -232,6 +262,9 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("ROLL-001", _impl("ROLL-001", MasksEosAsPad)),
     ("ROLL-003", _impl("ROLL-003", StampsWhenYielded)),
     ("ROLL-003", _impl("ROLL-003", StampFrozen)),
+    ("ROLL-002", _impl("ROLL-002", DropsPadIdFromPrompts)),
+    ("ROLL-005", _impl("ROLL-005", NoneUpdateKeepsOldWeights)),
+    ("ROLL-003", _impl("ROLL-003", LoadsThenRefusesUnknown)),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -344,6 +345,59 @@ read_samples_reward_text = _samples_rewards_as(repr)
 """A reader that hands each reward back as its text ('1.0', 'nan')."""
 
 
+class NoStepAfterLastStep(JsonlSink):
+    """A value without a step goes one past the name's *last* step, not its highest: after
+    steps 5 and 2 it lands at 3, beside a point already there."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__(directory)
+        self._last: dict[str, int] = {}
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        s = self._last.get(name, -1) + 1 if step is None else int(step)
+        self._last[name] = s
+        super().log_scalar(name, value, s)
+
+
+class HistogramCountsRows(JsonlSink):
+    """A distribution's count is ``len(values)``, min and max over every value: a [B, T]
+    tensor counts as B values (the ``len(tensor)`` vs ``numel()`` slip)."""
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        flat = values.reshape(-1).tolist() if hasattr(values, "reshape") else list(values)
+        vals = sorted(float(v) for v in flat)
+        rows = len(values)
+        # Stored so that the reader's count is the row count, min and max still right.
+        kept = [vals[0], vals[-1], *vals[1 : rows - 1]] if rows > 1 else vals[:1]
+        super().log_histogram(name, kept, step)
+
+
+class NormalisesTextsNfc(JsonlSink):
+    """Sample texts normalised to Unicode NFC before they are stored (a "clean the text"
+    step): a decomposed e + U+0301 reads back composed."""
+
+    def log_samples(self, name: str, rows: Any, step: int) -> None:
+        nfc = [
+            (unicodedata.normalize("NFC", p), unicodedata.normalize("NFC", c), r)
+            for p, c, r in rows
+        ]
+        super().log_samples(name, nfc, step)
+
+
+class DropsPastBatch(JsonlSink):
+    """Loses the point that fills each batch of 256 (an off-by-one where a writer hands a full
+    batch to its backend): a run of fewer than 256 points reads back whole."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__(directory)
+        self._n = 0
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        self._n += 1
+        if self._n % 256:
+            super().log_scalar(name, value, step)
+
+
 def _impl(
     req: str,
     cls: type[JsonlSink],
@@ -382,6 +436,10 @@ MUTANTS: dict[str, Implementation] = {
 """Requirement id -> a sink that breaks exactly that requirement."""
 
 EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
+    ("MET-003", _impl("MET-003", DropsPastBatch)),
+    ("MET-007", _impl("MET-007", NoStepAfterLastStep)),
+    ("MET-008", _impl("MET-008", HistogramCountsRows, capabilities={"histogram"})),
+    ("MET-009", _impl("MET-009", NormalisesTextsNfc, capabilities={"samples"})),
     ("MET-001", _impl("MET-001", KeepsLastPerStep)),
     ("MET-001", _impl("MET-001", MergesRepeatedStep)),
     ("MET-002", _impl("MET-002", TruncatesLongNames)),

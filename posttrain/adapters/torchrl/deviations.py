@@ -167,6 +167,13 @@ ROLLOUT_DEVIATIONS: tuple[Deviation, ...] = (
         "roll_001_eos_taken_for_pad",
     ),
     Deviation(
+        ("ROLL-002",),
+        "TransformersWrapper(generate=True, input_mode='tokens')",
+        "a prompt token equal to the tokenizer's pad id is dropped (the prompt's attention mask is tokens != pad_token_id): the model never sees it and the batch's prompt is not the one given",
+        "roll_002_pad_id_prompt_tokens_dropped",
+        blocked_by=("ROLL-001",),
+    ),
+    Deviation(
         ("ROLL-008",),
         "TransformersWrapper(generate=True, return_log_probs=True)",
         "the log-prob of the first generated token is set to 0 (_log_probs_generate: log_probs[:, 0] = 0)",

@@ -287,13 +287,15 @@ def _collector(*, adapted: bool) -> Implementation:
         capabilities={"ragged", "log_probs"},
         description="One ChatEnv subclass feeds token-id prompts (TorchRL has no such env); "
         + (
-            "the adapter stamps ('next', 'policy_version'), checks and converts state dicts, "
-            "rescores log-probs with a non-generating TransformersWrapper, refuses after shutdown."
+            "the adapter pads prompts with an id outside the vocabulary (a prompt token equal to "
+            "the pad id is kept), stamps ('next', 'policy_version'), checks and converts state "
+            "dicts, rescores log-probs with a non-generating TransformersWrapper, refuses after "
+            "shutdown."
             if adapted
             else "raw: keys mapped to the layout, TorchRL's own values and weight path."
         ),
-        # raw: the dropped EOS fails ROLL-001, which blocks the ROLL-004/008 checks (their
-        # deviations keep their repros)
+        # raw: the dropped EOS fails ROLL-001, which blocks the ROLL-002/003/004/008 checks
+        # (their deviations keep their repros)
         known_failures=set() if adapted else {"ROLL-001"},
     )
 

@@ -9,7 +9,9 @@ TorchRL's: ``DataLoadingPrimer``, ``StepCounter``, ``TransformersWrapper`` gener
 
 from __future__ import annotations
 
+import contextlib
 import math
+import types
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -18,6 +20,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain._deps import optional_deps
+from posttrain.adapters._hf import word_level_tokenizer
 from posttrain.adapters.torchrl.loss import transformers_actor
 from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signature
 from posttrain.contracts.layout import LLM_LAYOUT_V1
@@ -195,8 +198,13 @@ class ContractCollector(LayoutOnlyCollector):
       of the same model (one forward pass per batch): the generating wrapper sets the first
       response token's log-prob to 0 (``_log_probs_generate``), which would bias every
       importance ratio computed from it.
-    - Puts back the EOS that ends a response when the tokenizer's pad token is EOS:
-      ``TransformersWrapper`` derives its masks as ``tokens != pad_token_id`` and drops it.
+    - Pads prompts with an id one past the vocabulary: ``TransformersWrapper`` derives its
+      masks as ``tokens != pad_token_id``, so a prompt token equal to the model's pad id
+      would be dropped from what the model sees and from the batch. While TorchRL runs the
+      model, the embedding reads that id as the model's own pad id (the attention mask hides
+      it). A response is then every generated token up to and including the first EOS:
+      what ``generate`` writes after it is padding (an EOS that is also the pad token, or a
+      generated pad id, is no longer taken for padding).
     - Iterating after ``shutdown()`` raises :class:`SourceClosed`; ``shutdown`` is idempotent.
 
     Example:
@@ -218,24 +226,29 @@ class ContractCollector(LayoutOnlyCollector):
         self.max_new_tokens = max_new_tokens
         self.closed = False
         self._scorer = transformers_actor(model, pad_output=False)
-        eos, pad = model.config.eos_token_id, model.config.pad_token_id
-        self._dropped_eos = eos if isinstance(eos, int) and eos == pad else None
 
     def _tokens(self, td: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         prompts, responses = super()._tokens(td)
-        eos = self._dropped_eos
-        if eos is None:
+        eos = self.model.config.eos_token_id
+        if not isinstance(eos, int):
             return prompts, responses
-        # Shorter than the budget: generation stopped at an EOS, which the wrapper dropped.
-        end = torch.tensor([eos], dtype=torch.long)
-        return prompts, [
-            torch.cat([r, end]) if r.shape[-1] < self.max_new_tokens else r for r in responses
-        ]
+        cut = []
+        for r in responses:
+            ends = (r == eos).nonzero()
+            cut.append(r[: int(ends[0, 0]) + 1] if len(ends) else r)
+        return prompts, cut
 
     def _log_probs(
         self, td: TensorDictBase, fulls: list[torch.Tensor]
     ) -> list[torch.Tensor] | None:
-        items = [TensorDict({("tokens", "full"): f}, batch_size=[]) for f in fulls]
+        # Every token is real: an explicit mask, or the scorer would take a pad id for padding.
+        items = [
+            TensorDict(
+                {("tokens", "full"): f, ("masks", "all_attention_mask"): torch.ones_like(f).bool()},
+                batch_size=[],
+            )
+            for f in fulls
+        ]
         with torch.no_grad():
             out = self._scorer(LazyStackedTensorDict.lazy_stack(items, 0))
         lps: list[torch.Tensor] = out.get(("log_probs", "full"), as_list=True)
@@ -244,7 +257,12 @@ class ContractCollector(LayoutOnlyCollector):
     def __iter__(self) -> Iterator[TensorDictBase]:
         if self.closed:
             raise SourceClosed("the collector was shut down; create a new one to generate again")
-        for td in super().__iter__():
+        batches = super().__iter__()
+        while True:
+            with outside_pad_embedded(self.model):
+                td = next(batches, None)
+            if td is None:
+                return
             yield td
             if self.closed:
                 raise SourceClosed(
@@ -269,6 +287,54 @@ class ContractCollector(LayoutOnlyCollector):
             self.collector.shutdown()
 
 
+def outside_pad_tokenizer(config: Any) -> Any:
+    """The word-level tokenizer of ``config`` whose pad id is ``vocab_size``: no token's id.
+
+    Example:
+        >>> from posttrain.testing import tiny_causal_lm
+        >>> tok = outside_pad_tokenizer(tiny_causal_lm(vocab_size=64).config)
+        >>> tok.pad_token_id, tok.eos_token_id
+        (64, 2)
+    """
+    eos = config.eos_token_id if isinstance(config.eos_token_id, int) else 2
+    bos = config.bos_token_id if isinstance(config.bos_token_id, int) else 1
+    outside = types.SimpleNamespace(
+        vocab_size=config.vocab_size + 1,
+        pad_token_id=config.vocab_size,
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+    return word_level_tokenizer(outside)
+
+
+@contextlib.contextmanager
+def outside_pad_embedded(model: Any) -> Iterator[None]:
+    """While open, ``model``'s input embedding reads the id ``vocab_size`` as its pad id.
+
+    The positions holding it are padding the attention mask hides; the embedding only needs a
+    row to read for them.
+
+    Example:
+        >>> from posttrain.testing import tiny_causal_lm
+        >>> m = tiny_causal_lm(vocab_size=64)
+        >>> with outside_pad_embedded(m):
+        ...     m(input_ids=torch.tensor([[64, 5]])).logits.shape
+        torch.Size([1, 2, 64])
+    """
+    outside = int(model.config.vocab_size)
+    pad = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
+
+    def read_as_pad(_module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        ids = args[0]
+        return (ids.masked_fill(ids == outside, pad), *args[1:])
+
+    handle = model.get_input_embeddings().register_forward_pre_hook(read_as_pad)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def llm_collector(
     policy: Any,
     prompts: list[list[int]],
@@ -288,11 +354,10 @@ def llm_collector(
     with optional_deps():
         from torchrl.collectors.llm import LLMCollector
 
-    wrapper = transformers_actor(
-        policy,
-        generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": True},
-        pad_output=False,
-    )
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": True}
+    # adapted: prompts padded with an id no token has (ContractCollector embeds it as the pad)
+    tokenizer = outside_pad_tokenizer(policy.config) if adapted else None
+    wrapper = transformers_actor(policy, tokenizer, generate_kwargs=kwargs, pad_output=False)
     n = len(prompts)
     with _list_to_stack(), warnings.catch_warnings():
         # 0.14 warns that 0.15 will append InitTracker; this single-turn env needs none.

@@ -11,12 +11,13 @@ tokenizers), and the tokens generated name the weights that generated them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
+from posttrain.conformance import explore
 from posttrain.conformance.context import Context
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
@@ -254,20 +255,64 @@ def batches_meet_layout(ctx: Context) -> None:
         src.shutdown()
 
 
-@requirement("ROLL-002")
-def prompt_preserved(ctx: Context) -> None:
-    _policy, batch = _first_batch(ctx)
+PAD = 0  # tiny_causal_lm's pad_token_id
+
+
+def _prompt_lists(long: int) -> Any:
+    """ROLL-002's domain: batches of 1 to 6 prompts, each 1 to ``long`` token ids drawn over
+    the whole vocabulary (the pad id 0 and EOS 2 among them), and a budget of 1 to 6 tokens."""
+    from hypothesis import strategies as st
+
+    token = st.one_of(st.sampled_from((PAD, EOS, 1, V - 1)), st.integers(0, V - 1))
+    prompt = st.lists(token, min_size=1, max_size=long)
+    return st.tuples(st.lists(prompt, min_size=1, max_size=6), st.integers(1, 6))
+
+
+# Prompts the pad id or EOS start, end or fill; one token; longer than a short cut keeps.
+PROMPT_EDGES: tuple[tuple[list[list[int]], int], ...] = (
+    ([[PAD, 5, PAD], [EOS], [7, EOS, 8, PAD, PAD]], 3),
+    ([[PAD], [PAD, PAD, 6]], 1),
+    ([list(range(5, 29)), [9]], 2),
+)
+
+
+def _prompts_answered(batch: TensorDictBase, given: Sequence[list[int]]) -> str | None:
+    """How the real tokens before each item's response differ from the prompts given."""
     seen = []
     for i, (toks, att, asst) in enumerate(_rows(batch)):
         prompt = _prompt_part(toks, att, asst)
-        if prompt not in PROMPTS:
-            raise _fail(
-                f"item {i}: the real tokens before the response are {prompt}, not one of the prompts {PROMPTS}"
+        if prompt not in given:
+            return (
+                f"item {i}: the real tokens before the response are {prompt}, not one of the "
+                f"prompts given {list(given)}"
             )
         seen.append(prompt)
-    missing = [p for p in PROMPTS if p not in seen]
+    missing = [p for p in given if p not in seen]
     if missing:
-        raise _fail(f"the first batch answers none of the prompts {missing}")
+        return f"the first batch answers none of the prompts {missing} (given {list(given)})"
+    return None
+
+
+@requirement("ROLL-002")
+def prompt_preserved(ctx: Context) -> None:
+    _policy, batch = _first_batch(ctx)
+    problem = _prompts_answered(batch, PROMPTS)
+    if problem is not None:
+        raise _fail(problem)
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+
+    def one(drawn: tuple[list[list[int]], int]) -> None:
+        prompts, budget = drawn
+        src = ctx.make(policy, [list(p) for p in prompts], 1, max_new_tokens=budget)
+        try:
+            batch = _first(iter(src), "first batch")
+        finally:
+            src.shutdown()
+        problem = _prompts_answered(batch, prompts)
+        if problem is not None:
+            raise _fail(f"prompts {prompts}, max_new_tokens={budget}: {problem}")
+
+    explore.for_all(ctx, _prompt_lists(24), one, examples=4, boundaries=PROMPT_EDGES)
 
 
 def _stamped_weights(batch: TensorDictBase) -> list[tuple[int, int | None]]:
@@ -330,6 +375,167 @@ def version_stamped(ctx: Context) -> None:
                 f"{versions[k]}, but stamped {v} (version {want} before the update, "
                 f"{new} after)"
             )
+    _explore_source(ctx, "stamps")
+
+
+UNKNOWN = "not_a_parameter.weight"  # a name no policy has, sent beside a full state dict
+
+
+class _SourceSpec:
+    """The executable model of a rollout source (ROLL-003 to ROLL-005), on scripted weights.
+
+    ``k`` names the weights the source generates with and ``version`` the source's
+    ``policy_version`` for them. An update with weights ``j`` (a fresh dict, or the policy
+    changed in place then ``update_policy_weights_(None)``) makes ``j`` the weights and the
+    version rise; one with a name the policy lacks may raise (nothing changes) or ignore the
+    name (like any update). A batch answers every prompt with what the weights ``k``
+    generate, stamped ``version``; right after an update, a batch already generated with the
+    weights before it may come once, stamped with their version (it was in flight).
+    """
+
+    def __init__(self, ctx: Context, focus: str) -> None:
+        self.focus = focus
+        self.policy, self.src = _scripted_source(ctx, total=None)
+        self.it = iter(self.src)
+        self.k = 0
+        self.version = int(self.src.policy_version)
+        self.in_flight: tuple[int, int] | None = None  # (weights, version) before an update
+        # The weights before the last update, while the new ones have not shown up: a batch
+        # of them stamped with the new version is ROLL-005's failure (old weights in use).
+        self.stale: int | None = None
+        self.log: list[str] = []
+
+    def batch(self) -> None:
+        n = len(self.log)
+        batch = _first(self.it, f"batch after {self._history()}")
+        self.log.append("batch")
+        flight, self.in_flight = self.in_flight, None
+        now = int(self.src.policy_version)
+        if self.focus == "stamps" and now != self.version:
+            raise _fail(
+                f"after {self._history(n)}, the source's policy_version is {now}; expected "
+                f"{self.version} (it changes with update_policy_weights_ only)"
+            )
+        for i, it in enumerate(_items(batch)):
+            toks = it.get(K("tokens")).tolist()
+            att = it.get(K("attention_mask")).tolist()
+            stamp = int(it.get(K("policy_version")).reshape(-1)[0])
+            gen = _generated(toks, att)
+            if gen is None:
+                continue  # not one of the prompts: ROLL-002's failure
+            real = [t for t, a in zip(toks, att, strict=True) if a]
+            prompt = real[: len(real) - len(gen)]
+            got = [toks[j] for j in gen]
+            k = _weights_of(got)
+            if self.focus == "weights" and got != scripted_response(prompt, self.k):
+                raise _fail(
+                    f"after {self._history(n)}, item {i} answers prompt {prompt} with {got}; "
+                    f"the weights loaded last ({self.k}) generate "
+                    f"{scripted_response(prompt, self.k)}"
+                    + ("" if k is None else f" (its tokens are weights {k}'s)")
+                )
+            if self.focus != "stamps" or k is None:
+                continue
+            if k == self.k and stamp == self.version:
+                self.stale = None
+                continue
+            if flight is not None and (k, stamp) == flight:
+                continue
+            if k == self.stale and stamp == self.version:
+                continue
+            raise _fail(
+                f"after {self._history(n)}, item {i} was generated by weights {k} (its tokens "
+                f"say so) and stamped {stamp}; the weights loaded last are {self.k}, under "
+                f"policy_version {self.version}"
+            )
+
+    def update(self, j: int, how: str) -> None:
+        before = (self.k, self.version)
+        weights = scripted_weights(self.policy, j)
+        raised: Exception | None = None
+        if how == "in_place":
+            self.policy.load_state_dict(weights)
+            self.src.update_policy_weights_(None)
+        elif how == "unknown_name":
+            weights[UNKNOWN] = torch.zeros(3)
+            try:
+                self.src.update_policy_weights_(weights)
+            except Exception as e:  # refusing a name the policy lacks is allowed
+                raised = e
+        else:
+            self.src.update_policy_weights_(weights)
+        n = len(self.log)
+        call = {
+            "in_place": f"policy.load_state_dict(scripted_weights(policy, {j})); "
+            "src.update_policy_weights_(None)",
+            "unknown_name": f"src.update_policy_weights_(scripted_weights(policy, {j}) | "
+            f"{{{UNKNOWN!r}: ...}})" + (" raised" if raised else ""),
+            "fresh": f"src.update_policy_weights_(scripted_weights(policy, {j}))",
+        }[how]
+        self.log.append(call)
+        now = int(self.src.policy_version)
+        if raised is not None:
+            if self.focus == "stamps" and now != self.version:
+                raise _fail(
+                    f"after {self._history(n)}, an update_policy_weights_ that raised "
+                    f"({type(raised).__name__}) changed policy_version from {self.version} "
+                    f"to {now}"
+                )
+            return
+        # A version that does not rise is ROLL-004's failure: the stamps still name it.
+        self.in_flight = before
+        self.stale = None if j == self.k else self.k
+        self.k, self.version = j, now
+
+    def _history(self, n: int | None = None) -> str:
+        calls = self.log if n is None else self.log[:n]
+        if not calls:
+            return "no call"
+        return (
+            "[" + "; ".join(calls[-8:]) + "]" + (f" ({len(calls)} calls)" if len(calls) > 8 else "")
+        )
+
+    def close(self) -> None:
+        self.src.shutdown()
+        self.src.shutdown()
+
+
+def _explore_source(ctx: Context, focus: str) -> None:
+    """One fixed sequence (every kind of update, each followed by a batch), then the machine."""
+    spec = _SourceSpec(ctx, focus)
+    try:
+        spec.batch()
+        for j, how in ((1, "in_place"), (2, "unknown_name"), (3, "fresh"), (3, "in_place")):
+            spec.update(j, how)
+            spec.batch()
+    finally:
+        spec.close()
+    explore.run_machine(ctx, _machine(ctx, focus), examples=2, steps=8)
+
+
+def _machine(ctx: Context, focus: str) -> type[Any]:
+    """Random batch/update sequences on a new source each, against :class:`_SourceSpec`."""
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, rule
+
+    class RolloutMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.spec = _SourceSpec(ctx, focus)
+
+        @rule()
+        def batch(self) -> None:
+            self.spec.batch()
+
+        @rule(j=st.integers(0, 5), how=st.sampled_from(("fresh", "in_place", "unknown_name")))
+        def update(self, j: int, how: str) -> None:
+            self.spec.update(j, how)
+
+        def teardown(self) -> None:
+            self.spec.close()
+
+    RolloutMachine.__name__ = f"RolloutMachine_{focus}"
+    return RolloutMachine
 
 
 @requirement("ROLL-004")
@@ -376,6 +582,7 @@ def new_weights_used(ctx: Context) -> None:
                 f"masked responses {wrong[:4]} hold other tokens: the mask, not the weights"
             )
         raise _fail(f"{done}, responses {wrong} contain other tokens: old weights still in use")
+    _explore_source(ctx, "weights")
 
 
 def _misplaced_mask(batch: TensorDictBase) -> str | None:
