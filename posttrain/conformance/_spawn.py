@@ -101,8 +101,13 @@ class Spawned:
 
     def join(self, base_s: float) -> list[int | None]:
         """Wait for every child to exit within :meth:`deadline_s`; their exit codes (None: still
-        running at the deadline, then terminated)."""
-        until = time.monotonic() + self.deadline_s(base_s)
+        running at the deadline, then terminated). Raises :meth:`wait_started`'s
+        ``TimeoutError``, every child stopped."""
+        try:
+            until = time.monotonic() + self.deadline_s(base_s)
+        except TimeoutError:
+            self.terminate()
+            raise
         for p in self.procs:
             p.join(max(0.0, until - time.monotonic()))
         codes = [p.exitcode for p in self.procs]
