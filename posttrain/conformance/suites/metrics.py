@@ -6,16 +6,18 @@ as ``Implementation.extras["reader"](directory)``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from pathlib import Path
 from typing import Any
 
+from posttrain.conformance import explore
 from posttrain.conformance._spawn import Spawned
 from posttrain.conformance.context import Context
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
-from posttrain.contracts.metrics import METRIC_NAME_MAX
+from posttrain.contracts.metrics import METRIC_NAME_MAX, NextStep
 
 Scalars = dict[str, list[tuple[int, float]]]
 
@@ -104,6 +106,31 @@ def read_back_exactly(ctx: Context) -> None:
         ("reward", 2 / 3, 1),
     ]
     got = _log_and_read(ctx, entries)
+    _twice_at_one_step(got, entries)
+    _expect(got, entries, "read back")
+    from hypothesis import strategies as st
+
+    one_step = one_step_values(ctx)
+    explore.for_all(
+        ctx,
+        st.lists(_values(), min_size=1, max_size=20),
+        one_step,
+        examples=3,
+        boundaries=[list(_VALUE_EDGES)],
+    )
+
+
+def one_step_values(ctx: Context) -> Any:
+    """MET-001's drawn check: values across float32's range, each under a name of its own."""
+
+    def one(values: list[float]) -> None:
+        entries = [(f"value_{i}", v, 7) for i, v in enumerate(values)]
+        _expect(_log_and_read(ctx, entries), entries, "read back")
+
+    return one
+
+
+def _twice_at_one_step(got: Scalars, entries: list[tuple[str, float, int]]) -> None:
     for name, step in (("loss", 0), ("reward", 1)):
         logged = [v for n, v, s in entries if n == name and s == step]
         vals = got.get(name, [])
@@ -112,7 +139,196 @@ def read_back_exactly(ctx: Context) -> None:
                 f"read back: {name!r} logged at step {step} twice, as {logged[0]!r} then "
                 f"{logged[1]!r}; expected both read back, found {vals}"
             )
-    _expect(got, entries, "read back")
+
+
+# ---------------------------------------------------------------------------------------------
+# The executable model of a sink: an append-only log of (name, step, value) points.
+
+_POOL = ("loss", "reward", "kl_2", "lr")  # plain names: slashes are MET-002's
+# Values across float32's range (MET-001 allows float32 rounding): zero of both signs, the
+# extremes, values below float32's smallest normal, and long mantissas.
+_VALUE_EDGES = (0.0, -0.0, 1.0, -1.0, 3.0e38, -3.0e38, 1e-40, -1e-45, 1 / 3, 2.0**24 + 1)
+_STEP_EDGES = (0, 1, 2**31 - 1, 2**31, 10**12)
+
+
+def _catalogue_names() -> Any:
+    """Names over the catalogue alphabet (MET-002): 1 to 6 segments of [a-z0-9_], each 1 to
+    40 characters (a digit or '_' first included), joined by '/'."""
+    from hypothesis import strategies as st
+
+    segment = st.text("abcdefghijklmnopqrstuvwxyz0123456789_", min_size=1, max_size=40)
+    return st.lists(segment, min_size=1, max_size=6).map("/".join)
+
+
+def _values() -> Any:
+    from hypothesis import strategies as st
+
+    return st.one_of(
+        st.sampled_from(_VALUE_EDGES),
+        st.floats(-3.0e38, 3.0e38, allow_nan=False, allow_infinity=False),
+    )
+
+
+def _steps() -> Any:
+    from hypothesis import strategies as st
+
+    return st.one_of(st.integers(0, 12), st.sampled_from(_STEP_EDGES), st.integers(0, 2**40))
+
+
+class _SinkSpec:
+    """What a sink must read back: every point logged so far, each once, as logged.
+
+    ``focus`` is the requirement the comparisons speak for: ``MET-003`` (explicit steps, in any
+    order, repeated, large, and bursts past any batching threshold), ``MET-005`` (the same,
+    read after every ``flush()`` without closing) or ``MET-007`` (steps left out: the name's
+    next step, as :class:`~posttrain.contracts.metrics.NextStep` keeps it).
+    """
+
+    def __init__(self, ctx: Context, focus: str) -> None:
+        self.ctx, self.focus = ctx, focus
+        self.stack = contextlib.ExitStack()
+        self.dir = self.stack.enter_context(ctx.tmpdir())
+        self.sink = ctx.make(self.dir)
+        self.points: list[tuple[str, float, int]] = []
+        self.steps = NextStep()
+        self.calls: list[str] = []
+        self.closed = False
+        self.bursts = 0
+
+    def log(self, name: str, value: float, step: int | None) -> None:
+        want = self.steps(name, step)
+        shown = f"sink.log_scalar({name!r}, {value!r}" + ("" if step is None else f", step={step}")
+        self.calls.append(shown + ")")
+        try:
+            if step is None:
+                self.sink.log_scalar(name, value)
+            else:
+                self.sink.log_scalar(name, value, step=step)
+        except Exception as e:
+            raise _fail(
+                f"{shown}) raised {type(e).__name__}: {str(e)[:200]}; expected the point "
+                f"stored (after {self._history(len(self.calls) - 1)})"
+            ) from None
+        self.points.append((name, value, want))
+
+    def burst(self, name: str, n: int, first: int) -> None:
+        """``n`` points of one name at consecutive steps: past a writer's batch or queue size."""
+        self.bursts += 1
+        self.calls.append(
+            f"for s in range({first}, {first + n}): sink.log_scalar({name!r}, s / 7, step=s)"
+        )
+        for s in range(first, first + n):
+            _log(self.sink, name, s / 7, s)
+            self.points.append((name, s / 7, s))
+        self.steps(name, first + n - 1)
+
+    def flush(self) -> None:
+        self.calls.append("sink.flush()")
+        self.sink.flush()
+        self.compare("after flush(), before close")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            _finish(self.sink)
+        finally:
+            self.stack.close()
+
+    def close_and_compare(self) -> None:
+        self.calls.append("sink.close()")
+        try:
+            _finish(self.sink)
+            self.compare("after close")
+        finally:
+            self.closed = True
+            self.stack.close()
+
+    def compare(self, when: str) -> None:
+        got = _read(self.ctx, self.dir)
+        for name in dict.fromkeys(n for n, _v, _s in self.points):
+            logged = [(s, v) for n, v, s in self.points if n == name]
+            found = got.get(name, [])
+            by_step: dict[int, list[float]] = {}
+            for s, v in found:
+                by_step.setdefault(s, []).append(v)
+            missing = []
+            for step, value in logged:  # each read-back point pairs with one logged point
+                left = by_step.get(step, [])
+                i = next((i for i, v in enumerate(left) if _close(v, value)), None)
+                if i is None:
+                    missing.append((step, value))
+                else:
+                    left.pop(i)
+            if missing:
+                step, value = missing[0]
+                what = {
+                    "MET-003": "values logged for one name at different steps must all be kept, each with its step",
+                    "MET-005": "after flush(), everything logged so far must be readable",
+                    "MET-007": "a value without a step goes one past the name's highest step",
+                }[self.focus]
+                raise _fail(
+                    f"{when}, {what}: {_shown(name)} logged {len(logged)} times, "
+                    f"{value!r} at step {step} not read back (found {len(found)} points: "
+                    f"{sorted(found)[:8]}{' ...' if len(found) > 8 else ''}); calls: "
+                    f"{self._history(len(self.calls))}"
+                )
+
+    def _history(self, n: int) -> str:
+        calls = self.calls[:n]
+        if not calls:
+            return "none"
+        more = f" ({len(calls)} calls)" if len(calls) > 10 else ""
+        return "[" + "; ".join(calls[-10:]) + "]" + more
+
+
+def _sink_machine(ctx: Context, focus: str) -> type[Any]:
+    """Random log/flush sequences on a new sink each, read back after every flush (MET-005)
+    and once closed, against :class:`_SinkSpec`."""
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+    no_step = focus == "MET-007"
+
+    class SinkMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.spec = _SinkSpec(ctx, focus)
+
+        @rule(
+            name=st.sampled_from(_POOL),
+            value=_values(),
+            step=st.one_of(st.none(), _steps()) if no_step else _steps(),
+        )
+        def log(self, name: str, value: float, step: int | None) -> None:
+            self._do(self.spec.log, name, value, step)
+
+        # Once per sequence (a backend that writes each point in its own transaction takes
+        # seconds for one), and named after "log" so that shrinking prefers single points.
+        @precondition(lambda self: focus == "MET-003" and not self.spec.bursts)
+        @rule(name=st.sampled_from(_POOL), n=st.sampled_from((257, 600)), first=_steps())
+        def volume(self, name: str, n: int, first: int) -> None:
+            self._do(self.spec.burst, name, n, first)
+
+        @precondition(lambda self: focus == "MET-005")
+        @rule()
+        def flush(self) -> None:
+            self._do(self.spec.flush)
+
+        def _do(self, step: Any, *args: Any) -> None:
+            try:
+                step(*args)
+            except BaseException:
+                self.spec.close()  # the step's failure is the one reported
+                raise
+
+        def teardown(self) -> None:
+            if not self.spec.closed:
+                self.spec.close_and_compare()
+
+    SinkMachine.__name__ = f"SinkMachine_{focus.replace('-', '')}"
+    return SinkMachine
 
 
 def _at_bound(segment: str) -> str:
@@ -146,6 +362,15 @@ def catalogue_names(ctx: Context) -> None:
     ]
     entries = [(n, float(i) + 0.5, 7) for i, n in enumerate(names)]
     _expect(_log_and_read(ctx, entries), entries, "catalogue names")
+    from hypothesis import strategies as st
+
+    def one(drawn: list[str]) -> None:
+        entries = [(n, float(i) + 0.25, 3) for i, n in enumerate(drawn)]
+        _expect(_log_and_read(ctx, entries), entries, f"catalogue names {_names(drawn)}")
+
+    explore.for_all(
+        ctx, st.lists(_catalogue_names(), min_size=1, max_size=12, unique=True), one, examples=3
+    )
 
 
 # Steps 5 and 3 come after 10: W&B's own step= drops a step lower than the run's last one.
@@ -168,6 +393,7 @@ def steps_kept_apart(ctx: Context) -> None:
             )
     if len(vals) != len(_STEPS):
         raise _fail(f"one name logged at {len(_STEPS)} steps reads back {len(vals)} values")
+    explore.run_machine(ctx, _sink_machine(ctx, "MET-003"), examples=3, steps=10)
 
 
 @requirement("MET-004")
@@ -200,6 +426,7 @@ def flush_makes_readable(ctx: Context) -> None:
         got = _read(ctx, d)
         _expect(got, _FLUSHED, "after flush(), before close")
         _finish(sink)
+    explore.run_machine(ctx, _sink_machine(ctx, "MET-005"), examples=2, steps=10)
 
 
 def _child(factory: Any, directory: str, k: int) -> None:
@@ -246,6 +473,10 @@ _NO_STEP: list[tuple[str, float, int | None, int]] = [
     ("nostep_b/x", 1.25, None, 2),
     ("nostep_c/x", 3.5, 5, 5),
     ("nostep_c/x", 4.5, None, 6),
+    # A step lower than the name's highest, then none: one past the highest, not the last.
+    ("nostep_d/x", 5.5, 5, 5),
+    ("nostep_d/x", 6.5, 2, 2),
+    ("nostep_d/x", 7.5, None, 6),
 ]
 
 
@@ -276,6 +507,7 @@ def no_step_is_the_next_step(ctx: Context) -> None:
                 f"{[w for n, _v, _s, w in _NO_STEP if n == name and w < want]}, expected at step "
                 f"{want}, read back {vals}"
             )
+    explore.run_machine(ctx, _sink_machine(ctx, "MET-007"), examples=2, steps=10)
 
 
 def _extra_reader(ctx: Context, key: str, capability: str) -> Any:
@@ -298,7 +530,16 @@ _HISTOGRAMS: list[tuple[str, list[float], int]] = [
     ("rollout/reward", [0.25], 3),
     ("rollout/advantage", [-1.5 + 0.03 * i for i in range(100)] + [1e6, -2e5], 3),
     ("rollout/reward", [-1.0, 0.5, 2.0], 3),
+    # Passed as a [3, 4] tensor (per-token values of 3 sequences): 12 values, not 3.
+    ("rollout/token_log_prob", [-0.5 - 0.25 * i for i in range(12)], 6),
 ]
+_AS_MATRIX = {"rollout/token_log_prob": (3, 4)}  # names whose values go as a 2-D tensor
+
+
+def _tensor(values: list[float], shape: tuple[int, int]) -> Any:
+    import torch
+
+    return torch.tensor(values, dtype=torch.float64).reshape(shape)
 
 
 def _unmatched(wanted: list[Any], found: list[Any], same: Any) -> list[Any]:
@@ -321,8 +562,12 @@ def distributions(ctx: Context) -> None:
     with ctx.tmpdir() as d:
         sink = ctx.make(d)
         for name, values, step in _HISTOGRAMS:
+            shape = _AS_MATRIX.get(name)
             try:
-                sink.log_histogram(name, list(values), step=step)
+                if shape is None:
+                    sink.log_histogram(name, list(values), step=step)
+                else:
+                    sink.log_histogram(name, _tensor(values, shape), step=step)
             except Exception as e:
                 raise _fail(
                     f"log_histogram({name!r}, <{len(values)} values>, step={step}) raised "
@@ -377,6 +622,8 @@ _TABLES: list[tuple[str, list[tuple[str, str, float]], int]] = [
             ("  leading and trailing  ", "\n\nline\r\nbreaks\t ", -0.5),
             ("", "", math.nan),
             ("naïve → ünïcødé 字", "emoji 🙂 and \u2028 separators", 0.125),
+            # Decomposed (NFD) and composed (NFC) forms of one word are different texts.
+            ("cafe\u0301 and caf\u00e9", "a\u0308 n\u0303 \u212b \ufb01", 0.75),
             ("long", _LONG_TEXT, 2.0),
         ],
         3,
