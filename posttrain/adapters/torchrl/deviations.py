@@ -227,6 +227,12 @@ WEIGHT_SYNC_DEVIATIONS: tuple[Deviation, ...] = (
 
 GENERATION_DEVIATIONS: tuple[Deviation, ...] = (
     Deviation(
+        ("GEN-002",),
+        "InferenceServer (thread backend)",
+        "a future its caller cancelled while queued makes set_result raise InvalidStateError in the worker, which dies: every later request of every other caller fails ('InferenceServer is shutting down.') or is never answered",
+        "gen_002_cancelled_future_stops_server",
+    ),
+    Deviation(
         ("GEN-005",),
         "InferenceServer (thread backend)",
         "update_policy_weights_ bumps the version without the model lock, and a batch is stamped when its forward ends: a batch in flight during an update is stamped with the new version",
