@@ -83,9 +83,24 @@ def test_contracts_import_only_contracts_and_core_deps() -> None:
     [
         (
             "conformance",
-            ("posttrain.adapters", "posttrain.reference_impls", "posttrain.observability"),
+            (
+                "posttrain.adapters",
+                "posttrain.reference_impls",
+                "posttrain.observability",
+                "posttrain.policy_loss",
+            ),
         ),
         ("reference_impls", ("posttrain.conformance", "posttrain.adapters")),
+        # The configurable policy loss sits between the contracts and the adapters.
+        (
+            "policy_loss",
+            (
+                "posttrain.conformance",
+                "posttrain.adapters",
+                "posttrain.reference_impls",
+                "posttrain.observability",
+            ),
+        ),
         # The test data builders sit below the kit: the suites and implementers import them.
         (
             "testing",

@@ -1,22 +1,19 @@
 """The reference loss's own checks beyond the suite: its options, an empty batch, the clipped
-objective's figures in float64 and the dtype rule for float fields and masks."""
+objective's figures in float64 and the dtype rule for float fields and masks.
+posttrain.policy_loss's configurable loss has its own (tests/test_policy_loss.py)."""
 
 from __future__ import annotations
 
 import re
-from functools import partial
 from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from posttrain.conformance import Status
-from posttrain.conformance.runner import run
 from posttrain.conformance.suites.loss_kit import logp_grads as _logp_grads
 from posttrain.contracts import LLM_LAYOUT_V1
 from posttrain.contracts.alignment import token_log_probs
-from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import PolicyGradientLoss
 from posttrain.testing import llm_batch, tiny_causal_lm
 from tests.mutants.losses import DualClipLoss
@@ -152,49 +149,8 @@ def test_global_counts_count_assistant_tokens_and_rows_holding_one() -> None:
         GlobalCounts(3, True)
 
 
-_CLIP_PAIR = (0.2, 0.28)
-
-
-@pytest.mark.parametrize(
-    "declared",
-    [
-        {
-            "aggregation": "token_mean",
-            "kl_estimator": "k1",
-            "kl_gradient": "score",
-            "ratio": "sequence",
-        },
-        {"aggregation": "seq_mean_token_mean", "kl_estimator": "k2", "ratio": "none"},
-        {"aggregation": "seq_mean_token_sum", "kl_gradient": "score", "ratio": "on_policy"},
-        {"aggregation": "seq_mean_token_mean", "ratio": "gspo_token"},
-        {"aggregation": "token_mean", "kl_estimator": "k2", "ratio": "cispo"},
-    ],
-    ids=["k1-score-sequence", "k2-none", "k3-score-on_policy", "gspo_token", "k2-cispo"],
-)
-def test_the_reference_conforms_with_the_1_4_options_declared(declared: dict[str, str]) -> None:
-    impl = Implementation(
-        "loss",
-        partial(PolicyGradientLoss, clip_epsilon=_CLIP_PAIR, kl_coef=0.05, entropy_coef=0.01),
-        name=f"PolicyGradientLoss{declared}",
-        capabilities={"kl_to_ref", "per_token_advantage", "diagnostics", "clip", "global_counts"},
-        options=declared,
-        extras={"clip_epsilon": _CLIP_PAIR},
-    )
-    rows = {r.id: r for r in run(impl).results}
-    bad = {k: r.message for k, r in rows.items() if r.status in (Status.FAIL, Status.ERROR)}
-    assert bad == {}
-    for rid in ("LOSS-019", "LOSS-020", "LOSS-021"):
-        declared_here = {"LOSS-019": "kl_estimator", "LOSS-020": "kl_gradient", "LOSS-021": "ratio"}
-        want = Status.PASS if declared_here[rid] in declared else Status.NOT_APPLICABLE
-        assert rows[rid].status == want, rid
-
-
-def test_doc_declared_ratios_example_runs() -> None:
-    import re
-    from pathlib import Path
-
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "loss.md").read_text()
-    start = doc.index("## Declared ratios: GSPO's token form and CISPO")
-    found = re.search(r"```python\n(.*?)```", doc[start:], flags=re.S)
-    assert found is not None
-    exec(compile(found.group(1), "docs/loss.md", "exec"), {})
+def test_the_reference_takes_the_contracts_options_only() -> None:
+    # Ratios, estimators and importance corrections are posttrain.policy_loss.PolicyLoss's.
+    for extra in ({"ratio": "sequence"}, {"kl_estimator": "k2"}, {"nemo_metrics": True}):
+        with pytest.raises(TypeError, match=next(iter(extra))):
+            PolicyGradientLoss(tiny_causal_lm(), **extra)
