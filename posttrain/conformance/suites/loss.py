@@ -68,6 +68,7 @@ from posttrain.conformance.suites.loss_kit import (
     weights_for,
     with_value,
 )
+from posttrain.conformance.suites.loss_ranks import ranks_add_up
 from posttrain.contracts.keys import key_str
 from posttrain.testing import llm_batch, tiny_causal_lm
 
@@ -660,6 +661,8 @@ def micro_batches_add_up(ctx: Context) -> None:
         examples=4,
         boundaries=boundaries,
     )
+    # The same sentence across data-parallel ranks: real gloo process groups of 4 and 2.
+    ranks_add_up(ctx)
 
 
 def _micro_batch_dependence(ctx: Context) -> str:

@@ -529,11 +529,14 @@ def add_tol(ctx: Context) -> float:
     return declared_precision(ctx)[2]
 
 
-def counted_batch(policy: Any, ctx: Context, *, from_zero: bool = True) -> TensorDictBase:
-    """A batch of 5 rows at ratio 1 whose row 2 has no assistant token (prompt only), and
-    whose row 0 is an answer from position 0 on: no logit predicts position 0, so it is no
-    token of any count (a count of ``mask.sum()`` over every position is one too many)."""
-    td = make_batch(policy, ctx, b=5, seed=16)
+def counted_batch(
+    policy: Any, ctx: Context, *, from_zero: bool = True, rows: int = 5, seed: int = 16
+) -> TensorDictBase:
+    """A batch of ``rows`` (at least 3) rows at ratio 1 whose row 2 has no assistant token
+    (prompt only), and whose row 0 is an answer from position 0 on: no logit predicts
+    position 0, so it is no token of any count (a count of ``mask.sum()`` over every position
+    is one too many). ``seed`` draws its tokens, lengths and advantages."""
+    td = make_batch(policy, ctx, b=rows, seed=seed)
     asst = td.get(ASST).clone()
     asst[EMPTY_ROW] = False
     if from_zero:
@@ -608,12 +611,12 @@ def split_name(split: tuple[tuple[int, ...], ...]) -> str:
     return " + ".join("[" + ", ".join(map(str, part)) + "]" for part in split)
 
 
-def live_batch(policy: Any, ctx: Context) -> TensorDictBase:
+def live_batch(policy: Any, ctx: Context, *, rows: int = 5, seed: int = 16) -> TensorDictBase:
     """:func:`counted_batch` with every term live: off policy inside the clip bounds (sample
     log-probs the policy's own minus per-token offsets), reference log-probs off the policy's
     by δ_t on assistant tokens (a KL term that is not zero) and, under capability
     per_token_advantage, an advantage different at every position."""
-    td = counted_batch(policy, ctx)
+    td = counted_batch(policy, ctx, rows=rows, seed=seed)
     asst = td.get(ASST)
     lo, hi = (0.2, 0.2)
     if "clip" in ctx.capabilities:
@@ -621,13 +624,13 @@ def live_batch(policy: Any, ctx: Context) -> TensorDictBase:
     cap = min(
         0.1, 0.5 * math.log1p(hi) if hi > 0 else 0.1, -0.5 * math.log1p(-lo) if lo > 0 else 0.1
     )
-    g = torch.Generator().manual_seed(ctx.seed + 23)
+    g = torch.Generator().manual_seed(ctx.seed + 23 + (seed - 16))
     eps = torch.where(asst, (torch.rand(asst.shape, generator=g) * 2 - 1) * cap, 0.0)
     own = td.get(SLP)
     td.set(SLP, own - eps.to(own.dtype))
     td.set(RLP, own + deltas(td, 0.3).to(own.dtype))
     if "per_token_advantage" in ctx.capabilities:
-        td.set(ADV, token_advantages(td, ctx.seed + 5), inplace=False)
+        td.set(ADV, token_advantages(td, ctx.seed + 5 + (seed - 16)), inplace=False)
     return td
 
 

@@ -1,0 +1,348 @@
+"""LOSS-017 across data-parallel ranks: micro-batches on real torch.distributed ranks add up.
+
+The implementation under test is rebuilt in spawned processes (from its ``module:attr`` import
+target, or else pickled, its factory importable by name), which join gloo process groups of 4
+and then 2 ranks on 127.0.0.1. Each rank takes a shard of a drawn batch, splits it into
+micro-batches, all-reduces the shard's ``GlobalCounts`` (the contract's way to the global
+batch's counts), calls the loss on each micro-batch with them and accumulates the gradients;
+the ranks then all-reduce the gradients and the ``loss_*`` terms by sum (the contract's rule;
+DDP's mean is that divided by the world size). Each rank sets the environment torchrun sets
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and builds the loss once its group is up.
+Rank 0 sends the sums back, and they are compared with the whole batch's, computed here in
+one process. Four processes serve both groups (ranks 2 and 3 leave after the first), so the
+cost is one start of four.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import pickle
+import queue as queue_mod
+import random
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from posttrain.conformance.context import Context, NotApplicable
+from posttrain.conformance.suites._fail import fail as _fail
+from posttrain.conformance.suites.loss_kit import (
+    EMPTY_ROW,
+    add_tol,
+    live_batch,
+    ragged_form,
+    setup,
+    split_name,
+    trimmed,
+    value_and_grads,
+)
+
+WORLDS = (4, 2)
+"""The sizes of the gloo process groups the ranks form, one after the other: all four
+processes first, then ranks 0 and 1 (the others are done by then, so no rank waits on a
+group that is not forming yet)."""
+
+_BUDGET_S = 240.0
+"""How long the ranks may take, process start included, before the check gives up (NOT_APPLICABLE,
+saying so). On an idle 2-core machine they take a few seconds; the figure is for a loaded one,
+and gloo's own timeout bounds a rank that waits on a lost one."""
+
+Shards = tuple[tuple[tuple[int, ...], ...], ...]
+"""Per rank, its micro-batches, each a tuple of batch rows."""
+
+Case = tuple[int, Shards, bool]
+"""(index of the batch, the ranks' shards, micro-batches in ragged form)."""
+
+
+def _boundaries(world: int, ragged: bool) -> list[Case]:
+    """The 5-row batch of the in-process check (batch 0) with a rank holding only the row
+    without an assistant token, and a rank with uneven micro-batches."""
+    shards: Shards
+    if world == 2:
+        shards = (((EMPTY_ROW,),), ((0, 1), (3,), (4,)))
+    else:
+        shards = (((3,), (1,)), ((4,),), ((0,),), ((EMPTY_ROW,),))
+    cases: list[Case] = [(0, shards, False)]
+    if ragged:
+        cases.append((0, shards, True))
+    return cases
+
+
+def _draw_shards(rng: random.Random, rows: int, world: int) -> Shards:
+    """An order of ``rows`` rows cut into ``world`` non-empty shards, each cut anywhere into
+    micro-batches."""
+    order = list(range(rows))
+    rng.shuffle(order)
+    cuts = sorted(rng.sample(range(1, rows), world - 1))
+    shards = []
+    for a, b in zip([0, *cuts], [*cuts, rows], strict=True):
+        part = order[a:b]
+        inner = [i for i in range(1, len(part)) if rng.random() < 0.5]
+        edges = [0, *inner, len(part)]
+        shards.append(tuple(tuple(part[x:y]) for x, y in itertools.pairwise(edges)))
+    return tuple(shards)
+
+
+def plan(ctx: Context) -> tuple[list[tuple[int, int]], dict[int, list[Case]]]:
+    """The drawn batches (rows, seed) and, per world size, the cases the ranks run: the
+    boundaries first, then 2 x ``--conformance-depth`` drawn ones, each on a batch of its own
+    (4 to 8 rows), deterministic under ``--conformance-seed``.
+
+    Example:
+        >>> from posttrain.reference_impls import PG_LOSS_TOKEN_MEAN
+        >>> batches, cases = plan(Context(PG_LOSS_TOKEN_MEAN, seed=0))
+        >>> batches[0], sorted(cases), len(cases[4])
+        ((5, 16), [2, 4], 3)
+    """
+    ragged = "ragged" in ctx.capabilities
+    batches = [(5, 16)]
+    cases: dict[int, list[Case]] = {}
+    for world in WORLDS:
+        rng = random.Random(ctx.seed * 1009 + world)
+        cases[world] = _boundaries(world, ragged)
+        for _ in range(2 * ctx.depth):
+            rows = rng.randint(max(4, world), 8)
+            batches.append((rows, 100 + len(batches)))
+            as_ragged = ragged and rng.random() < 0.5
+            cases[world].append((len(batches) - 1, _draw_shards(rng, rows, world), as_ragged))
+    return batches, cases
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_sums(
+    policy: Any, loss: Any, td: TensorDictBase, mine: tuple[tuple[int, ...], ...], as_ragged: bool
+) -> tuple[dict[str, float], torch.Tensor, tuple[int, int]]:
+    """One rank's part of a case: the global counts all-reduced from the shard's, then the
+    micro-batches' ``loss_*`` terms and parameter gradients summed, all-reduced by sum."""
+    import torch.distributed as dist
+
+    from posttrain.contracts.loss import GlobalCounts
+
+    forms = [ragged_form(c) if as_ragged else trimmed(c) for c in (td[list(p)] for p in mine)]
+    local = GlobalCounts(0, 0)
+    for f in forms:
+        local = local + GlobalCounts.of(f)
+    both = torch.tensor([local.tokens, local.sequences], dtype=torch.int64)
+    dist.all_reduce(both)
+    counts = GlobalCounts(int(both[0]), int(both[1]))
+    terms: dict[str, float] = {}
+    grad: torch.Tensor | None = None
+    for f in forms:
+        part, g = value_and_grads(policy, loss, f, counts)
+        for k, v in part.items():
+            terms[k] = terms.get(k, 0.0) + v
+        grad = g if grad is None else grad + g
+    assert grad is not None
+    dist.all_reduce(grad)
+    return terms, grad, (counts.tokens, counts.sequences)
+
+
+def _rank_main(
+    rank: int,
+    source: tuple[str, Any],
+    seed: int,
+    depth: int,
+    batches: list[TensorDictBase],
+    cases: dict[int, list[Case]],
+    ports: dict[int, int],
+    out: Any,
+) -> None:
+    """A spawned rank: in each group it belongs to, rebuilds the loss and runs every case.
+    Rank 0 puts ``("result", world, case, per-rank terms, gradient, counts)`` on ``out``;
+    any rank that raises puts ``("error", rank, traceback)``."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        impl = _rebuild(source)
+        for world in WORLDS:
+            if rank >= world:
+                continue
+            # What torchrun sets, so a framework that reads the launcher's environment (as
+            # accelerate does) sees the ranks a user's launch gives it.
+            for key, value in (
+                ("RANK", rank),
+                ("LOCAL_RANK", rank),
+                ("WORLD_SIZE", world),
+                ("LOCAL_WORLD_SIZE", world),
+                ("MASTER_PORT", ports[world]),
+            ):
+                os.environ[key] = str(value)
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            wait = timedelta(seconds=_BUDGET_S)
+            dist.init_process_group("gloo", init_method="env://", timeout=wait)
+            try:
+                # Built inside the group, as a data-parallel job builds its loss.
+                policy, loss = setup(Context(impl, seed=seed, depth=depth))
+                for i, (b, shards, as_ragged) in enumerate(cases[world]):
+                    terms, grad, counts = _rank_sums(
+                        policy, loss, batches[b], shards[rank], as_ragged
+                    )
+                    per_rank: list[Any] = [None] * world
+                    dist.all_gather_object(per_rank, terms)
+                    if rank == 0:
+                        out.put(("result", world, i, per_rank, grad, counts))
+            finally:
+                dist.destroy_process_group()
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def _source(ctx: Context) -> tuple[str, Any]:
+    """How a spawned rank rebuilds the implementation: its ``module:attr`` import target, or
+    else the ``Implementation`` pickled (its factory importable by name); NotApplicable if
+    neither."""
+    from posttrain.conformance.runner import target_of
+
+    target = target_of(ctx.impl)
+    if target:
+        return ("target", target)
+    try:
+        return ("pickled", pickle.dumps(ctx.impl))
+    except Exception as e:
+        raise NotApplicable(
+            "micro-batches add up in one process; across data-parallel ranks not checked: a "
+            "spawned rank cannot rebuild the implementation, which no module binds to a name "
+            f"and whose factory {ctx.impl.factory!r} is not importable by name "
+            f"({type(e).__name__}: {e})"
+        ) from None
+
+
+def _rebuild(source: tuple[str, Any]) -> Any:
+    how, what = source
+    if how == "target":
+        from posttrain.conformance.target import resolve
+
+        return resolve(what, "loss")
+    return pickle.loads(what)  # bytes this kit pickled in the parent process, never a file
+
+
+def _collect(procs: list[Any], out: Any, expected: int) -> list[tuple[Any, ...]]:
+    """The results rank 0 sends, until ``expected`` arrived, a rank failed or time ran out."""
+    results: list[tuple[Any, ...]] = []
+    deadline = time.monotonic() + _BUDGET_S
+    while len(results) < expected:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NotApplicable(
+                f"across data-parallel ranks not checked: the {len(procs)} spawned ranks gave "
+                f"{len(results)} of {expected} results within {_BUDGET_S:g} s"
+            )
+        try:
+            msg = out.get(timeout=min(left, 1.0))
+        except queue_mod.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise _fail(
+                    f"a spawned rank exited with code {dead[0].exitcode} before answering "
+                    "(the loss or its framework ended the process)"
+                ) from None
+            continue
+        if msg[0] == "error":
+            raise _fail(f"rank {msg[1]} of a gloo process group raised:\n{msg[2].rstrip()}")
+        results.append(msg)
+    return results
+
+
+def _run_ranks(
+    ctx: Context,
+    source: tuple[str, Any],
+    batches: list[TensorDictBase],
+    cases: dict[int, list[Case]],
+) -> list[tuple[Any, ...]]:
+    import torch.multiprocessing as mp
+
+    spawn = mp.get_context("spawn")
+    out = spawn.Queue()
+    ports = {w: _free_port() for w in WORLDS}
+    procs = [
+        spawn.Process(
+            target=_rank_main,
+            args=(r, source, ctx.seed, ctx.depth, batches, cases, ports, out),
+            daemon=True,
+        )
+        for r in range(max(WORLDS))
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, out, sum(len(c) for c in cases.values()))
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+
+
+def _describe(world: int, td: TensorDictBase, case: Case, counts: tuple[int, int]) -> str:
+    _, shards, as_ragged = case
+    ranks = "; ".join(f"rank {r}: {split_name(s)}" for r, s in enumerate(shards))
+    return (
+        f"{world} gloo ranks (spawned processes) on a batch of {td.shape[0]} rows (row "
+        f"{EMPTY_ROW} without assistant tokens; off policy, reference log-probs off the "
+        f"policy's), each rank's shard split into {'ragged ' if as_ragged else ''}micro-batches "
+        f"({ranks}), each called with the global counts all-reduced over the ranks "
+        f"({counts[0]} tokens, {counts[1]} sequences), gradients and terms all-reduced by sum"
+    )
+
+
+def _compare(
+    ctx: Context,
+    what: str,
+    full: dict[str, float],
+    g_full: torch.Tensor,
+    per_rank: list[dict[str, float]],
+    grad: torch.Tensor,
+) -> None:
+    add = add_tol(ctx)
+    names = set(full).union(*per_rank)
+    for name in sorted(names, key=lambda n: (n != "loss_objective", n)):
+        got = sum(t.get(name, 0.0) for t in per_rank)
+        want = full.get(name, 0.0)
+        scale = max([abs(want)] + [abs(t.get(name, 0.0)) for t in per_rank])
+        if not abs(got - want) <= add * max(scale, 1e-6):  # NaN fails too
+            shown = ", ".join(f"{t.get(name, 0.0):.6g}" for t in per_rank)
+            raise _fail(
+                f"{what}: the ranks' {name} ({shown}) sum to {got:.6g}, the whole batch's in "
+                f"one process is {want:.6g}"
+            )
+    err = float((grad - g_full).abs().max())
+    if not err <= add * max(float(g_full.abs().max()), 1e-12) or math.isnan(err):
+        raise _fail(
+            f"{what}: the all-reduced parameter gradient differs from the whole batch's in "
+            f"one process by up to {err:.3g} (largest entry {float(g_full.abs().max()):.3g})"
+        )
+
+
+def ranks_add_up(ctx: Context) -> None:
+    """LOSS-017 across 2 and 4 gloo ranks; NotApplicable where the implementation cannot be
+    rebuilt in a spawned process (no import target, and its factory not importable by name).
+
+    Example:
+        >>> from posttrain.reference_impls import PG_LOSS_TOKEN_MEAN
+        >>> ranks_add_up(Context(PG_LOSS_TOKEN_MEAN, seed=0))  # doctest: +SKIP
+    """
+    source = _source(ctx)
+    policy, loss = setup(ctx)
+    shapes, cases = plan(ctx)
+    batches = [live_batch(policy, ctx, rows=rows, seed=seed) for rows, seed in shapes]
+    wholes = [value_and_grads(policy, loss, td, None) for td in batches]
+    for _, world, i, per_rank, grad, counts in _run_ranks(ctx, source, batches, cases):
+        case = cases[world][i]
+        td = batches[case[0]]
+        what = f"aggregation {ctx.options['aggregation']!r}, {_describe(world, td, case, counts)}"
+        full, g_full = wholes[case[0]]
+        _compare(ctx, what, full, g_full, per_rank, grad)
