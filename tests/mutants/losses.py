@@ -1,12 +1,14 @@
 """Deliberately broken losses: each must fail the suite with its requirement's id.
 
-Each mutant is the reference ``PolicyGradientLoss`` with one realistic bug, several of them
-TorchRL 0.14 ``GRPOLoss``'s own (shape [1] terms, swallowed keyword arguments, silent
-fallback for unknown aggregations, diagnostics diluted by prompt and padding positions).
+Each mutant is the reference ``PolicyGradientLoss`` (or, for a declared option it lacks, the
+configurable ``PolicyLoss``) with one realistic bug, several of them TorchRL 0.14
+``GRPOLoss``'s own (shape [1] terms, swallowed keyword arguments, silent fallback for unknown
+aggregations, diagnostics diluted by prompt and padding positions).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -15,6 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from posttrain.contracts import LLM_LAYOUT_V1, GlobalCounts, Implementation
 from posttrain.contracts.loss import AGGREGATIONS
+from posttrain.policy_loss import PolicyLoss
 from posttrain.reference_impls import PolicyGradientLoss
 
 __all__ = ["DUAL_CLIP", "EXTRA_MUTANTS", "MUTANTS"]
@@ -471,102 +474,102 @@ class DiagnosticsPerMicroBatch(PolicyGradientLoss):
         return out
 
 
-class IgnoresKlEstimator(PolicyGradientLoss):
+class IgnoresKlEstimator(PolicyLoss):
     """Takes ``kl_estimator`` (validated) and computes k3 whatever it says."""
 
     def __init__(self, policy: Any, *, kl_estimator: str = "k3", **kwargs: Any) -> None:
         super().__init__(policy, kl_estimator=kl_estimator, **kwargs)
-        self.kl_estimator = "k3"
+        self.options = replace(self.options, kl_estimator="k3")
 
 
-class K1SignFlipped(PolicyGradientLoss):
+class K1SignFlipped(PolicyLoss):
     """k1 as log pi_ref - log pi (the sign of KL(pi_ref || pi)'s estimator, not KL(pi || pi_ref)'s)."""
 
     def _kl(self, logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         return -super()._kl(logp, ref, old)
 
 
-class IgnoresKlGradient(PolicyGradientLoss):
+class IgnoresKlGradient(PolicyLoss):
     """Takes ``kl_gradient`` (validated) and differentiates the estimate as written."""
 
     def __init__(self, policy: Any, *, kl_gradient: str = "pathwise", **kwargs: Any) -> None:
         super().__init__(policy, kl_gradient=kl_gradient, **kwargs)
-        self.kl_gradient = "pathwise"
+        self.options = replace(self.options, kl_gradient="pathwise")
 
 
-class AlwaysScoreKl(PolicyGradientLoss):
+class AlwaysScoreKl(PolicyLoss):
     """Adds the score-function term whatever ``kl_gradient`` says (NeMo-RL's form everywhere)."""
 
     def __init__(self, policy: Any, *, kl_gradient: str = "pathwise", **kwargs: Any) -> None:
         super().__init__(policy, kl_gradient=kl_gradient, **kwargs)
-        self.kl_gradient = "score"
+        self.options = replace(self.options, kl_gradient="score")
 
 
-class IgnoresRatio(PolicyGradientLoss):
+class IgnoresRatio(PolicyLoss):
     """Takes ``ratio`` (validated) and clips the per-token ratio whatever it says."""
 
     def __init__(self, policy: Any, *, ratio: str = "token", **kwargs: Any) -> None:
         super().__init__(policy, ratio=ratio, **kwargs)
-        self.ratio = "token"
+        self.options = replace(self.options, ratio="token")
 
 
-class ArithmeticSequenceRatio(PolicyGradientLoss):
+class ArithmeticSequenceRatio(PolicyLoss):
     """GSPO's sequence ratio as the arithmetic mean of the token ratios, not the geometric."""
 
     def _ratios(self, logp: torch.Tensor, prox: torch.Tensor, fm: torch.Tensor) -> torch.Tensor:
-        if self.ratio != "sequence":
+        if self.options.ratio != "sequence":
             return super()._ratios(logp, prox, fm)
         r = torch.where(fm > 0, (logp - prox).exp(), 0.0)
         mean = r.sum(-1, keepdim=True) / fm.sum(-1, keepdim=True).clamp_min(1)
         return torch.where(fm > 0, mean.expand_as(logp), 1.0)
 
 
-class NoneAsOnPolicy(PolicyGradientLoss):
+class NoneAsOnPolicy(PolicyLoss):
     """``ratio="none"`` (REINFORCE, -A log pi) computed as a forced ratio of 1 (-A)."""
 
     def __init__(self, policy: Any, *, ratio: str = "token", **kwargs: Any) -> None:
         super().__init__(policy, ratio=ratio, **kwargs)
         if ratio == "none":
-            self.ratio = "on_policy"
+            self.options = replace(self.options, ratio="on_policy")
 
 
-class GspoTokenForm(PolicyGradientLoss):
+class GspoTokenForm(PolicyLoss):
     """``ratio="sequence"`` as GSPO-token (verl's form): sg(ρ_seq)·exp(logp_t - sg(logp_t)),
     the same value and, with a [B] advantage, the same gradient; with a [B, T] one each token
     gets its own A_t·ρ instead of the row's mixed advantages."""
 
     def _ratios(self, logp: torch.Tensor, prox: torch.Tensor, fm: torch.Tensor) -> torch.Tensor:
         r = super()._ratios(logp, prox, fm)
-        if self.ratio != "sequence":
+        if self.options.ratio != "sequence":
             return r
         return torch.where(fm > 0, r.detach() * (logp - logp.detach()).exp(), 1.0)
 
 
-class GspoNeverClips(PolicyGradientLoss):
+class GspoNeverClips(PolicyLoss):
     """``ratio="sequence"`` whose surrogate never clips the sequence ratio (-A·ρ throughout)."""
 
     def _clamped(self, ratio: torch.Tensor) -> torch.Tensor:
-        return ratio if self.ratio == "sequence" else super()._clamped(ratio)
+        return ratio if self.options.ratio == "sequence" else super()._clamped(ratio)
 
 
-class GspoTokenAsSequence(PolicyGradientLoss):
+class GspoTokenAsSequence(PolicyLoss):
     """``ratio="gspo_token"`` computed as the sequence ratio: the same value, and with a [B, T]
     advantage each token's gradient mixes its row's advantages instead of its own A_t·ρ."""
 
     def __init__(self, policy: Any, *, ratio: str = "token", **kwargs: Any) -> None:
         super().__init__(policy, ratio=ratio, **kwargs)
         if ratio == "gspo_token":
-            self.ratio = "sequence"
+            self.options = replace(self.options, ratio="sequence")
 
 
-class GspoTokenNeverClips(PolicyGradientLoss):
+class GspoTokenNeverClips(PolicyLoss):
     """``ratio="gspo_token"`` whose surrogate never clips the sequence ratio's value."""
 
     def _clamped(self, ratio: torch.Tensor) -> torch.Tensor:
-        return ratio if self.ratio == "gspo_token" else super()._clamped(ratio)
+        return ratio if self.options.ratio == "gspo_token" else super()._clamped(ratio)
 
 
-class CispoWeightNotDetached(PolicyGradientLoss):
+class CispoWeightNotDetached(PolicyLoss):
     """``ratio="cispo"`` with the gradient flowing through the weight: -A·clip(r)·log p
     differentiated as written, so an unclipped token's gradient is -A·r·(1 + log p)·w."""
 
@@ -577,17 +580,17 @@ class CispoWeightNotDetached(PolicyGradientLoss):
         return -adv * ratio_c * logp, ratio_c != ratio
 
 
-class CispoAsClippedSurrogate(PolicyGradientLoss):
+class CispoAsClippedSurrogate(PolicyLoss):
     """``ratio="cispo"`` computed as PPO's token surrogate: value Σ w·(-A·r), not
     Σ w·(-A·sg(r)·log p), though the gradient inside the bounds is the same."""
 
     def __init__(self, policy: Any, *, ratio: str = "token", **kwargs: Any) -> None:
         super().__init__(policy, ratio=ratio, **kwargs)
         if ratio == "cispo":
-            self.ratio, self.cispo = "token", False
+            self.options = replace(self.options, ratio="token")
 
 
-class CispoClippedWeightStopsGradient(PolicyGradientLoss):
+class CispoClippedWeightStopsGradient(PolicyLoss):
     """``ratio="cispo"`` whose clipped tokens get no gradient (PPO's rule): the same value, but
     where the weight is clipped the token's log-prob is detached too."""
 
@@ -599,21 +602,21 @@ class CispoClippedWeightStopsGradient(PolicyGradientLoss):
         return -adv * ratio_c.detach() * torch.where(active, logp.detach(), logp), active
 
 
-class CispoUnclippedWeight(PolicyGradientLoss):
+class CispoUnclippedWeight(PolicyLoss):
     """``ratio="cispo"`` whose weight is never clipped: -A·sg(r)·log p at every ratio."""
 
     def _clamped(self, ratio: torch.Tensor) -> torch.Tensor:
-        return ratio if self.cispo else super()._clamped(ratio)
+        return ratio if self.options.ratio == "cispo" else super()._clamped(ratio)
 
 
-class KlWithoutGradient(PolicyGradientLoss):
+class KlWithoutGradient(PolicyLoss):
     """The KL estimate computed from a detached log pi: ``loss_kl_to_ref`` has no grad_fn."""
 
     def _kl(self, logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         return super()._kl(logp.detach(), ref, old)
 
 
-class KlOfMeanLogRatio(PolicyGradientLoss):
+class KlOfMeanLogRatio(PolicyLoss):
     """The estimator taken of each row's mean log-ratio, broadcast to its tokens: the same as
     the per-token estimate only where log r is constant along the row."""
 
@@ -623,14 +626,14 @@ class KlOfMeanLogRatio(PolicyGradientLoss):
         return super()._kl(logp, logp + mean, old)
 
 
-class KlImportanceWeighted(PolicyGradientLoss):
+class KlImportanceWeighted(PolicyLoss):
     """``kl_gradient="score"`` done as k·exp(log pi - sample_log_probs) (NeMo-RL's
     use_on_policy_kl_approximation): the same as the score form at ratio 1 only."""
 
     def __init__(self, policy: Any, *, kl_gradient: str = "pathwise", **kwargs: Any) -> None:
         super().__init__(policy, kl_gradient=kl_gradient, **kwargs)
         if kl_gradient == "score":
-            self.kl_gradient = "behaviour"
+            self.options = replace(self.options, kl_gradient="behaviour")
 
 
 _CLIP = (0.2, 0.28)
