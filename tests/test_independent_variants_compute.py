@@ -13,8 +13,8 @@ A variant the kit does not kill is a strict xfail in ``KIT_DEFECTS`` (the reason
 kit missed), so this file passes today and records the kit's reach; an entry is removed when
 the kit kills its variant.
 
-Tally: the 3 HookedLoss rows conform; 24 of 26 variants FAIL their requirement (rollout 7 of 7,
-loss 7 of 9, nll_loss 5 of 5, dpo_loss 5 of 5); the 2 in KIT_DEFECTS pass the kit whole.
+Tally: the 3 HookedLoss rows conform; 26 of 26 variants FAIL their requirement (rollout 7 of 7,
+loss 9 of 9, nll_loss 5 of 5, dpo_loss 5 of 5); KIT_DEFECTS is empty.
 """
 
 from __future__ import annotations
@@ -48,16 +48,7 @@ DEMOS: dict[str, Callable[[], bool]] = {
 }
 
 # Variants the kit does not kill today (their requirement PASSes): what the kit missed.
-KIT_DEFECTS: dict[str, str] = {
-    "loss/kl_clamped": (
-        "LOSS-019 passes a KL estimate clamped to [-10, 10] (verl's low_var_kl): its shifts "
-        "δ_t are likely too small for k3(δ) to reach 10."
-    ),
-    "loss/promotes_to_float64": (
-        "LOSS-009 passes a loss that returns float64 terms for float64 inputs: the dtype of "
-        "the outputs is not compared with the layout's."
-    ),
-}
+KIT_DEFECTS: dict[str, str] = {}
 
 
 @functools.cache

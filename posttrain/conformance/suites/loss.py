@@ -38,6 +38,7 @@ from posttrain.conformance.suites.loss_kit import (
     T,
     V,
     add_tol,
+    as_dict,
     call_counted,
     check_same,
     check_scalar_finite_terms,
@@ -278,29 +279,61 @@ def bad_layout_rejected(ctx: Context) -> None:
         (with_value(td0.clone(), ATT, att.to(torch.uint8)), ATT, "a uint8 attention mask (0/1)"),
     ]
     refuse_each(loss, refused)
-    # Widened float fields: refused by name, or the outputs of the same values in float32.
+    # Widened float fields, one at a time and all at once (numpy-born arrays are float64):
+    # refused by name, or the outputs of the same values in float32, in the same dtypes.
     with torch.no_grad():
-        for key in (SLP, ADV, RLP):
-            for dtype in (torch.float64, torch.bfloat16, torch.float16):
-                value = td0.get(key).to(dtype)
-                want = scalars(loss(with_value(td0.clone(), key, value.float())))
-                td = with_value(td0.clone(), key, value)
-                try:
-                    got = scalars(loss(td))
-                except Exception as e:
-                    if names_key(str(e), key):
-                        continue
-                    raise _fail(
-                        f"a batch with {dtype_name(dtype)} {key_str(key)} raised {type(e).__name__} "
-                        f"without naming the key (refuse it by name, or compute as with float32): "
-                        f"{str(e).splitlines()[0] if str(e) else ''}"
-                    ) from None
-                check_same(
-                    want,
-                    got,
-                    f"{dtype_name(dtype)} {key_str(key)} (against the same values in float32)",
-                    1e-5 * tol_factor(ctx),
-                )
+        for dtype in (torch.float64, torch.bfloat16, torch.float16):
+            for keys in ((SLP,), (ADV,), (RLP,), (SLP, ADV, RLP)):
+                _check_widened(ctx, loss, td0, keys, dtype)
+
+
+def _float_dtypes(out: Any) -> dict[str, torch.dtype]:
+    """The dtype of every floating-point tensor output, by name."""
+    return {
+        str(k): v.dtype
+        for k, v in as_dict(out).items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    }
+
+
+def _check_widened(
+    ctx: Context, loss: Any, td0: TensorDictBase, keys: tuple[Any, ...], dtype: torch.dtype
+) -> None:
+    """LOSS-009 on ``keys`` given in ``dtype``: refused naming one of them, or the outputs
+    (values and dtypes) of the same values in float32."""
+    base, td = td0.clone(), td0.clone()
+    for key in keys:
+        value = td0.get(key).to(dtype)
+        base = with_value(base, key, value.float())
+        td = with_value(td, key, value)
+    want_out = loss(base)
+    what = f"{dtype_name(dtype)} {', '.join(key_str(k) for k in keys)}"
+    try:
+        got_out = loss(td)
+    except Exception as e:
+        if any(names_key(str(e), key) for key in keys):
+            return
+        raise _fail(
+            f"a batch with {what} raised {type(e).__name__} without naming the key (refuse it "
+            f"by name, or compute as with float32): {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+    check_same(
+        scalars(want_out),
+        scalars(got_out),
+        f"{what} (against the same values in float32)",
+        1e-5 * tol_factor(ctx),
+    )
+    want, got = _float_dtypes(want_out), _float_dtypes(got_out)
+    changed = {k: (want[k], got[k]) for k in want if k in got and want[k] != got[k]}
+    if changed:
+        shown = "; ".join(
+            f"{k}: {dtype_name(a)} -> {dtype_name(b)}" for k, (a, b) in sorted(changed.items())
+        )
+        raise _fail(
+            f"a float field in another floating dtype: the outputs of the same values in the "
+            f"layout dtype (float32), in their dtypes, expected; with {what} the outputs "
+            f"changed dtype ({shown}): a loss computes in its own precision"
+        )
 
 
 @requirement("LOSS-010")

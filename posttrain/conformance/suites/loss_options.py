@@ -53,12 +53,21 @@ def _declared(ctx: Context, option: str) -> str:
     return str(ctx.options[option])
 
 
-def _kl_batch(policy: Any, ctx: Context, base: float) -> tuple[TensorDictBase, torch.Tensor]:
+def _kl_batch(
+    policy: Any, ctx: Context, base: float, profile: tuple[float, ...] | None = None
+) -> tuple[TensorDictBase, torch.Tensor]:
     """Off policy (sample log-probs = own - ε_t, inside the clip bounds), reference log-probs
     the policy's own + δ_t on assistant tokens: a KL term must read log pi_ref - log pi
-    (never the sample log-probs) per token, without importance weights."""
+    (never the sample log-probs) per token, without importance weights. δ_t is
+    :func:`deltas`, or with ``profile`` the sign of ``base`` times ``profile`` cycled along
+    each row."""
     td, eps = _ratio_batch(policy, ctx)
-    delta = deltas(td, base)
+    if profile is None:
+        delta = deltas(td, base)
+    else:
+        t = td.get(TOK).shape[1]
+        cycle = torch.tensor(profile)[torch.arange(t) % len(profile)]
+        delta = math.copysign(1.0, base) * cycle.expand(td.get(TOK).shape)
     own = td.get(SLP) + eps.to(td.get(SLP).dtype)  # NaN off assistant tokens
     td.set(RLP, own + delta.to(own.dtype))
     return td, delta.double()
@@ -70,14 +79,36 @@ def _k_sum(est: str, w: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor) -
     return float(sum(float(x) * k(y) for x, y in zip(w[mask].tolist(), d, strict=True)))
 
 
+_KL_PROFILES = ((0.9, 0.1), (0.05, 0.6, 1.5, 2.8, 4.0))
+"""The δ_t that LOSS-019 tries first, cycled along each row: the suite's small pair, then a
+spread from 0.05 to 4 nats (a policy that moved far from its reference: k3(4) is about 50)."""
+
+
 @requirement("LOSS-019")
 def declared_kl_estimator(ctx: Context) -> None:
+    from hypothesis import strategies as st
+
+    from posttrain.conformance.explore import for_all
+
     est = _declared(ctx, "kl_estimator")
     policy, loss = setup(ctx)
+    size = st.floats(0.02, 4.5, allow_nan=False, allow_infinity=False)
+    for_all(
+        ctx,
+        st.lists(size, min_size=2, max_size=6).map(tuple),
+        lambda profile: _check_kl_estimator(ctx, est, policy, loss, profile),
+        examples=4,
+        boundaries=list(_KL_PROFILES),
+    )
+
+
+def _check_kl_estimator(
+    ctx: Context, est: str, policy: Any, loss: Any, profile: tuple[float, ...]
+) -> None:
     k = _KL[est][0]
     vals, want_k = {}, {}
-    for base in (0.5, -0.5):
-        td, delta = _kl_batch(policy, ctx, base)
+    for base in (1.0, -1.0):
+        td, delta = _kl_batch(policy, ctx, base, profile)
         with torch.no_grad():
             terms = loss_terms(loss(td))
         if "loss_kl_to_ref" not in terms:
@@ -85,15 +116,16 @@ def declared_kl_estimator(ctx: Context) -> None:
         vals[base] = float(terms["loss_kl_to_ref"])
         mask = td.get(ASST)
         want_k[base] = _k_sum(est, expected_weights(ctx, mask).double(), delta, mask)
-    want = want_k[0.5] / want_k[-0.5]
-    got = vals[0.5] / vals[-0.5] if vals[-0.5] != 0 else math.inf
-    if math.copysign(1.0, vals[0.5]) != math.copysign(1.0, k(0.5)) or not math.isclose(
+    want = want_k[1.0] / want_k[-1.0]
+    got = vals[1.0] / vals[-1.0] if vals[-1.0] != 0 else math.inf
+    if math.copysign(1.0, vals[1.0]) != math.copysign(1.0, k(0.5)) or not math.isclose(
         got, want, rel_tol=1e-4 * tol_factor(ctx)
     ):
+        shown = ", ".join(f"{x:.3g}" for x in profile)
         raise _fail(
             f"kl_estimator {est!r}: off policy, with reference log-probs the policy's own + "
-            f"δ_t and - δ_t (δ_t alternating 0.9, 0.1 along each row's assistant tokens), "
-            f"loss_kl_to_ref is {vals[0.5]:.6g} and {vals[-0.5]:.6g} (ratio {got:.6g}); "
+            f"δ_t and - δ_t (δ_t cycling {shown} along each row's assistant tokens), "
+            f"loss_kl_to_ref is {vals[1.0]:.6g} and {vals[-1.0]:.6g} (ratio {got:.6g}); "
             f"expected the sign of k(0.5) = {k(0.5):.6g} and the ratio "
             f"Σ w·k(δ_t) / Σ w·k(-δ_t) = {want:.6g} (per token, of log pi_ref - log pi)"
         )
