@@ -98,9 +98,10 @@ def _budgets(ctx: Context) -> None:
     for max_new in BUDGETS:
         with _server(ctx, max_new=max_new) as (policy, server, _hold):
             eos = policy.config.eos_token_id
-            for p in prompts:
+            burst = [(p, server.client().submit(_request(p))) for p in prompts]  # one batch
+            for p, future in burst:
                 what = f"prompt {p} on a server built with max_new_tokens={max_new}"
-                out = _result(server.client().submit(_request(p)), what)
+                out = _result(future, what)
                 _check_layout(out, what, max_new)
                 toks = out.get(RESPONSE_KEY).tolist()
                 if eos in toks[:-1]:
