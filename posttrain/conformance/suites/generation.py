@@ -405,6 +405,14 @@ def version_stamped(ctx: Context) -> None:
                 f"{what} was stamped {stamp} ({by_stamp[stamp]}), but its answer is not "
                 f"theirs: {wrong}{hint}"
             )
+        # The same weights again (a trainer step that changed nothing): still an update.
+        server.update_policy_weights_(new.state_dict())
+        v3 = int(server.policy_version)
+        if v3 <= v2:
+            raise _fail(
+                f"policy_version went from {v2} to {v3} after update_policy_weights_ with the "
+                "weights it already served"
+            )
 
     explore.run_machine(ctx, machine(ctx), examples=4, steps=10)
 

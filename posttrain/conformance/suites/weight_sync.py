@@ -518,6 +518,17 @@ def no_aliasing(ctx: Context) -> None:
         for t in source.values():
             t.add_(1)
     _expect_equal(model, snapshot, "after the sender changed its tensors in place following a sync")
+    # A second sync of a fresh mapping, changed in place once received: a receiver that copies
+    # only the first sync and keeps later ones by reference moves with it.
+    second = {n: t + 2 for n, t in snapshot.items()}
+    _sync(sender, receiver, second, 2)
+    kept = {n: t.clone() for n, t in second.items()}
+    with torch.no_grad():
+        for t in second.values():
+            t.add_(1)
+    _expect_equal(
+        model, kept, "after a second sync and the sender's in-place change of what it sent"
+    )
     explore.run_machine(ctx, _machine(ctx, aliasing=True), examples=_examples(ctx, 4), steps=10)
 
 
