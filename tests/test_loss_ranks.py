@@ -49,5 +49,6 @@ def test_each_group_runs_the_boundaries_then_drawn_cases_deterministically() -> 
             assert len(shards) == world
             assert all(shards)
             assert sorted(rows) == list(range(batches[b][0]))
+            assert len({len(shard) for shard in shards}) == 1  # as many steps on every rank
     # A rank holding only the row without an assistant token comes first in both groups.
     assert all(((EMPTY_ROW,),) in cases[w][0][1] for w in loss_ranks.WORLDS)

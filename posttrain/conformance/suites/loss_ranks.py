@@ -61,12 +61,12 @@ Case = tuple[int, Shards, bool]
 
 def _boundaries(world: int, ragged: bool) -> list[Case]:
     """The 5-row batch of the in-process check (batch 0) with a rank holding only the row
-    without an assistant token, and a rank with uneven micro-batches."""
+    without an assistant token, the others uneven shards (one micro-batch per rank)."""
     shards: Shards
     if world == 2:
-        shards = (((EMPTY_ROW,),), ((0, 1), (3,), (4,)))
+        shards = (((EMPTY_ROW,),), ((4, 0, 3, 1),))
     else:
-        shards = (((3,), (1,)), ((4,),), ((0,),), ((EMPTY_ROW,),))
+        shards = (((3, 1),), ((4,),), ((0,),), ((EMPTY_ROW,),))
     cases: list[Case] = [(0, shards, False)]
     if ragged:
         cases.append((0, shards, True))
@@ -75,15 +75,16 @@ def _boundaries(world: int, ragged: bool) -> list[Case]:
 
 def _draw_shards(rng: random.Random, rows: int, world: int) -> Shards:
     """An order of ``rows`` rows cut into ``world`` non-empty shards, each cut anywhere into
-    micro-batches."""
+    the same number of micro-batches (every rank takes as many accumulation steps, as a
+    data-parallel loop does: a loss may run a collective in each call, as TRL's metrics do)."""
     order = list(range(rows))
     rng.shuffle(order)
     cuts = sorted(rng.sample(range(1, rows), world - 1))
+    parts = [order[a:b] for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
+    steps = rng.randint(1, min(len(p) for p in parts))
     shards = []
-    for a, b in zip([0, *cuts], [*cuts, rows], strict=True):
-        part = order[a:b]
-        inner = [i for i in range(1, len(part)) if rng.random() < 0.5]
-        edges = [0, *inner, len(part)]
+    for part in parts:
+        edges = [0, *sorted(rng.sample(range(1, len(part)), steps - 1)), len(part)]
         shards.append(tuple(tuple(part[x:y]) for x, y in itertools.pairwise(edges)))
     return tuple(shards)
 
