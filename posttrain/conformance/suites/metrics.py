@@ -115,7 +115,7 @@ def read_back_exactly(ctx: Context) -> None:
         ctx,
         st.lists(_values(), min_size=1, max_size=20),
         one_step,
-        examples=2,
+        examples=1,
         boundaries=[list(_VALUE_EDGES)],
     )
 
@@ -374,7 +374,7 @@ def catalogue_names(ctx: Context) -> None:
         _expect(_log_and_read(ctx, entries), entries, f"catalogue names {_names(drawn)}")
 
     explore.for_all(
-        ctx, st.lists(_catalogue_names(), min_size=1, max_size=12, unique=True), one, examples=2
+        ctx, st.lists(_catalogue_names(), min_size=1, max_size=12, unique=True), one, examples=1
     )
 
 
@@ -431,7 +431,7 @@ def flush_makes_readable(ctx: Context) -> None:
         got = _read(ctx, d)
         _expect(got, _FLUSHED, "after flush(), before close")
         _finish(sink)
-    explore.run_machine(ctx, _sink_machine(ctx, "MET-005"), examples=2, steps=10)
+    explore.run_machine(ctx, _sink_machine(ctx, "MET-005"), examples=1, steps=10)
 
 
 def _child(factory: Any, directory: str, k: int) -> None:
@@ -512,7 +512,7 @@ def no_step_is_the_next_step(ctx: Context) -> None:
                 f"{[w for n, _v, _s, w in _NO_STEP if n == name and w < want]}, expected at step "
                 f"{want}, read back {vals}"
             )
-    explore.run_machine(ctx, _sink_machine(ctx, "MET-007"), examples=2, steps=10)
+    explore.run_machine(ctx, _sink_machine(ctx, "MET-007"), examples=1, steps=10)
 
 
 def _extra_reader(ctx: Context, key: str, capability: str) -> Any:
