@@ -1,9 +1,10 @@
 """NeMo-RL facades against the raw calls they end in, and against memcpy.
 
 One GRPO step at B=64, T=512 arrives as 8 prompt groups of 8 sequences in NeMo-RL's train-data
-format. ``NemoReplayBuffer.add`` (codec + validated TorchRL extend) is timed against a raw
-TorchRL ``extend`` of the same LLM-layout items, and ``sample`` of 8 groups (indexed reads +
-codec back) against a raw TorchRL ``sample(64)``; blocks alternate within one run.
+format. ``NemoReplayBuffer.add`` (the train-data check, the non-pickle encoding and a
+validated TorchRL extend of one chunk per group) is timed against a raw TorchRL ``extend`` of
+the same LLM-layout items, and ``sample`` of 8 groups (indexed reads + decoding) against a
+raw TorchRL ``sample(64)``; blocks alternate within one run.
 
 The newer facades, each against the one call it wraps (ratios printed, never asserted):
 ``NemoAsyncReplayBuffer.add`` / ``sample`` of a group as NeMo-RL's collector pushes it against
@@ -39,10 +40,11 @@ def _facades() -> None:
     capacity = 64 * B
     raw = TensorDictReplayBuffer(storage=LazyTensorStorage(capacity))
     raw_batch = torch.cat([to_layout(g) for g in groups], 0)
+    # One 160 KiB chunk per group (8 x 512 tokens of train data, about 150 KB encoded).
     nemo = NemoReplayBuffer(
-        ValidatedReplayBuffer(TensorDictReplayBuffer(storage=LazyTensorStorage(capacity))),
+        ValidatedReplayBuffer(TensorDictReplayBuffer(storage=LazyTensorStorage(1024))),
         max_size=10**6,
-        capacity=capacity,
+        chunk_bytes=160 * 1024,
     )
     version = [0]
 
@@ -90,7 +92,7 @@ def test_nemo_facades(benchmark: Any) -> None:
 
 def _collector_group(i: int, n: int = G, gen: int = T // 2) -> dict[str, Any]:
     """One prompt group shaped as NeMo-RL's collector pushes it (7ea279a)."""
-    from posttrain.adapters.nemo_rl.batched_data_dict import BatchedDataDict
+    from posttrain.adapters.nemo_rl.mirror.batched_data_dict import BatchedDataDict
 
     logs = [
         [
@@ -116,7 +118,8 @@ def _collector_group(i: int, n: int = G, gen: int = T // 2) -> dict[str, Any]:
 
 
 def _async_buffer() -> None:
-    from posttrain.adapters.nemo_rl.async_buffer import NemoAsyncReplayBuffer, encode_payload
+    from posttrain.adapters.nemo_rl.payload import encode_payload
+    from posttrain.adapters.nemo_rl.replay_buffer import NemoAsyncReplayBuffer
     from posttrain.reference_impls import RingBuffer
 
     torch.set_num_threads(1)
@@ -161,7 +164,8 @@ def test_nemo_async_buffer_facade(benchmark: Any) -> None:
 def _group_slots() -> None:
     from tensordict import TensorDict
 
-    from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient, NemoGroupSlots
+    from posttrain.adapters.nemo_rl.data_plane import NemoDataPlaneClient
+    from posttrain.adapters.nemo_rl.group_slots import NemoGroupSlots
     from posttrain.reference_impls import RingBuffer
 
     torch.set_num_threads(1)
