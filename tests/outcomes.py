@@ -30,13 +30,15 @@ def closure(contract_id: str, rid: str) -> set[str]:
     return seen
 
 
-def run_for(impl: Implementation, rid: str, timeout_s: float | None = None) -> Report:
+def run_for(
+    impl: Implementation, rid: str, timeout_s: float | None = None, depth: int = 1
+) -> Report:
     """The run of ``rid`` and its foundations only, in catalogue order: the row of ``rid`` is
     what a whole run reports for it (a failed foundation blocks it there too), without the
     time of every other check."""
     from posttrain.conformance.runner import Session
 
-    s = Session(impl, timeout_s=timeout_s)
+    s = Session(impl, timeout_s=timeout_s, depth=depth)
     wanted = closure(impl.contract, rid)
     for req in s.requirements():
         if req.id in wanted:

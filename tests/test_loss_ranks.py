@@ -52,3 +52,11 @@ def test_each_group_runs_the_boundaries_then_drawn_cases_deterministically() -> 
             assert len({len(shard) for shard in shards}) == 1  # as many steps on every rank
     # A rank holding only the row without an assistant token comes first in both groups.
     assert all(((EMPTY_ROW,),) in cases[w][0][1] for w in loss_ranks.WORLDS)
+
+
+def test_the_reference_adds_up_across_ranks_from_the_depth_the_ranks_run_at() -> None:
+    from posttrain.conformance.outcome import Status
+    from tests.outcomes import run_for
+
+    rows = {r.id: r for r in run_for(PG_LOSS_TOKEN_MEAN, "LOSS-017", depth=2).results}
+    assert rows["LOSS-017"].status is Status.PASS, rows["LOSS-017"].message

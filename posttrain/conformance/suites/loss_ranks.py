@@ -42,6 +42,11 @@ from posttrain.conformance.suites.loss_kit import (
     value_and_grads,
 )
 
+RANKS_DEPTH = 2
+"""The ``--conformance-depth`` from which LOSS-017 also runs across ranks: four spawned
+processes importing torch and the implementation cost about 14 s of CPU per implementation on
+2 cores, which every run of a loss suite would pay at the default depth."""
+
 WORLDS = (4, 2)
 """The sizes of the gloo process groups the ranks form, one after the other: all four
 processes first, then ranks 0 and 1 (the others are done by then, so no rank waits on a
