@@ -381,6 +381,9 @@ def catalogue_names(ctx: Context) -> None:
 # Steps 5 and 3 come after 10: W&B's own step= drops a step lower than the run's last one.
 _STEPS = [(0, 0.5), (1, 0.25), (2, 0.75), (10, 1.0), (5, 1.5), (3, 2.5)]
 
+_BURST = 1100
+"""Points of one name MET-003 logs in a row: past batches of 256, 512 and 1000."""
+
 
 @requirement("MET-003")
 def steps_kept_apart(ctx: Context) -> None:
@@ -398,6 +401,16 @@ def steps_kept_apart(ctx: Context) -> None:
             )
     if len(vals) != len(_STEPS):
         raise _fail(f"one name logged at {len(_STEPS)} steps reads back {len(vals)} values")
+    # Past any batching or flushing threshold, whatever the random sequences below draw.
+    burst = [(name, float(s) / 7.0, s) for s in range(_BURST)]
+    got = _log_and_read(ctx, burst)
+    read = {s for s, _v in got.get(name, [])}
+    lost = [s for _n, _v, s in burst if s not in read]
+    if lost or len(got.get(name, [])) != _BURST:
+        raise _fail(
+            f"{name!r} logged at steps 0 to {_BURST - 1}: {len(got.get(name, []))} values read "
+            f"back, steps {lost[:10]}{' ...' if len(lost) > 10 else ''} missing"
+        )
     explore.run_machine(ctx, _sink_machine(ctx, "MET-003"), examples=2, steps=10)
 
 
