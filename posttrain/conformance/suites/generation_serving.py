@@ -228,10 +228,20 @@ def _outcome(handle: Any, wait: float = 0.0) -> str:
 
 def _outcomes(handles: list[Any], within: float) -> list[str]:
     """Each handle's :func:`_outcome`, waiting up to ``within`` seconds in all for the
-    pending ones (at least 0.2 s each, so that a handle with ``.result`` alone that failed
-    with a ``TimeoutError`` of its own is told from one still pending)."""
+    pending ones. With ``within`` 0, each as it is now: a handle still pending is asked again
+    for 0.2 s only to tell one with ``.result`` alone that failed with a ``TimeoutError`` of its
+    own (it raises at once: failed) from one still pending, and one served in those 0.2 s was
+    pending when asked (a server that serves its queue after ``shutdown`` returned)."""
     deadline = time.perf_counter() + within
-    return [_outcome(h, max(deadline - time.perf_counter(), 0.2)) for h in handles]
+    out = []
+    for h in handles:
+        now = _outcome(h)
+        if now == "pending" and within > 0:
+            now = _outcome(h, max(deadline - time.perf_counter(), 0.2))
+        elif now == "pending":
+            now = "failed" if _outcome(h, 0.2) == "failed" else "pending"
+        out.append(now)
+    return out
 
 
 def _check_layout(out: Any, what: str, max_new: int = MAX_NEW) -> None:
