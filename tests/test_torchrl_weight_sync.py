@@ -49,7 +49,7 @@ def test_applies_on_send_is_declared_because_torchrl_writes_on_send(name: str) -
     session = Session(undeclared)
     row = session.run_one(session.contract.requirement("WS-002"))
     assert row.status is Status.FAIL
-    assert "before receive(), receiver.version is 0 but the model holds the weights of " in (
+    assert "before a receive(): receiver.version is 0 but the model holds the weights of " in (
         row.message
     )
 

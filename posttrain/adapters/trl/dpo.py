@@ -252,8 +252,12 @@ def _row(*, adapted: bool, known: frozenset[str]) -> Implementation:
     )
 
 
-RAW_KNOWN = frozenset({"DPO-005", "DPO-006", "DPO-009"})
-"""What the raw row fails, measured with TRL 1.16 (repros in :func:`deviations`)."""
+RAW_KNOWN = frozenset({"DPO-003", "DPO-004", "DPO-005", "DPO-006", "DPO-009"})
+"""What the raw row fails, measured with TRL 1.16 (repros in :func:`deviations`): TRL's mean
+runs over every pair, a pair without assistant tokens included, so once dpo_loss 1.1's value
+and gradient batches hold such pairs the value (DPO-003: 0.1779 where the counted pairs give
+2.9e-33) and each token's gradient (DPO-004: half of it with one of two pairs counted) are off
+as DPO-006 shows them; rewards come as beta x r (DPO-005); a float mask is accepted (DPO-009)."""
 
 RAW_DPO_SIGMOID = _row(adapted=False, known=RAW_KNOWN)
 ADAPTED_DPO_SIGMOID = _row(adapted=True, known=frozenset())
