@@ -9,7 +9,26 @@ multiplication, a win read off a rounded probability, reward metrics logged with
 plain code against the sentence (True when it shows).
 
 Results (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; the base ``ConcatDPO`` passes each
-id): RESULTS_TABLE
+id):
+
+- ``ref_log_probs_half`` breaks DPO-003: **caught** (DPO-003: token_reduction 'sum', beta
+  0.1, 1 pairs x 2 columns (1 counted; β·Δ from -0.1468 to -0.1468) (rows 2i chosen, 2i + 1
+  rejected): loss_preference is 0.7)
+- ``mean_of_empty_answer`` breaks DPO-006: **caught under DPO-001** (DPO-006 reported
+  "blocked by DPO-001": "loss_preference is nan, expected a finite value" on pairs with an
+  empty rejected row)
+- ``mask_by_multiply`` breaks DPO-003: **caught under DPO-001** (DPO-003 reported "blocked
+  by DPO-001": "loss_preference is nan, expected a finite value"; the suite's batches carry
+  NaN outside the answers)
+- ``win_from_rounded_probability`` breaks DPO-005: **missed (PASS)**, also at depth 4: the
+  domain has exact ties (Δ = 0) and margins far from them, never a Δ > 0 with β·Δ below
+  about 6e-8, where σ rounds to 0.5 in float32
+- ``reward_metrics_scaled_by_beta`` breaks DPO-005: **caught** (DPO-005: token_reduction
+  'sum', beta 0.1, 3 pairs x 12 columns (3 counted; β·Δ from -0.6378 to 0.1623), its last
+  pair's two answers equal (a tie, no win): rewar)
+
+Base on the same ids and declarations (``_RatioHook``, ``ConcatDPO``'s terms): DPO-003,
+DPO-005, DPO-006 all PASS.
 
 Example:
     >>> from posttrain.testing import llm_batch, tiny_causal_lm

@@ -11,7 +11,22 @@ half precision. ``DEMOS[name]()`` shows the bug with plain code against the sent
 when it shows).
 
 Results (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; the base ``HookedR3`` passes each
-id): RESULTS_TABLE
+id):
+
+- ``clip_bounds_swapped`` breaks LOSS-014: **caught** (LOSS-014: clip bounds [0.8, 1.28],
+  dual clip 3: at ratio 1.242 with advantage +1.43 (row 2, position 5; the unclipped term is
+  active), d loss_objective / d logp)
+- ``entropy_own_position`` breaks LOSS-012: **caught** (LOSS-012: at ratio 1, entropy is
+  1.84859; over the assistant tokens, of the distributions they were drawn from (the logits
+  one position earlier), the full-vocab)
+- ``nan_to_num_in_place`` breaks LOSS-007: **caught** (LOSS-007: loss(td) mutated its input:
+  key ('log_probs', 'full') changed; key ('next', 'ref_log_probs', 'full') changed (see
+  specs/loss-v1.md#LOSS-007))
+- ``weights_in_half`` breaks LOSS-003: **caught** (LOSS-003: aggregation
+  'seq_mean_token_mean', a [B] advantage: d loss_objective / d logp at row 0, position 3 (an
+  assistant token) is -0.0330595, expected -advan)
+
+Base on the same ids and declarations: LOSS-003, LOSS-007, LOSS-012 and LOSS-014 all PASS.
 
 Example:
     >>> from posttrain.testing import llm_batch, tiny_causal_lm

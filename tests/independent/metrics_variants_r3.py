@@ -11,7 +11,26 @@ breaks; ``DEMOS[name]()`` shows the bug with plain code against that sentence (T
 shows).
 
 Results (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; each base design passes the id):
-RESULTS_TABLE
+
+- ``int32_step`` breaks MET-003: **missed (PASS)** at depth 1; caught at depth 4 ("'loss'
+  logged 14 times, 0.0 at step 2147483648 not read back (found ... (-2147483648, 0.0)"): the
+  steps 2**31, 10**12 and 2**40 are only in the random sequences' alphabet, and depth 1
+  draws one sequence that did not hold one; no fixed boundary sequence tries them
+- ``flush_to_zero`` breaks MET-001: **missed (PASS)**, also at depth 4: 1e-40 and -1e-45
+  are tried first, but reading them back as 0.0 passes, so the comparison's float32
+  allowance apparently is absolute (or relative to float32's smallest normal) near zero, not the
+  rounding of a subnormal
+- ``name_cut_at_249`` breaks MET-002: **caught** (MET-002: catalogue names:
+  'g_0/g_0/g_0/g_0/g_0/g_0/g_0/g_0/g_0/g_0/'... (250 characters) logged but not read back;
+  names read back: ['buffer/utilization', 'g_0/)
+- ``splitlines_samples`` breaks MET-009: **caught** (MET-009: log_samples('samples',
+  step=3), one call: expected 1 table(s) at step 3, one per call, read back 0 (steps read
+  back for 'samples': [1, 1]) (see specs/m)
+- ``refused_histogram_kept`` breaks MET-008: **caught** (MET-008: a refused distribution
+  (NaN among its values) was stored at step 5 (see specs/metrics-v1.md#MET-008))
+
+Base on the same ids and declarations (``SQLiteSink``, ``BinnedFileSink``): MET-001,
+MET-002, MET-003, MET-008 and MET-009 all PASS.
 
 Example:
     >>> import tempfile, pathlib

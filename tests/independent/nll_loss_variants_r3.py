@@ -8,7 +8,24 @@ pad id taken as an ignore index, an off-by-one trim, a stale cache. ``DEMOS[name
 the bug with plain code against the sentence (True when it shows).
 
 Results (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; the base ``MaskedSumNLL`` passes each
-id): RESULTS_TABLE
+id):
+
+- ``log_prob_clamped`` breaks NLL-003: **missed (PASS)**, also at depth 4: no assistant
+  token of the domain has -log p above 100 (a probe of ``tiny_causal_lm(vocab_size=64)``
+  with ``lm_head`` x 30 gives logits within ±12 and min log p about -22), so the clamp never
+  acts; the "logits of a few hundred" the domain text promises were not reached here
+- ``pad_id_ignored`` breaks NLL-003: **caught** (NLL-003: aggregation 'seq_mean_token_mean':
+  loss_nll of a batch of 5 rows x 24 columns (60 assistant tokens in 4 rows) is 9.10419,
+  expected 9.59665 (sum of w x )
+- ``trim_off_by_one`` breaks NLL-003: **caught** (NLL-003: aggregation 'token_mean':
+  loss_nll of a batch of 1 rows x 2 columns (1 assistant tokens in 1 rows) is 0, expected
+  4.28231 (sum of w x -log p over the a)
+- ``stale_logits_cache`` breaks NLL-003: **missed (PASS)**, also at depth 4: the suite
+  apparently never scores one batch twice with one loss object across a change of the
+  policy's weights (the domain text does not say it does: each policy seemingly gets a
+  fresh loss), so a cache keyed by the batch alone never serves a stale value
+
+Base on the same ids and declarations (token_mean and seq_mean_token_mean): NLL-003 PASS.
 
 Example:
     >>> from posttrain.testing import llm_batch, tiny_causal_lm
