@@ -158,13 +158,13 @@ def _row(aggregation: str, *, adapted: bool, known: frozenset[str] = frozenset()
     )
 
 
-RAW_KNOWN = frozenset({"NLL-002", "NLL-003", "NLL-004", "NLL-005", "NLL-006"})
+RAW_KNOWN = frozenset({"NLL-002", "NLL-003", "NLL-005", "NLL-006"})
 """What the raw row fails, measured with TorchRL 0.14.1 (repros in tests/test_torchrl_sft_rows.py):
-``normalize_by_seq_length`` divides by the row's length, not its assistant tokens (NLL-003: 2.1412
-for 4.2823 on one row of 2 columns); among nll_loss 1.1's drawn batches one leaves every
-parameter without a gradient (NLL-002, so NLL-004 is blocked); the raw wrapper reads padding
-positions, so left-padded tokens change the loss (NLL-005); a missing key is not named
-(NLL-006)."""
+NLL-003 (a pad-id token inside a sequence dropped shifts the log-probs; on one row of 2
+columns with 1 assistant token the loss is 2.1412 where the formula gives 4.2823), NLL-002
+(one of nll_loss 1.1's drawn batches leaves every parameter without a gradient, which blocks
+NLL-004), NLL-005 (left-padded tokens change the loss: the raw actor sees no attention mask)
+and NLL-006 (a float mask taken as a mask; a missing key not named)."""
 
 RAW_SFT_SEQ_MEAN_TOKEN_MEAN = _row("seq_mean_token_mean", adapted=False, known=RAW_KNOWN)
 ADAPTED_SFT_TOKEN_MEAN = _row("token_mean", adapted=True)
