@@ -257,6 +257,6 @@ BUFFER = Contract(
             domain="every file `dumps` wrote, in turn replaced by a torch.save or bare pickle that runs code."),
         Requirement(id="BUF-025", level=_S, title="consistent snapshots", capability="thread_safe", since="1.5",
             text="While other threads extend, `state_dict()` (and with `checkpoint` `dumps`, with `read` `read`) SHOULD capture whole items: restored, every item bit-exactly one written item, never fields of two different writes (a MUST from v2).", depends_on=("BUF-014", "BUF-018"),
-            domain="4 writers x 40 extends of 2 into a full buffer of 16 while this thread takes `state_dict()`, and with `checkpoint` `dumps`, with `read` `read(all indices)`, as fast as it can."),
+            domain="4 writers extending a full buffer of 16 by 2 (40 distinct batches each, then around them again) while this thread takes 12 rounds (times --conformance-depth) of `state_dict()`, and with `checkpoint` `dumps`, with `read` `read(all indices)`; the writers stop only once the rounds are taken, so every snapshot overlaps writes."),
     ),
 )  # fmt: skip

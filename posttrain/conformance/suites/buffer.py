@@ -17,6 +17,7 @@ import pickle
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -597,6 +598,13 @@ def thread_safety(ctx: Context) -> None:
     concurrent_writes(ctx, capacity=32, per_writer=10)  # 48 of the 80 writes evict
 
 
+_SNAPSHOT_ROUNDS = 12
+"""Rounds of snapshots BUF-025 takes while the writers extend (times --conformance-depth)."""
+
+_SNAPSHOT_WRITES_MAX = 4000
+"""Extends a BUF-025 writer makes at most, however long the snapshots take."""
+
+
 @requirement("BUF-025")
 def consistent_snapshots(ctx: Context) -> None:
     """Snapshots taken while 4 threads extend: each restores whole written items only."""
@@ -609,12 +617,17 @@ def consistent_snapshots(ctx: Context) -> None:
             r.table.add(b)
     errors: list[str] = []
     start = threading.Barrier(writers + 1)
+    stop = threading.Event()
 
     def write(bs: list[TensorDictBase]) -> None:
+        # Every batch once, then on around them until the snapshots are taken: each snapshot
+        # overlaps writes however the threads are scheduled (a busy machine included).
         try:
             start.wait(timeout=30)
-            for b in bs:
-                r.rb.extend(b)
+            i = 0
+            while i < len(bs) or (not stop.is_set() and i < _SNAPSHOT_WRITES_MAX):
+                r.rb.extend(bs[i % len(bs)])
+                i += 1
         except Exception as e:
             errors.append(f"writer raised {short_err(e)}")
 
@@ -625,7 +638,8 @@ def consistent_snapshots(ctx: Context) -> None:
     snapshots: list[tuple[str, Any]] = []
     with ctx.tmpdir() as d:
         k = 0
-        while any(t.is_alive() for t in threads) or k < 3:
+        until = time.monotonic() + 30
+        while k < _SNAPSHOT_ROUNDS * ctx.depth and time.monotonic() < until:
             snapshots.append(("state_dict()", r.rb.state_dict()))
             if "checkpoint" in ctx.capabilities:
                 path = d / f"snap-{k}"
@@ -634,6 +648,7 @@ def consistent_snapshots(ctx: Context) -> None:
             if "read" in ctx.capabilities:
                 snapshots.append(("read()", r.rb.read(torch.arange(capacity))))
             k += 1
+        stop.set()
         for t in threads:
             t.join(timeout=60)
         if errors:
