@@ -216,7 +216,7 @@ def _source(ctx: Context) -> tuple[str, Any]:
     if target:
         return ("target", target)
     try:
-        return ("pickled", pickle.dumps(ctx.impl))
+        pickle.dumps(ctx.impl)  # spawn pickles the process arguments: fail here, not in a rank
     except Exception as e:
         raise NotApplicable(
             "micro-batches add up in one process; across data-parallel ranks not checked: a "
@@ -224,6 +224,7 @@ def _source(ctx: Context) -> tuple[str, Any]:
             f"and whose factory {ctx.impl.factory!r} is not importable by name "
             f"({type(e).__name__}: {e})"
         ) from None
+    return ("pickled", ctx.impl)
 
 
 def _rebuild(source: tuple[str, Any]) -> Any:
@@ -232,7 +233,7 @@ def _rebuild(source: tuple[str, Any]) -> Any:
         from posttrain.conformance.target import resolve
 
         return resolve(what, "loss")
-    return pickle.loads(what)  # bytes this kit pickled in the parent process, never a file
+    return what  # the Implementation itself, carried by multiprocessing's spawn
 
 
 def _collect(procs: list[Any], out: Any, expected: int) -> list[tuple[Any, ...]]:
