@@ -368,17 +368,21 @@ def gradient_through_both_answers(ctx: Context) -> None:
         td = pairs_case(ctx, policy, case)
         got = _term_logp_grads(policy, loss, td, "loss_preference")
         want_all = expected(ctx, policy, td)
-        want = want_all["grad"].float()
-        if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
-            i, t = divmod(int((got - want).abs().argmax()), want.shape[1])
-            row = "chosen" if i % 2 == 0 else "rejected"
-            raise _fail(
-                f"{_declared(ctx)}, {_pairs_shape(td, want_all)}: d loss_preference / d logp at "
-                f"row {i} (pair {i // 2}'s {row} answer), position {t} is "
-                f"{float(got[i, t]):.6g}, expected {float(want[i, t]):.6g}"
-            )
+        what = f"{_declared(ctx)}, {_pairs_shape(td, want_all)}"
+        _expect_logp_grads(got, want_all["grad"].float(), what)
 
     for_all(ctx, untied(pair_cases()), check, examples=5, boundaries=_UNTIED)
+
+
+def _expect_logp_grads(got: torch.Tensor, want: torch.Tensor, what: str, why: str = "") -> None:
+    """FAIL naming the token whose d loss_preference / d logp is furthest from ``want``."""
+    if not torch.allclose(got, want, atol=1e-6, rtol=1e-4):
+        i, t = divmod(int((got - want).abs().argmax()), want.shape[1])
+        row = "chosen" if i % 2 == 0 else "rejected"
+        raise _fail(
+            f"{what}: d loss_preference / d logp at row {i} (pair {i // 2}'s {row} answer), "
+            f"position {t} is {float(got[i, t]):.6g}, expected {float(want[i, t]):.6g}{why}"
+        )
 
 
 @requirement("DPO-005")
@@ -588,14 +592,8 @@ def label_smoothing_as_declared(ctx: Context) -> None:
             )
         _compare(got, want, ("loss_preference",), what)
         grads = _term_logp_grads(policy, loss, td, "loss_preference")
-        g_want = want["grad"].float()
-        if not torch.allclose(grads, g_want, atol=1e-6, rtol=1e-4):
-            i, t = divmod(int((grads - g_want).abs().argmax()), g_want.shape[1])
-            row = "chosen" if i % 2 == 0 else "rejected"
-            raise _fail(
-                f"{what}: d loss_preference / d logp at row {i} (pair {i // 2}'s {row} answer), "
-                f"position {t} is {float(grads[i, t]):.6g}, expected {float(g_want[i, t]):.6g} "
-                f"(∓β·((1 - ε)·σ(-β·Δ) - ε·σ(β·Δ))·c/P)"
-            )
+        _expect_logp_grads(
+            grads, want["grad"].float(), what, " (∓β·((1 - ε)·σ(-β·Δ) - ε·σ(β·Δ))·c/P)"
+        )
 
     for_all(ctx, untied(pair_cases()), check, examples=5, boundaries=_UNTIED)
