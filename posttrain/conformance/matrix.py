@@ -30,6 +30,7 @@ from posttrain._commands import default_jobs as default_jobs
 from posttrain._commands import report_parser
 from posttrain._listing import some_names as some_names
 from posttrain.conformance import html_report
+from posttrain.conformance._spawn import PER_STARTUP
 from posttrain.conformance.outcome import Report, Result, md_cell, reports_json, retry_note
 from posttrain.conformance.runner import DEFAULT_TIMEOUT_S, run
 from posttrain.conformance.target import ENTRY_POINT_GROUP, TargetError, discover
@@ -44,7 +45,7 @@ MAX_ATTEMPTS = 2
 """A distributed row runs at most this many times: once more when its failures differ from its
 declared ``known_failures`` (a process group or a Ray actor that did not come up in time)."""
 
-TIMEOUT_PER_STARTUP = 20.0
+TIMEOUT_PER_STARTUP = PER_STARTUP
 """A distributed row's per-check timeout is this many start-ups of a fresh worker process
 (spawn, import, load the entry point), and never less than ``runner.DEFAULT_TIMEOUT_S``."""
 
