@@ -306,8 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``posttrain`` command line with ``argv`` (default: ``sys.argv[1:]``).
 
     Example:
-        >>> main(["check", "buffer", "reference-buffer"])  # doctest: +ELLIPSIS
-        posttrain.RingBuffer (reference-buffer) against buffer v...
+        >>> main(["check", "weight_sync", "reference-weight-sync"])  # doctest: +ELLIPSIS
+        posttrain.in_process_weight_sync (reference-weight-sync) against weight_sync v...
         0
     """
     try:

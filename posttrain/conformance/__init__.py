@@ -8,7 +8,7 @@ From Python:
 
 Example:
     >>> from posttrain.conformance import check
-    >>> check("buffer", "reference-buffer").ok
+    >>> check("weight_sync", "reference-weight-sync").ok
     True
 """
 

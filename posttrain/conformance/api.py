@@ -23,7 +23,7 @@ def check(
     ``depth`` multiplies the generated inputs and random call sequences each check tries.
 
     Example:
-        >>> rep = check("buffer", "posttrain.reference_impls:RING_BUFFER")
+        >>> rep = check("weight_sync", "posttrain.reference_impls:IN_PROCESS_WEIGHT_SYNC")
         >>> rep.ok, rep.counts()["FAIL"]
         (True, 0)
     """
