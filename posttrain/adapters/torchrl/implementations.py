@@ -6,7 +6,9 @@ group so ``make report`` shows TorchRL's rows. Factories import TorchRL lazily.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -60,9 +62,11 @@ def _storage(kind: str, capacity: int) -> Any:
     if kind == "tensor":
         return data.LazyTensorStorage(capacity)
     if kind == "memmap":
-        return data.LazyMemmapStorage(
-            capacity, scratch_dir=tempfile.mkdtemp(prefix="posttrain-memmap-")
-        )
+        scratch = tempfile.mkdtemp(prefix="posttrain-memmap-")
+        storage = data.LazyMemmapStorage(capacity, scratch_dir=scratch)
+        # The files go with the storage (and at exit): a report makes thousands of these buffers.
+        weakref.finalize(storage, shutil.rmtree, scratch, ignore_errors=True)
+        return storage
     return data.LazyStackStorage(capacity)
 
 
