@@ -176,6 +176,15 @@ VARIANTS: dict[str, Implementation] = {
     ),
 }
 
+# Each variant's correct design (the hooks as they conform, same reduction), by variant.
+BASES: dict[str, Implementation] = {
+    "ref_log_probs_half": BASE,
+    "mean_of_empty_answer": BASE_MEAN,
+    "mask_by_multiply": BASE,
+    "win_from_rounded_probability": BASE,
+    "reward_metrics_scaled_by_beta": BASE,
+}
+
 BREAKS: dict[str, str] = {
     "ref_log_probs_half": "DPO-003",
     "mean_of_empty_answer": "DPO-006",
@@ -284,4 +293,19 @@ DEMOS: dict[str, Callable[[], bool]] = {
     "mask_by_multiply": demo_mask_by_multiply,
     "win_from_rounded_probability": demo_win_from_rounded_probability,
     "reward_metrics_scaled_by_beta": demo_reward_metrics_scaled_by_beta,
+}
+
+
+# What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
+# an entry goes once the kit fails the variant on the requirement it breaks.
+KIT_DEFECTS: dict[str, str] = {
+    "win_from_rounded_probability": (
+        "DPO-005's domain has ties and margins far from them, never 0 < β·Δ below about 6e-8 where σ rounds to 0.5 in float32"
+    ),
+}
+
+# Variants the kit fails under another requirement (a foundation that blocks theirs).
+OTHER_ID: dict[str, str] = {
+    "mean_of_empty_answer": "DPO-001",
+    "mask_by_multiply": "DPO-001",
 }

@@ -319,3 +319,15 @@ DEMOS: dict[str, Callable[[], bool]] = {
 
 # The correct design every variant changes, for the base check on the same id.
 BASES: dict[str, Implementation] = dict.fromkeys(VARIANTS, _impl(DrainBatchingServer))
+
+
+# What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
+# an entry goes once the kit fails the variant on the requirement it breaks.
+KIT_DEFECTS: dict[str, str] = {
+    "lost_update": (
+        "GEN-005 makes its updates one after another from one thread; no two updates overlap"
+    ),
+}
+
+# Variants the kit fails under another requirement (a foundation that blocks theirs).
+OTHER_ID: dict[str, str] = {}

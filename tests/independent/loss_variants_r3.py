@@ -208,6 +208,14 @@ VARIANTS: dict[str, Implementation] = {
     "weights_in_half": _impl(WeightsInHalf, "r3/loss-weights-in-half", "seq_mean_token_mean"),
 }
 
+# Each variant's correct design (the hooks as they conform, same aggregation), by variant.
+BASES: dict[str, Implementation] = {
+    "clip_bounds_swapped": BASE,
+    "entropy_own_position": BASE,
+    "nan_to_num_in_place": BASE,
+    "weights_in_half": BASE_SEQ,
+}
+
 BREAKS: dict[str, str] = {
     "clip_bounds_swapped": "LOSS-014",
     "entropy_own_position": "LOSS-012",
@@ -321,3 +329,11 @@ DEMOS: dict[str, Callable[[], bool]] = {
     "nan_to_num_in_place": demo_nan_to_num_in_place,
     "weights_in_half": demo_weights_in_half,
 }
+
+
+# What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
+# an entry goes once the kit fails the variant on the requirement it breaks.
+KIT_DEFECTS: dict[str, str] = {}
+
+# Variants the kit fails under another requirement (a foundation that blocks theirs).
+OTHER_ID: dict[str, str] = {}

@@ -133,12 +133,21 @@ def _nll(cls: type, name: str, aggregation: str = "token_mean") -> Implementatio
 
 
 BASE = _nll(MaskedSumNLL, "r3/nll-base")
+BASE_SEQ = _nll(MaskedSumNLL, "r3/nll-base-seq", "seq_mean_token_mean")
 
 VARIANTS: dict[str, Implementation] = {
     "log_prob_clamped": _nll(LogProbClamped, "r3/nll-log-prob-clamped"),
     "pad_id_ignored": _nll(PadIdIgnored, "r3/nll-pad-id-ignored", "seq_mean_token_mean"),
     "trim_off_by_one": _nll(TrimOffByOne, "r3/nll-trim-off-by-one"),
     "stale_logits_cache": _nll(StaleLogitsCache, "r3/nll-stale-logits-cache"),
+}
+
+# Each variant's correct design (the same class without the bug, same aggregation), by variant.
+BASES: dict[str, Implementation] = {
+    "log_prob_clamped": BASE,
+    "pad_id_ignored": BASE_SEQ,
+    "trim_off_by_one": BASE,
+    "stale_logits_cache": BASE,
 }
 
 BREAKS: dict[str, str] = {
@@ -245,3 +254,18 @@ DEMOS: dict[str, Callable[[], bool]] = {
     "trim_off_by_one": demo_trim_off_by_one,
     "stale_logits_cache": demo_stale_logits_cache,
 }
+
+
+# What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
+# an entry goes once the kit fails the variant on the requirement it breaks.
+KIT_DEFECTS: dict[str, str] = {
+    "log_prob_clamped": (
+        "NLL-003's domain has no assistant log p below about -22 (logits never reach a few hundred), so a clamp at -100 never shows"
+    ),
+    "stale_logits_cache": (
+        "no NLL check scores one batch twice across a change of the policy's weights"
+    ),
+}
+
+# Variants the kit fails under another requirement (a foundation that blocks theirs).
+OTHER_ID: dict[str, str] = {}

@@ -276,3 +276,15 @@ BASES: dict[str, Implementation] = {
     "cut_at_eos": _impl(ro.LazyGeneratorSource, _LAZY_CAPS),
     "pad_blind_groups": _impl(ro.EagerPrefetchSource, _PREFETCH_CAPS),
 }
+
+
+# What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
+# an entry goes once the kit fails the variant on the requirement it breaks.
+KIT_DEFECTS: dict[str, str] = {
+    "do_while_total": ("ROLL-006 never asks for a total of 0 nor iterates a source a second time"),
+    "open_iterator": ("ROLL-007 never takes the iterator before shutdown"),
+    "pad_blind_groups": ("ROLL-009 never draws prompts that differ only in pad tokens"),
+}
+
+# Variants the kit fails under another requirement (a foundation that blocks theirs).
+OTHER_ID: dict[str, str] = {}

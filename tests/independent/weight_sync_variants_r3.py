@@ -343,3 +343,22 @@ BASES: dict[str, Implementation] = {
     "prefix_stripping": _impl(queue_pair),
     "finite_guard": _impl(queue_pair),
 }
+
+
+# What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
+# an entry goes once the kit fails the variant on the requirement it breaks.
+KIT_DEFECTS: dict[str, str] = {
+    "cpu_staging": (
+        "WS-002 never mutates the source while a send is pending, so a staging copy that aliases the source passes"
+    ),
+    "summed_latency": (
+        "WS-007 reads the latency after one sync only, so a running sum equals the last value"
+    ),
+    "byte_width_dtype": (
+        "WS-005 syncs float32 models only, so a dtype chosen by byte width is never wrong"
+    ),
+    "prefix_stripping": ("WS-006 never offers names with 'module.' or '_orig_mod.' prefixes"),
+}
+
+# Variants the kit fails under another requirement (a foundation that blocks theirs).
+OTHER_ID: dict[str, str] = {}
