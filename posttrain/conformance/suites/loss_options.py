@@ -281,23 +281,41 @@ def sequence_ratio_clipped(ctx: Context) -> None:
     tol = tol_factor(ctx)
     value, got = logp_grads(policy, loss, td, tol)
     bounds = f"clip bounds [{lo:.4g}, {hi:.4g}]{'' if dual is None else f', dual clip {dual:.4g}'}"
-    if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
-        raise _fail(
-            f"ratio {ratio_option(ctx)!r}, {bounds}: with sequence ratios "
-            f"{', '.join(f'{x:.3g}' for x in r[:4].tolist())} and advantages of both signs, "
-            f"loss_objective is {float(value):.6g}, expected {want_value:.6g} (Σ w x max(-A ρ, "
-            f"-A clip(ρ)), ρ the row's sequence ratio; unclipped it would be "
-            f"{float((-a[:, None] * r[:, None] * w * m).sum()):.6g})"
+    what = f"ratio {ratio_option(ctx)!r}, {bounds}"
+
+    def grad_fail(i: int, p: int) -> str:
+        side = "unclipped" if bool(active[i]) else "clipped"
+        return (
+            f"{what}: at sequence ratio {float(r[i]):.4g} with advantage {float(a[i]):+.3g} "
+            f"(row {i}, the {side} term active), d loss_objective / d logp at position {p} is "
+            f"{float(got[i, p]):.6g}, expected {float(want[i, p]):.6g}"
         )
+
+    _expect(
+        (value, want_value, got, want, tol),
+        f"{what}: with sequence ratios {', '.join(f'{x:.3g}' for x in r[:4].tolist())} and "
+        f"advantages of both signs, loss_objective is {float(value):.6g}, expected "
+        f"{want_value:.6g} (Σ w x max(-A ρ, -A clip(ρ)), ρ the row's sequence ratio; unclipped "
+        f"it would be {float((-a[:, None] * r[:, None] * w * m).sum()):.6g})",
+        grad_fail,
+    )
+
+
+def _expect(
+    measured: tuple[Any, float, torch.Tensor, torch.Tensor, float],
+    value_fail: str,
+    grad_fail: Callable[[int, int], str],
+) -> None:
+    """FAIL when loss_objective or d loss_objective / d logp differs from its float64
+    expectation: ``measured`` is (value, expected value, gradients, expected gradients,
+    tolerance factor); the gradient's message names the token furthest off."""
+    value, want_value, got, want, tol = measured
+    if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
+        raise _fail(value_fail)
     bad = ~torch.isclose(got.double(), want, atol=1e-6 * tol, rtol=1e-4 * tol)
     if bool(bad.any()):
-        i, p = divmod(int(((got.double() - want).abs() * bad).argmax()), t)
-        side = "unclipped" if bool(active[i]) else "clipped"
-        raise _fail(
-            f"ratio {ratio_option(ctx)!r}, {bounds}: at sequence ratio {float(r[i]):.4g} with advantage "
-            f"{float(a[i]):+.3g} (row {i}, the {side} term active), d loss_objective / d logp at "
-            f"position {p} is {float(got[i, p]):.6g}, expected {float(want[i, p]):.6g}"
-        )
+        i, p = divmod(int(((got.double() - want).abs() * bad).argmax()), want.shape[1])
+        raise _fail(grad_fail(i, p))
 
 
 @requirement("LOSS-023")
@@ -336,22 +354,23 @@ def cispo_weight_clipped(ctx: Context) -> None:
     tol = tol_factor(ctx)
     value, got = logp_grads(policy, loss, td, tol)
     bounds = f"clip bounds [{lo:.4g}, {hi:.4g}]"
-    if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
-        raise _fail(
-            f"ratio 'cispo', {bounds}: with token ratios on both sides of the bounds and "
-            f"advantages of both signs, loss_objective is {float(value):.6g}, expected "
-            f"{want_value:.6g} (Σ w x (-A x sg(clip(r)) x log pi); with the weight unclipped "
-            f"it would be {float((-a * r * lp * w * m).sum()):.6g})"
-        )
-    bad = ~torch.isclose(got.double(), want, atol=1e-6 * tol, rtol=1e-4 * tol)
-    if bool(bad.any()):
-        i, p = divmod(int(((got.double() - want).abs() * bad).argmax()), t)
+
+    def grad_fail(i: int, p: int) -> str:
         side = "clipped" if bool(c[i, p] != r[i, p]) else "unclipped"
-        raise _fail(
+        return (
             f"ratio 'cispo', {bounds}: at token ratio {float(r[i, p]):.4g} (row {i}, position "
             f"{p}, weight {side}) with advantage {float(a[i, 0]):+.3g}, d loss_objective / d logp "
             f"is {float(got[i, p]):.6g}, expected -A x clip(r) x w = {float(want[i, p]):.6g}"
         )
+
+    _expect(
+        (value, want_value, got, want, tol),
+        f"ratio 'cispo', {bounds}: with token ratios on both sides of the bounds and "
+        f"advantages of both signs, loss_objective is {float(value):.6g}, expected "
+        f"{want_value:.6g} (Σ w x (-A x sg(clip(r)) x log pi); with the weight unclipped "
+        f"it would be {float((-a * r * lp * w * m).sum()):.6g})",
+        grad_fail,
+    )
 
 
 KL_APPROX_FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
