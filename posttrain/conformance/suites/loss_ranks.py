@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from posttrain.conformance._spawn import Spawned
 from posttrain.conformance.context import Context, NotApplicable
 from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.conformance.suites.loss_kit import (
@@ -52,10 +53,13 @@ WORLDS = (4, 2)
 processes first, then ranks 0 and 1 (the others are done by then, so no rank waits on a
 group that is not forming yet)."""
 
-_BUDGET_S = 240.0
-"""How long the ranks may take, process start included, before the check gives up (NOT_APPLICABLE,
-saying so). On an idle 2-core machine they take a few seconds; the figure is for a loaded one,
-and gloo's own timeout bounds a rank that waits on a lost one."""
+_WORK_S = 60.0
+"""How long the ranks' work may take once every rank runs, at the least: the deadline is
+``max(_WORK_S, PER_STARTUP x the slowest rank's start)`` (:mod:`posttrain.conformance._spawn`),
+so a loaded machine slows the check without failing it, and a rank that never answers fails it."""
+
+_GLOO_TIMEOUT_S = 600.0
+"""gloo's own timeout for a collective: a rank waiting on a lost one raises (and says so)."""
 
 Shards = tuple[tuple[tuple[int, ...], ...], ...]
 """Per rank, its micro-batches, each a tuple of batch rows."""
@@ -187,7 +191,7 @@ def _rank_main(
             ):
                 os.environ[key] = str(value)
             os.environ["MASTER_ADDR"] = "127.0.0.1"
-            wait = timedelta(seconds=_BUDGET_S)
+            wait = timedelta(seconds=_GLOO_TIMEOUT_S)
             dist.init_process_group("gloo", init_method="env://", timeout=wait)
             try:
                 # Built inside the group, as a data-parallel job builds its loss.
@@ -236,21 +240,26 @@ def _rebuild(source: tuple[str, Any]) -> Any:
     return what  # the Implementation itself, carried by multiprocessing's spawn
 
 
-def _collect(procs: list[Any], out: Any, expected: int) -> list[tuple[Any, ...]]:
+def _collect(ranks: Spawned, out: Any, expected: int) -> list[tuple[Any, ...]]:
     """The results rank 0 sends, until ``expected`` arrived, a rank failed or time ran out."""
     results: list[tuple[Any, ...]] = []
-    deadline = time.monotonic() + _BUDGET_S
+    try:
+        budget = ranks.deadline_s(_WORK_S)
+    except TimeoutError as e:
+        raise _fail(f"the {len(ranks.procs)} spawned ranks did not start: {e}") from None
+    deadline = time.monotonic() + budget
     while len(results) < expected:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise NotApplicable(
-                f"across data-parallel ranks not checked: the {len(procs)} spawned ranks gave "
-                f"{len(results)} of {expected} results within {_BUDGET_S:g} s"
+            raise _fail(
+                f"the {len(ranks.procs)} spawned ranks gave {len(results)} of {expected} results "
+                f"within {budget:.0f} s of starting (20 times their slowest start, "
+                f"{ranks.startup_s:.1f} s, at least {_WORK_S:g} s): a rank hangs"
             )
         try:
             msg = out.get(timeout=min(left, 1.0))
         except queue_mod.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            dead = [p for p in ranks.procs if p.exitcode not in (None, 0)]
             if dead:
                 raise _fail(
                     f"a spawned rank exited with code {dead[0].exitcode} before answering "
@@ -269,29 +278,20 @@ def _run_ranks(
     batches: list[TensorDictBase],
     cases: dict[int, list[Case]],
 ) -> list[tuple[Any, ...]]:
-    import torch.multiprocessing as mp
+    import multiprocessing
 
-    spawn = mp.get_context("spawn")
-    out = spawn.Queue()
+    out = multiprocessing.get_context("spawn").Queue()
     ports = {w: _free_port() for w in WORLDS}
-    procs = [
-        spawn.Process(
-            target=_rank_main,
-            args=(r, source, ctx.seed, ctx.depth, batches, cases, ports, out),
-            daemon=True,
-        )
-        for r in range(max(WORLDS))
+    args = [
+        (r, source, ctx.seed, ctx.depth, batches, cases, ports, out) for r in range(max(WORLDS))
     ]
-    for p in procs:
-        p.start()
+    ranks = Spawned(_rank_main, args)
     try:
-        return _collect(procs, out, sum(len(c) for c in cases.values()))
+        return _collect(ranks, out, sum(len(c) for c in cases.values()))
     finally:
-        for p in procs:
+        for p in ranks.procs:
             p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
+        ranks.terminate()
 
 
 def _describe(world: int, td: TensorDictBase, case: Case, counts: tuple[int, int]) -> str:
