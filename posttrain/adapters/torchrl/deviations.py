@@ -156,6 +156,12 @@ LOSS_DEVIATIONS: tuple[Deviation, ...] = (
         "the KL to the reference is averaged over every position of the padded batch, so padding dilutes it",
         "loss_010_padding_dilutes_kl",
     ),
+    Deviation(
+        ("LOSS-023", "LOSS-021"),
+        "CISPOLoss",
+        "the surrogate is -A·clip(r) with the gradient through the clip, not CISPO's -A·sg(clip(r))·log pi: a token whose ratio is outside [1 - ε_low, 1 + ε_high] gets no gradient at all, and the loss value is not the weighted log-likelihood",
+        "loss_023_cispo_clipped_weight_zero_gradient",
+    ),
 )
 """Known deviations of TorchRL 0.14.1's LLM losses, found by the loss suite."""
 

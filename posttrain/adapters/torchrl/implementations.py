@@ -89,6 +89,8 @@ def _factory(
 _ATOMICITY = frozenset({"BUF-009", "BUF-010", "BUF-011", "BUF-012"})
 _RAW_LOSS_TOKEN_MEAN = frozenset({"LOSS-005", "LOSS-008", "LOSS-009", "LOSS-012", "LOSS-015"})
 _RAW_LOSS_PROMPT_MEAN = frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"})
+# CISPOLoss: -A·clip(r), not -A·sg(clip(r))·log pi (deviations.py, loss_023 repro).
+_RAW_CISPO = frozenset({"LOSS-021", "LOSS-023"})
 _RAW_WEIGHT_SYNC = frozenset({"WS-004", "WS-005", "WS-006"})
 
 
@@ -222,9 +224,18 @@ def _loss(cls_name: str, aggregation: str, *, adapted: bool, kl: bool = False) -
     extra: dict[str, Any] = {"kl_to_ref_coeff": _KL_COEFF} if kl else {}
     shown = f", kl_to_ref_coeff={_KL_COEFF}" if kl else ""
     # GRPOLoss and DAPO clip PPO-style (GRPOLoss's default 0.2; DAPO with its paper's
-    # clip-higher pair); CISPOLoss weights by the clipped ratio instead, a different objective.
-    clips: dict[str, float | tuple[float, float]] = {"GRPOLoss": 0.2, "DAPO": _DAPO_CLIP}
+    # clip-higher pair). CISPOLoss weights by the clipped ratio instead (ratio 'cispo'), at the
+    # bounds it inherits: GRPOLoss.__init__'s clip_epsilon=0.2, which
+    # CISPOLoss._compute_policy_objective applies as log_weight.clamp(*self._clip_bounds),
+    # GRPOLoss._clip_bounds = (log1p(-0.2), log1p(0.2)): r within [0.8, 1.2]
+    # (torchrl/objectives/llm/grpo.py).
+    clips: dict[str, float | tuple[float, float]] = {
+        "GRPOLoss": 0.2,
+        "DAPO": _DAPO_CLIP,
+        "CISPOLoss": 0.2,
+    }
     clip = clips.get(cls_name)
+    cispo = cls_name == "CISPOLoss"
     if cls_name == "DAPO":
         extra["clip_epsilon"] = _DAPO_CLIP
         shown += f", clip_epsilon={_DAPO_CLIP}"
@@ -236,15 +247,23 @@ def _loss(cls_name: str, aggregation: str, *, adapted: bool, kl: bool = False) -
         | ({"global_counts"} if adapted else set())
         | ({"kl_to_ref"} if kl else set())
         | ({"clip"} if clip is not None else set()),
-        options={"aggregation": aggregation},
+        options={"aggregation": aggregation} | ({"ratio": "cispo"} if cispo else {}),
         extras={} if clip is None else {"clip_epsilon": clip},
         description="TorchRL LLM loss around a TransformersWrapper of the suite's policy (masking_strategy='rlhf')."
-        + ("" if adapted else " Raw: only the advantage is reshaped to TorchRL's [B, T, 1]."),
+        + ("" if adapted else " Raw: only the advantage is reshaped to TorchRL's [B, T, 1].")
+        + (
+            " The adapter computes CISPO's surrogate -A·sg(clip(r))·log pi in place of "
+            "CISPOLoss's -A·clip(r)."
+            if adapted and cispo
+            else ""
+        ),
         known_failures=frozenset()
         if adapted
-        else _RAW_LOSS_PROMPT_MEAN
-        if aggregation == "seq_mean_token_mean"
-        else _RAW_LOSS_TOKEN_MEAN | ({"LOSS-010"} if kl else set()),
+        else (
+            _RAW_LOSS_PROMPT_MEAN if aggregation == "seq_mean_token_mean" else _RAW_LOSS_TOKEN_MEAN
+        )
+        | ({"LOSS-010"} if kl else set())
+        | (_RAW_CISPO if cispo else set()),
     )
 
 

@@ -17,6 +17,10 @@ from posttrain.contracts.loss import GlobalCounts
 TORCHRL_AGGREGATIONS = {"token_mean": "token_mean", "seq_mean_token_mean": "prompt_mean"}
 """Contract aggregation -> GRPOLoss's name for it (TorchRL has no seq_mean_token_sum[_norm])."""
 
+RATIOS = {"GRPOLoss": "token", "DAPO": "token", "CISPOLoss": "cispo"}
+"""TorchRL loss class -> the contract's ``ratio`` option its adapted row computes (CISPOLoss's
+through :func:`contract_cispo`)."""
+
 # Terms TorchRL averages over every position of the padded batch (values are 0 off the mask).
 _POSITION_MEANS = ("clip_fraction", "kl_approx", "entropy", "loss_kl_to_ref", "kl_to_ref")
 
@@ -149,6 +153,47 @@ class ContractLoss(torch.nn.Module):
         return TensorDict(terms, batch_size=[])
 
 
+_CISPO_CLASSES: dict[type, type] = {}
+
+
+def contract_cispo(cispo_loss: type) -> type:
+    """``cispo_loss`` (TorchRL's ``CISPOLoss``) with CISPO's surrogate -A·sg(clip(r))·log pi.
+
+    TorchRL's ``CISPOLoss._compute_policy_objective`` returns -A·clip(r) with the gradient
+    through the clip, so a token whose ratio is outside [1 - ε_low, 1 + ε_high] gets no
+    gradient at all; CISPO (MiniMax-M1) stops the gradient at the clipped weight instead, and
+    every token keeps the gradient -A·clip(r)·d log pi. The subclass keeps TorchRL's
+    pipeline (masks, bounds, ``clip_fraction``, aggregation) and changes only that term; it
+    reads the policy's log-probs from the ``_cur_log_prob`` entry that
+    ``GRPOLoss._log_weight`` writes (0 outside the mask).
+
+    Example:
+        >>> from torchrl.objectives.llm import CISPOLoss
+        >>> contract_cispo(CISPOLoss).__mro__[1] is CISPOLoss
+        True
+    """
+    if cispo_loss in _CISPO_CLASSES:
+        return _CISPO_CLASSES[cispo_loss]
+
+    class ContractCISPOLoss(cispo_loss):  # type: ignore[misc]
+        def _log_weight(self, tensordict: TensorDictBase, adv_shape: torch.Size) -> Any:
+            out = super()._log_weight(tensordict, adv_shape)
+            self._posttrain_log_pi = tensordict.get("_cur_log_prob")
+            return out
+
+        def _compute_policy_objective(
+            self, log_weight: torch.Tensor, advantage: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            log_pi = self.__dict__.pop("_posttrain_log_pi").reshape(log_weight.shape)
+            clipped = log_weight.clamp(*self._clip_bounds)
+            clip_fraction = (clipped != log_weight).to(log_weight.dtype).mean()
+            return -clipped.exp().detach() * advantage * log_pi, clip_fraction
+
+    ContractCISPOLoss.__qualname__ = ContractCISPOLoss.__name__
+    _CISPO_CLASSES[cispo_loss] = ContractCISPOLoss
+    return ContractCISPOLoss
+
+
 def make_loss(cls_name: str, *, adapted: bool) -> Any:
     """A loss factory ``factory(policy, **options)`` for a TorchRL LLM loss class."""
 
@@ -162,6 +207,11 @@ def make_loss(cls_name: str, *, adapted: bool) -> Any:
                 raise ValueError(
                     f"aggregation: expected one of {sorted(TORCHRL_AGGREGATIONS)}, found {aggregation!r}"
                 )
+            ratio = kwargs.pop("ratio", None)
+            if ratio is not None and ratio != RATIOS[cls_name]:
+                raise ValueError(
+                    f"ratio: {cls_name}'s surrogate is {RATIOS[cls_name]!r}, found {ratio!r}"
+                )
             known = set(inspect.signature(cls.__init__).parameters) - {
                 "self",
                 "kwargs",
@@ -173,6 +223,8 @@ def make_loss(cls_name: str, *, adapted: bool) -> Any:
                     f"{cls_name}: unknown keyword argument(s) {unknown}; accepted: {sorted(known)}"
                 )
         agg = TORCHRL_AGGREGATIONS.get(aggregation, aggregation)
+        if adapted and cls_name == "CISPOLoss":
+            cls = contract_cispo(cls)
         loss = cls(transformers_actor(policy), masking_strategy="rlhf", aggregation=agg, **kwargs)
         return ContractLoss(loss) if adapted else _LayoutOnly(loss)
 
