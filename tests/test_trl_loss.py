@@ -51,3 +51,28 @@ def test_trl_default_and_users_rows_fail_what_they_declare(name: str) -> None:
     from posttrain.adapters.trl.implementations import ROWS as MORE
 
     assert set(own_failures(MORE[name])) == set(MORE[name].known_failures)
+
+
+def test_cispo_rows_declare_the_bounds_trl_clamps_at() -> None:
+    # GRPOTrainer._compute_loss clamps cispo's weight at epsilon_high itself, from above only.
+    from posttrain.testing import tiny_causal_lm
+
+    for name in ("trl-raw-cispo", "trl-adapted-cispo"):
+        row = ROWS[name]
+        assert row.options["ratio"] == "cispo"
+        assert "clip" in row.capabilities
+        low, high = row.extras["clip_epsilon"]
+        trainer = row.factory(tiny_causal_lm(vocab_size=64), **row.options).trainer
+        assert 1 + high == pytest.approx(trainer.epsilon_high)
+        assert 1 - low < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("name", "rid"), [("trl-adapted-cispo", "LOSS-023"), ("trl-adapted-luspo", "LOSS-022")]
+)
+def test_adapted_rows_conform_to_their_declared_clip(name: str, rid: str) -> None:
+    from posttrain.conformance import Status
+    from tests.outcomes import run_for
+
+    got = {r.id: r for r in run_for(ROWS[name], rid).results}[rid]
+    assert got.status is Status.PASS, got.message

@@ -58,8 +58,7 @@ RATIOS = {
 """TRL loss_type -> the contract's ``ratio`` option (loss 1.5). ``GRPOTrainer._compute_loss``
 computes cispo as ``-clamp(coef_1, max=epsilon_high).detach() * advantages *
 per_token_logps``: CISPO's form (``cispo``) with an upper bound only, at ``epsilon_high`` itself
-(5.0 in the rows), which LOSS-021's ratios near 1 never reach; no ``clip`` capability is
-declared, since the contract's bounds are 1 ± ε. sapo gates the ratio through a sigmoid
+(see :data:`CLIP_EPSILON`). sapo gates the ratio through a sigmoid
 (``sigmoid(tau * (coef_1 - 1)) * 4 / tau``) and vespo weights log p by a gamma weight of the
 sequence (``get_gamma_weights``): none of the contract's forms, no ``ratio`` declared."""
 
@@ -269,8 +268,12 @@ class TRLGRPOLoss(torch.nn.Module):
         return TensorDict({"loss_objective": (loss * scale).reshape(())}, batch_size=[])
 
 
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")
-"""The loss types whose per-token term is PPO's clipped surrogate (TRL's epsilon 0.2)."""
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+"""The loss types whose term is PPO's clipped surrogate (TRL's epsilon 0.2): TRL 1.16's
+``GRPOTrainer._compute_loss`` (trl/trainer/grpo_trainer.py) clamps ``coef_1`` to
+``[1 - epsilon_low, 1 + epsilon_high]`` for ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` and
+``luspo`` (luspo's ``coef_1`` the sequence ratio: ``importance_sampling_level='sequence'``),
+both epsilons ``GRPOConfig.epsilon`` (0.2) where ``epsilon_high`` is unset."""
 
 
 def _factory(loss_type: str, *, adapted: bool) -> Any:
@@ -286,6 +289,22 @@ _CONFIG: dict[str, dict[str, Any]] = {"cispo": {"epsilon_high": 5.0}}
 whose default (``epsilon``, 0.2) clamps every weight at ratio 1 to 0.2 (a fifth of the
 gradient); TRL's documentation recommends 5.0 for cispo (ScaleRL's ε_max)."""
 
+CISPO_NO_LOWER_BOUND = 1 - 1e-6
+"""cispo's declared ε_low. TRL clips its weight from above only (lower bound 0, ε_low = 1),
+which the loss suite's clip declaration refuses (it takes 0 <= ε_low < 1); 1 - 1e-6, a lower
+bound of 1e-6, is the nearest it takes: LOSS-023's ratios below it (0.75e-6) then differ
+from the bound by far less than its tolerance, so TRL's missing lower clip reads as this one."""
+
+CLIP_EPSILON: dict[str, float | tuple[float, float]] = {
+    **dict.fromkeys(_CLIPPED, 0.2),
+    # trl/trainer/grpo_trainer.py, GRPOTrainer._compute_loss, loss_type 'cispo':
+    # torch.clamp(coef_1, max=self.epsilon_high).detach(), epsilon_high the row's 5.0: the
+    # contract's clip(r, 1 - ε_low, 1 + ε_high) with 1 + ε_high = 5.0 and no lower bound.
+    "cispo": (CISPO_NO_LOWER_BOUND, _CONFIG["cispo"]["epsilon_high"] - 1),
+}
+"""TRL loss_type -> the ``clip_epsilon`` its rows declare (capability ``clip``): the bounds
+``GRPOTrainer._compute_loss`` applies in the row's configuration."""
+
 
 def _row(loss_type: str, *, adapted: bool, known: frozenset[str] = frozenset()) -> Implementation:
     agg = LOSS_TYPES[loss_type]
@@ -300,11 +319,11 @@ def _row(loss_type: str, *, adapted: bool, known: frozenset[str] = frozenset()) 
         + f"){')' if adapted else ''}",
         capabilities={"per_token_advantage"}
         | ({"global_counts"} if adapted else set())
-        | ({"clip"} if loss_type in _CLIPPED else set()),
+        | ({"clip"} if loss_type in CLIP_EPSILON else set()),
         options={"aggregation": agg}
         | ({"ratio": RATIOS[loss_type]} if loss_type in RATIOS else {}),
         extras={"t_norm": MAX_COMPLETION_LENGTH}
-        | ({"clip_epsilon": 0.2} if loss_type in _CLIPPED else {}),
+        | ({"clip_epsilon": CLIP_EPSILON[loss_type]} if loss_type in CLIP_EPSILON else {}),
         description="TRL 1.16's GRPOTrainer._compute_loss on a real trainer, called with the "
         "suite's policy; "
         + (
@@ -322,12 +341,15 @@ RAW_KNOWN: dict[str, frozenset[str]] = {
     "bnpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
     "dr_grpo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
     "dapo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
-    "cispo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
+    "cispo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021", "LOSS-023"}),
     "sapo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015"}),
     "vespo": frozenset({"LOSS-002", "LOSS-004", "LOSS-008", "LOSS-009", "LOSS-015"}),
-    "luspo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021"}),
+    "luspo": frozenset({"LOSS-001", "LOSS-008", "LOSS-009", "LOSS-015", "LOSS-021", "LOSS-022"}),
 }
-"""What each raw row fails, measured with TRL 1.16 (loss type -> requirement ids)."""
+"""What each raw row fails, measured with TRL 1.16 (loss type -> requirement ids). The raw rows
+pass the layout's NaN sample log-probs outside the assistant mask to TRL, whose masked sum
+keeps them (NaN x 0): loss_objective is NaN off policy, so the ratio checks (LOSS-021, and
+LOSS-022/LOSS-023 under the declared clip) fail; the adapted rows zero them and conform."""
 ADAPTED_KNOWN: dict[str, frozenset[str]] = {
     # Measured with TRL 1.16: their loss_objective at ratio 1 is not the aggregation's
     # weighted sum of -A (LOSS-016's value), whatever the counts. (cispo declares ratio cispo,
