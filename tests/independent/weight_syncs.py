@@ -5,8 +5,9 @@ Two correct designs:
 * :class:`QueueSender` / :class:`QueueReceiver`: every ``send`` is validated, *copied* and
   queued; each ``receive`` applies the next pending send, in order (``copy_`` per tensor).
 * :class:`MailboxSender` / :class:`MailboxReceiver`: latest wins. ``send`` validates and drops
-  a reference (zero copy) in a one-slot mailbox, replacing anything pending; ``receive``
-  applies the newest, cloning it first, so the model never shares storage with the sender.
+  a copy in a one-slot mailbox (the sender may step its tensors as soon as ``send`` returns,
+  WS-002), replacing anything pending; ``receive`` applies the newest, cloning it first, so
+  the model never shares storage with the sender.
 
 Then one-bug variants, each naming the requirement id it breaks (our reading of the spec).
 """
@@ -206,7 +207,7 @@ class MailboxReceiver:
 
 
 class MailboxSender:
-    """Validates, then leaves a reference in the mailbox (see :class:`MailboxReceiver`)."""
+    """Validates, then leaves a copy in the mailbox (see :class:`MailboxReceiver`)."""
 
     def __init__(self, receiver: MailboxReceiver, box: _Mailbox) -> None:
         self._rx = receiver
@@ -217,7 +218,7 @@ class MailboxSender:
             problem = self._problem(weights)
             if problem is not None:
                 raise WeightsRejected(problem)
-            self._box.slot = (version, dict(weights))
+            self._box.slot = (version, {k: v.detach().clone() for k, v in weights.items()})
             self._box.cond.notify_all()
 
     def _problem(self, weights: _Weights) -> str | None:

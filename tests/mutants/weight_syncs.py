@@ -375,6 +375,87 @@ class DemandsEveryBuffer(InProcessReceiver):
         super().validate_weights(weights)
 
 
+class StagesReferences(InProcessReceiver):
+    """Checks the weights at send but stages the sent tensors themselves, copying them at
+    receive: a trainer stepping in place after send returns changes what arrives."""
+
+    def _post(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.validate_weights(weights)
+        self._pending = (dict(weights), version)
+
+
+class SumsLatency(InProcessReceiver):
+    """Reports the running total of its syncs' times as ``last_sync_s``."""
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        total = getattr(self, "_total", 0.0)
+        v = super().receive(timeout)
+        if v is not None and self.last_sync_s is not None:
+            self._total = total + self.last_sync_s
+            self.last_sync_s = self._total
+        return v
+
+
+class ComparesFloatWidth(_Copying):
+    """Takes any float of a tensor's width for its dtype (float16 for bfloat16, and back);
+    ``copy_`` casts."""
+
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+
+        def same(t: torch.Tensor, o: torch.Tensor) -> bool:
+            return (
+                t.is_floating_point()
+                and o.is_floating_point()
+                and (t.element_size() == o.element_size())
+            )
+
+        super().validate_weights(
+            {
+                n: (t.to(own[n].dtype) if n in own and same(t, own[n]) else t)
+                for n, t in weights.items()
+            }
+        )
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        for n, src in weights.items():
+            own[n].copy_(src)
+
+
+_WRAPPERS = ("module.", "_orig_mod.")
+
+
+def _unwrapped(name: str) -> str:
+    while name.startswith(_WRAPPERS):
+        name = name.split(".", 1)[1]
+    return name
+
+
+class StripsWrapperPrefixes(_Copying):
+    """Matches names with DDP's ``module.`` and torch.compile's ``_orig_mod.`` prefixes taken
+    off both sides: a trainer's ``module.head.weight`` lands in the receiver's ``head.weight``,
+    and a name sent both with and without a prefix is taken once."""
+
+    def validate_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        by = {_unwrapped(n): n for n in self.model.state_dict()}
+        super().validate_weights({by.get(_unwrapped(n), n): t for n, t in weights.items()})
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        by = {_unwrapped(n): n for n in own}
+        for n, src in weights.items():
+            own[by[_unwrapped(n)]].copy_(src)
+
+
+class FloatsOnly(_Copying):
+    """Copies the floating tensors only (as a sync that skips what it cannot average): an int64
+    step counter and a bool mask keep their old values."""
+
+    def write(self, own: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> None:
+        for n, src in weights.items():
+            if src.is_floating_point():
+                own[n].copy_(src)
+
+
 def _factory(cls: type[InProcessReceiver]) -> Any:
     def make(model: torch.nn.Module) -> tuple[InProcessSender, InProcessReceiver]:
         r = cls(model)
@@ -418,6 +499,11 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("WS-001", _impl("WS-001", SkipsEqualTensors)),
     ("WS-002", _impl("WS-002", NewestByText)),
     ("WS-001", _impl("WS-001", DemandsEveryBuffer)),
+    ("WS-002", _impl("WS-002", StagesReferences)),
+    ("WS-007", _impl("WS-007", SumsLatency)),
+    ("WS-005", _impl("WS-005", ComparesFloatWidth)),
+    ("WS-006", _impl("WS-006", StripsWrapperPrefixes)),
+    ("WS-001", _impl("WS-001", FloatsOnly)),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
 
