@@ -64,12 +64,17 @@ from posttrain.adapters.nemo_rl.payload import (
     PAYLOAD_FORMAT,
     decode_payload,
     encode_payload,
+    prepare_payload,
 )
-from posttrain.adapters.nemo_rl.train_data import to_layout
+from posttrain.adapters.nemo_rl.train_data import NemoFormatError, check_train_data
+from posttrain.adapters.nemo_rl.upstream import nemo_rl_or_mirror
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 
 STATE_FILE = "nemo_async_replay_buffer.pt"
 """The one file of a :meth:`NemoAsyncReplayBuffer.save_to_path` checkpoint directory."""
+
+EARLIER_STATE_FILE = "nemo_replay_buffer.pt"
+"""The file of the earlier ``NemoReplayBuffer`` checkpoints (layout rows); refused by name."""
 
 CHUNK_KEY = "nemo_trajectory_chunk"
 """The one key of the items this buffer writes to its backing buffer."""
@@ -140,6 +145,10 @@ class NemoAsyncReplayBuffer:
         self.capacity = _capacity_of(buffer)
         self.chunk_bytes = chunk_bytes
         self._entries: list[_Entry] = []
+        # Backing item -> the held entry whose chunk it is: what add's room check and the
+        # walk of the write position read, kept up to date so that an add costs O(its chunks)
+        # rather than O(everything held).
+        self._owner: dict[int, _Entry] = {}
         self._written = 0  # items written to the backing buffer by this facade
         self.last_target_weight_already_generated = -1
         self._lock = threading.RLock()
@@ -162,9 +171,37 @@ class NemoAsyncReplayBuffer:
         rows[: payload.numel()] = payload
         return TensorDict({CHUNK_KEY: rows.reshape(k, self.chunk_bytes)}, batch_size=[k])
 
-    def _payload(self, e: _Entry) -> torch.Tensor:
-        rows: torch.Tensor = self.buffer.read(torch.tensor(e.indices, dtype=torch.int64))[CHUNK_KEY]
-        return rows.reshape(-1)[: e.nbytes].clone()
+    def _rows(self, indices: list[int]) -> torch.Tensor:
+        """The backing items at ``indices``, in that order, as one [n, chunk_bytes] tensor."""
+        rows: torch.Tensor = self.buffer.read(torch.tensor(indices, dtype=torch.int64))[CHUNK_KEY]
+        return rows
+
+    def _payloads(self, entries: list[_Entry]) -> list[torch.Tensor]:
+        """Each entry's payload bytes, all read in one call: views of that one read."""
+        if not entries:
+            return []
+        rows = self._rows([i for e in entries for i in e.indices])
+        out, at = [], 0
+        for e in entries:
+            n = len(e.indices)
+            out.append(rows[at : at + n].reshape(-1)[: e.nbytes])
+            at += n
+        return out
+
+    def _hold(self, entries: list[_Entry]) -> None:
+        """Keep ``entries`` (some of those held, in order); the others' items become free."""
+        keep = {id(e) for e in entries}
+        for e in self._entries:
+            if id(e) not in keep:
+                for i in e.indices:
+                    if self._owner.get(i) is e:
+                        del self._owner[i]
+        self._entries = entries
+
+    def _replace(self, entries: list[_Entry]) -> None:
+        """Hold exactly ``entries``, their items owned anew (after a restore or compaction)."""
+        self._entries = entries
+        self._owner = {i: e for e in entries for i in e.indices}
 
     def _extend(self, td: TensorDict, expect: list[int] | None) -> list[int]:
         got = [int(i) for i in self.buffer.extend(td).tolist()]
@@ -177,17 +214,15 @@ class NemoAsyncReplayBuffer:
             )
         return got
 
-    def _store(self, payload: torch.Tensor) -> list[int] | None:
-        """Write ``payload``'s chunks; ``None`` (nothing written) when they cannot fit."""
-        td = self._chunks(payload)
+    def _store(self, td: TensorDict) -> list[int] | None:
+        """Write the chunks ``td``; ``None`` (nothing written) when they cannot fit."""
         k = int(td.batch_size[0])
         cap = self.capacity
         if cap is None:
             return self._extend(td, None)
-        live = sum(len(e.indices) for e in self._entries)
-        if live + k > cap:
+        owner = self._owner
+        if len(owner) + k > cap:  # the live items are distinct, each owned once
             return None
-        owner = {i: e for e in self._entries for i in e.indices}
         # Plan the walk of the FIFO write position before writing anything: it steps over a
         # live entry whole (it is always at an entry's first item, entries being contiguous
         # runs) or over one dead item, until k free items lie ahead. One full turn without
@@ -207,10 +242,8 @@ class NemoAsyncReplayBuffer:
                 steps.append(pos)
                 walked += 1
         for step in steps:  # rewrite each item passed over with its own bytes
-            if isinstance(step, _Entry):
-                self._extend(self._chunks(self._payload(step)), step.indices)
-            else:
-                self._extend(self.buffer.read(torch.tensor([step])), [step])
+            at = step.indices if isinstance(step, _Entry) else [step]
+            self._extend(TensorDict({CHUNK_KEY: self._rows(at)}, batch_size=[len(at)]), at)
         return self._extend(td, [(self._written + j) % cap for j in range(k)])
 
     def _compact_and_store(self, td: TensorDict) -> list[int]:
@@ -225,16 +258,19 @@ class NemoAsyncReplayBuffer:
         """
         cap = self.capacity
         assert cap is not None
-        parts = [self._chunks(self._payload(e)) for e in self._entries]
-        sizes = [int(part.batch_size[0]) for part in parts]
-        total = sum(sizes) + int(td.batch_size[0])
+        held = [i for e in self._entries for i in e.indices]
+        rows = torch.cat([self._rows(held), td[CHUNK_KEY]]) if held else td[CHUNK_KEY]
+        total = int(rows.shape[0])
         got = self._extend(
-            torch.cat([*parts, td], 0), [(self._written + j) % cap for j in range(total)]
+            TensorDict({CHUNK_KEY: rows}, batch_size=[total]),
+            [(self._written + j) % cap for j in range(total)],
         )
         at = 0
-        for e, n in zip(self._entries, sizes, strict=True):
+        for e in self._entries:
+            n = len(e.indices)
             e.indices = got[at : at + n]
             at += n
+        self._replace(self._entries)
         return got[at:]
 
     # -- NeMo-RL's interface -------------------------------------------------------------------
@@ -245,11 +281,11 @@ class NemoAsyncReplayBuffer:
 
         As NeMo-RL 7ea279a, ``last_target_weight_already_generated`` does not move here.
         """
-        payload = encode_payload(trajectory)  # PayloadError before anything changes
-        k = -(-payload.numel() // self.chunk_bytes)
+        payload = prepare_payload(trajectory)  # PayloadError before anything changes
+        k, nbytes = payload.chunks(self.chunk_bytes), payload.nbytes
         if self.capacity is not None and k > self.capacity:
             raise ValueError(
-                f"trajectory: {payload.numel()} bytes need {k} items of {self.chunk_bytes} "
+                f"trajectory: {nbytes} bytes need {k} items of {self.chunk_bytes} "
                 f"bytes, more than the backing buffer's capacity {self.capacity}; it can never fit"
             )
         raw_task = trajectory.get(NEMO_GYM_TASK_INDEX_KEY)
@@ -259,10 +295,15 @@ class NemoAsyncReplayBuffer:
         with self._lock:
             if len(self._entries) >= self.max_size:
                 return "full"
-            indices = self._store(payload)
+            if self.capacity is not None and len(self._owner) + k > self.capacity:
+                return "full"  # before the bytes are copied: a full buffer is asked often
+            rows = payload.rows(self.chunk_bytes)
+            indices = self._store(TensorDict({CHUNK_KEY: rows}, batch_size=[k]))
             if indices is None:
                 return "full"
-            self._entries.append(_Entry(indices, int(payload.numel()), version, target, task))
+            entry = _Entry(indices, nbytes, version, target, task)
+            self._entries.append(entry)
+            self._owner.update(dict.fromkeys(indices, entry))
             return "success"
 
     def push_with_wait_signal(
@@ -311,10 +352,11 @@ class NemoAsyncReplayBuffer:
                 self._entries, num_prompt_groups, current_weight_version, max_age_steps
             )
             if chosen is None:
-                self._entries = left
+                self._hold(left)
                 return None
-            items = [decode_payload(self._payload(e)) for e in chosen]
-            self._entries = left  # only once every group decoded
+            bdd = nemo_rl_or_mirror("BatchedDataDict")  # one look-up for every group
+            items = [decode_payload(p, batched_data_dict=bdd) for p in self._payloads(chosen)]
+            self._hold(left)  # only once every group decoded
             self.last_target_weight_already_generated = max(
                 self.last_target_weight_already_generated, current_weight_version
             )
@@ -331,14 +373,15 @@ class NemoAsyncReplayBuffer:
     def clear(self) -> None:
         """Forget every group (``last_target_weight_already_generated`` stays, as in NeMo-RL)."""
         with self._lock:
-            self._entries = []
+            self._replace([])
 
     def state_dict(self) -> dict[str, Any]:
         """NeMo-RL's keys; ``trajectories`` are encoded payloads (uint8 tensors), not pickles."""
         with self._lock:
             return {
                 "format": PAYLOAD_FORMAT,
-                "trajectories": [self._payload(e) for e in self._entries],
+                # Copies: each view would carry the whole read's bytes into a checkpoint.
+                "trajectories": [p.clone() for p in self._payloads(self._entries)],
                 "trajectory_versions": self.trajectory_versions,
                 "target_weight_versions": self.target_weight_versions,
                 "task_indices": [e.task_index for e in self._entries],
@@ -430,8 +473,13 @@ class NemoAsyncReplayBuffer:
         """
         trajs, versions, targets = _checked_lists(state)
         payloads = [t if isinstance(t, torch.Tensor) else encode_payload(t) for t in trajs]
-        for p in payloads:
-            decode_payload(p)  # a malformed payload is refused before anything changes
+        bdd = nemo_rl_or_mirror("BatchedDataDict")
+        for i, p in enumerate(payloads):
+            # A malformed payload, or a group this buffer would not take, is refused before
+            # anything changes.
+            self._check_restored(
+                decode_payload(p, batched_data_dict=bdd), f"state['trajectories'][{i}]"
+            )
         tasks = _task_indices(state, trajs)
         rows = list(zip(payloads, versions, targets, tasks, strict=True))
         last = _int(
@@ -455,6 +503,9 @@ class NemoAsyncReplayBuffer:
             )
         return rows, last, tasks, len(trajs)
 
+    def _check_restored(self, trajectory: Any, where: str) -> None:
+        """Refuse a restored group that :meth:`add` would refuse (any group here)."""
+
     def _apply(self, rows: list[Row], last: int) -> None:
         """Write the kept groups in one extend, then hold them (nothing changes if it raises)."""
         with self._lock:
@@ -475,13 +526,13 @@ class NemoAsyncReplayBuffer:
                     if self._written != written:
                         # Written, but not where a FIFO ring would: the old groups' rows may
                         # be gone, so none of them can be handed back.
-                        self._entries = []
+                        self._replace([])
                     raise
                 at = 0
                 for e, part in zip(entries, parts, strict=True):
                     e.indices = got[at : at + int(part.batch_size[0])]
                     at += len(e.indices)
-            self._entries = entries
+            self._replace(entries)
             self.last_target_weight_already_generated = last
 
     def get_trajectories_needed(
@@ -514,6 +565,12 @@ def _checked_lists(state: Mapping[str, Any]) -> tuple[list[Any], list[int], list
         "target_weight_versions",
         "last_target_weight_already_generated",
     }
+    if {"buffer", "written"} <= set(state):
+        raise ValueError(
+            f"state: expected a replay buffer state of format {PAYLOAD_FORMAT!r} (each group "
+            "an encoded payload), found the earlier NemoReplayBuffer state (keys 'buffer' and "
+            "'written': groups as rows of the backing buffer's state), which is not read"
+        )
     missing = required - set(state)
     if missing:
         raise ValueError(
@@ -586,6 +643,14 @@ def _os_error(e: OSError) -> str:
 def _load_checkpoint(path: str | os.PathLike[str], name: str) -> Any:
     """``load_verified(path, name)``, every failure a ``CheckpointError`` with the OS error
     chained (a missing path, a file where a directory should be, an unreadable file)."""
+    earlier = os.path.join(path, EARLIER_STATE_FILE)
+    if os.path.isfile(earlier) and not os.path.exists(os.path.join(path, name)):
+        raise CheckpointError(
+            f"{path}: expected {name} (groups as {PAYLOAD_FORMAT!r} payloads), found "
+            f"{EARLIER_STATE_FILE}: a NemoReplayBuffer checkpoint of the earlier format "
+            "(posttrain-nemo-replay-buffer/1, groups as rows of the backing buffer), which is "
+            "not read; refill the buffer from the rollouts instead"
+        )
     if os.path.isfile(path):
         raise CheckpointError(
             f"{path}: a file, not a checkpoint directory (posttrain writes replay buffer "
@@ -695,8 +760,22 @@ class NemoReplayBuffer(NemoAsyncReplayBuffer):
         if not isinstance(trajectory, Mapping) or "batch" not in trajectory:
             found = sorted(trajectory) if isinstance(trajectory, Mapping) else type(trajectory)
             raise KeyError(f"trajectory: expected a 'batch' key; found {found}")
-        to_layout(trajectory["batch"], layout=self.layout)  # NemoFormatError naming the key
+        check_train_data(trajectory["batch"], layout=self.layout)  # NemoFormatError naming the key
         return super().add(trajectory, weight_version, target_weight_version)
+
+    def _check_restored(self, trajectory: Any, where: str) -> None:
+        """A restored group is checked as :meth:`add` checks one: train data under ``batch``."""
+        if not isinstance(trajectory, Mapping) or "batch" not in trajectory:
+            found = (
+                sorted(str(k) for k in trajectory)
+                if isinstance(trajectory, Mapping)
+                else type(trajectory).__name__
+            )
+            raise ValueError(f"{where}: expected a trajectory with a 'batch' key, found {found}")
+        try:
+            check_train_data(trajectory["batch"], layout=self.layout)
+        except NemoFormatError as e:
+            raise NemoFormatError(f"{where}['batch']: {e}") from None
 
     def sample(
         self, num_prompt_groups: int, current_weight_version: int, max_age_steps: int

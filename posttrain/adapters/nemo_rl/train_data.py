@@ -98,6 +98,29 @@ def to_layout(
         >>> td["nemo", "sample_mask"].tolist()
         [1.0]
     """
+    out, b = _layout_fields(data, nan_outside, layout)
+    return TensorDict(out, batch_size=[b])
+
+
+def check_train_data(data: Mapping[str, Any], *, layout: Layout = LLM_LAYOUT_V1) -> None:
+    """Raise what :func:`to_layout` raises on ``data``, without building the TensorDict.
+
+    Example:
+        >>> import torch
+        >>> check_train_data({"input_ids": torch.tensor([[5, 6]]),
+        ...                   "input_lengths": torch.tensor([2], dtype=torch.int32)})
+        >>> check_train_data({"input_ids": torch.tensor([[5, 6]])})
+        Traceback (most recent call last):
+        ...
+        posttrain...NemoFormatError: 'input_lengths': expected a tensor, found NoneType
+    """
+    _layout_fields(data, False, layout)
+
+
+def _layout_fields(
+    data: Mapping[str, Any], nan_outside: bool, layout: Layout
+) -> tuple[dict[Any, torch.Tensor], int]:
+    """:func:`to_layout`'s leaves by layout key, and B, every check made."""
     data = _plain(data)
     ids = _tensor(data, "input_ids", 2)
     if ids.dtype != torch.int64:
@@ -137,6 +160,8 @@ def to_layout(
     for key, v in data.items():
         if key in ("input_ids", *_DERIVED):
             continue
+        if not isinstance(key, str):  # a TensorDict key: check_train_data builds none
+            raise NemoFormatError(f"{key!r}: expected a str key, found {type(key).__name__}")
         if not isinstance(v, torch.Tensor) or v.ndim == 0 or v.shape[0] != b:
             raise NemoFormatError(
                 f"{key!r}: expected a tensor with batch dim {b}, found "
@@ -154,7 +179,7 @@ def to_layout(
             if nan_outside:
                 v = torch.where(asst, v, float("nan"))
         out[k(field)] = v
-    return TensorDict(out, batch_size=[b])
+    return out, b
 
 
 def _right_aligned(td: TensorDictBase, layout: Layout) -> TensorDictBase:
