@@ -11,31 +11,32 @@ Measured (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; filled in below after th
 | variant | breaks | outcome | base on that id |
 |---|---|---|---|
 | bump_before_load | ROLL-003 | caught (FAIL) | PASS |
-| do_while_total | ROLL-006 | missed (PASS) | PASS |
-| open_iterator | ROLL-007 | missed (PASS) | PASS |
+| do_while_total | ROLL-006 | caught (FAIL) | PASS |
+| open_iterator | ROLL-007 | caught (FAIL) | PASS |
 | cut_at_eos | ROLL-002 | caught (FAIL) | PASS |
-| pad_blind_groups | ROLL-009 | missed (PASS) | PASS |
+| pad_blind_groups | ROLL-009 | caught (FAIL) | PASS |
 
 Messages:
 
 - bump_before_load: ROLL-003: after [batch; policy.load_state_dict(scripted_weights(policy, 1));
   src.update_policy_weights_(None); batch], an update_policy_weights_ that raised (KeyError)
   changed policy_version from 1 to 2 (see specs/rollout-v1.md#ROLL-003)
-- do_while_total: (no message)
-- open_iterator: (no message)
+- do_while_total: ROLL-006: declared total 0 batches, the first iteration of the source yielded
+  1 (calls: [src = factory(policy, PROMPTS[:2], 0, max_new_tokens=1); list(src)  # 1 batches])
+- open_iterator: ROLL-007: an iterator taken before shutdown() (not started, 0 batches) yielded a
+  batch after it; expected a clear error (calls: [src = factory(policy, PROMPTS[:2], None,
+  max_new_tokens=1); it0 = iter(src); it1 = iter(src); next(it1)  # yielded; it2 = iter(src);
+  next(it2)  # yielded; next(it2)  # yielded; src.shutdown(); next(it0)  # yielded])
 - cut_at_eos: ROLL-002: prompts [[0, 5, 0], [2], [7, 2, 8, 0, 0]], max_new_tokens=3: item 2: the
   real tokens before the response are [7, 2], not one of the prompts given [[0, 5, 0], [2], [7,
   2, 8, 0, 0]] smallest failing input: Failing explicit example: test( value=([[0, 5,
-- pad_blind_groups: (no message)
+- pad_blind_groups: ROLL-009: prompts [[5, 6], [0, 5, 6], [5, 6, 0], [5, 2, 6]]: items 0 and 2
+  answer different prompts [5, 6] / [0, 5, 6] but share group id 0
 
-Missed, and what the domain does not try:
-
-- do_while_total: ROLL-006 tries a total of 3 iterated once; never a total of 0 nor a second
-  iteration after the budget is spent.
-- open_iterator: ROLL-007 starts a new iteration after shutdown(); it never goes on with an
-  iterator taken before it.
-- pad_blind_groups: ROLL-009 reads the first batch over the suite's four prompts (ids 5 to 16,
-  no pad id), so no two prompts differ only by pad ids.
+Caught since rollout 1.4, whose domains now try what they did not: ROLL-006 totals of 0 and
+more, each source iterated again and again with updates between; ROLL-007 iterators taken
+before shutdown() at every point of their life; ROLL-009 prompts that differ only in pad or EOS
+ids, prefixes of each other and the same prompt twice.
 
 Example:
     >>> sorted(VARIANTS)[0]
@@ -280,11 +281,7 @@ BASES: dict[str, Implementation] = {
 
 # What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
 # an entry goes once the kit fails the variant on the requirement it breaks.
-KIT_DEFECTS: dict[str, str] = {
-    "do_while_total": ("ROLL-006 never asks for a total of 0 nor iterates a source a second time"),
-    "open_iterator": ("ROLL-007 never takes the iterator before shutdown"),
-    "pad_blind_groups": ("ROLL-009 never draws prompts that differ only in pad tokens"),
-}
+KIT_DEFECTS: dict[str, str] = {}
 
 # Variants the kit fails under another requirement (a foundation that blocks theirs).
 OTHER_ID: dict[str, str] = {}

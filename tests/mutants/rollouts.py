@@ -233,6 +233,84 @@ class LoadsThenRefusesUnknown(HFRolloutSource):
         self._version += 1
 
 
+class GeneratesBeforeCounting(HFRolloutSource):
+    """A do-while loop: generates and yields a batch before it looks at the total, so a total
+    of 0 yields one batch and every pass over a spent source one more."""
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        if self._closed:
+            raise RuntimeError("this rollout source was shut down")
+        while True:
+            yield self._generate()
+            self._batches += 1
+            if self.total_batches is not None and self._batches >= self.total_batches:
+                return
+
+
+class UpdateRestartsTheCount(HFRolloutSource):
+    """Counts the total since the last ``update_policy_weights_``: an update gives a spent
+    source a whole new budget."""
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        super().update_policy_weights_(weights)
+        self._batches = 0
+
+
+class ShutdownSeenByNewIteratorsOnly(HFRolloutSource):
+    """Checks for shutdown when an iteration starts, never while it runs: an iterator taken
+    before ``shutdown()`` goes on generating after it."""
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        if self._closed:
+            raise RuntimeError("this rollout source was shut down")
+        return self._run()
+
+    def _run(self) -> Iterator[TensorDict]:
+        while self.total_batches is None or self._batches < self.total_batches:
+            yield self._generate()
+            self._batches += 1
+
+
+class SpentSourceStopsSilently(HFRolloutSource):
+    """Looks at the total before it looks at shutdown: once the total is spent, iterating a
+    shut-down source ends without an error (TorchRL's LLMCollector does so)."""
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        if self.total_batches is not None and self._batches >= self.total_batches:
+            return iter(())
+        return super().__iter__()
+
+
+class _Regrouped(_Edit):
+    """Numbers the groups by a key of each prompt instead of the prompt itself."""
+
+    def key(self, prompt: list[int]) -> tuple[int, ...]:
+        return tuple(prompt)
+
+    def edit(self, batch: TensorDict) -> TensorDict:
+        prompts = [p for p in self.prompts for _ in range(self.num_samples)]
+        ids: dict[tuple[int, ...], int] = {}
+        gids = [ids.setdefault(self.key(p), len(ids)) for p in prompts]
+        batch.set(K("group_id"), torch.tensor(gids, dtype=torch.int64))
+        return batch
+
+
+class GroupsByDecodedText(_Regrouped):
+    """Groups by the prompt with its special tokens (pad and EOS ids) skipped, as decoding
+    with ``skip_special_tokens=True`` does: prompts that differ only in them share a group."""
+
+    def key(self, prompt: list[int]) -> tuple[int, ...]:
+        return tuple(t for t in prompt if t not in (self.pad, self.eos))
+
+
+class GroupsByTruncatedPrompt(_Regrouped):
+    """Groups by the prompt's first two tokens (a key cut to a fixed length): a prompt and
+    its longer relatives share a group."""
+
+    def key(self, prompt: list[int]) -> tuple[int, ...]:
+        return tuple(prompt[:2])
+
+
 def _impl(req: str, cls: type[HFRolloutSource], **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"log_probs", "groups"})
     return Implementation(
@@ -265,6 +343,12 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("ROLL-002", _impl("ROLL-002", DropsPadIdFromPrompts)),
     ("ROLL-005", _impl("ROLL-005", NoneUpdateKeepsOldWeights)),
     ("ROLL-003", _impl("ROLL-003", LoadsThenRefusesUnknown)),
+    ("ROLL-006", _impl("ROLL-006", GeneratesBeforeCounting)),
+    ("ROLL-006", _impl("ROLL-006", UpdateRestartsTheCount)),
+    ("ROLL-007", _impl("ROLL-007", ShutdownSeenByNewIteratorsOnly)),
+    ("ROLL-007", _impl("ROLL-007", SpentSourceStopsSilently)),
+    ("ROLL-009", _impl("ROLL-009", GroupsByDecodedText)),
+    ("ROLL-009", _impl("ROLL-009", GroupsByTruncatedPrompt)),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
 

@@ -10,7 +10,6 @@ tokenizers), and the tokens generated name the weights that generated them.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ from tensordict import LazyStackedTensorDict, TensorDictBase
 from posttrain.conformance import explore
 from posttrain.conformance.context import Context
 from posttrain.conformance.registry import requirement
+from posttrain.conformance.suites import _rollout_life as life
 from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.contracts.alignment import token_log_probs
 from posttrain.contracts.layout import LLM_LAYOUT_V1
@@ -616,6 +616,10 @@ def declared_end(ctx: Context) -> None:
         raise _fail(
             f"declared total 3 batches, iteration yielded {n if n <= 10 else 'more than 10'}"
         )
+    # Totals 0 and up, iterated again and again (updates between and inside), fresh sources.
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    life.budget_sequences(ctx, policy)
+    explore.run_machine(ctx, life.budget_machine(ctx, policy), examples=2, steps=3)
 
 
 @requirement("ROLL-007")
@@ -624,24 +628,16 @@ def shutdown(ctx: Context) -> None:
     _first(iter(src), "first batch")
     src.shutdown()
     src.shutdown()  # idempotent: must not raise
-    outcome: list[str] = []
-
-    def attempt() -> None:
-        try:
-            next(iter(src))
-            outcome.append("yielded a batch")
-        except StopIteration:
-            outcome.append("stopped silently (StopIteration)")
-        except Exception:
-            outcome.append("raised")
-
-    t = threading.Thread(target=attempt, daemon=True)
-    t.start()
-    t.join(timeout=20)
-    if t.is_alive():
+    what, _err = life.answer(lambda: next(iter(src)))
+    if what == "hung":
         raise _fail("iterating after shutdown() hangs (no answer within 20 s)")
-    if outcome != ["raised"]:
-        raise _fail(f"iterating after shutdown() {outcome[0]}; expected a clear error")
+    if what != "raised":
+        said = {"yielded": "yielded a batch", "stopped": "stopped silently (StopIteration)"}
+        raise _fail(f"iterating after shutdown() {said[what]}; expected a clear error")
+    # Iterators taken before shutdown, at every point of their life; a spent total.
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    life.lifecycle_sequence(ctx, policy)
+    explore.run_machine(ctx, life.lifecycle_machine(ctx, policy), examples=2, steps=5)
 
 
 @requirement("ROLL-008")
@@ -663,17 +659,90 @@ def behaviour_log_probs(ctx: Context) -> None:
             )
 
 
+def _group_prompts() -> Any:
+    """ROLL-009's domain: 2 to 4 prompts, most of them kin of one drawn prompt (the same, with
+    the pad id or EOS before, after or inside it, a prefix of it, it extended), some drawn
+    over the whole vocabulary."""
+    from hypothesis import strategies as st
+
+    def kin(base: list[int]) -> Any:
+        filler = st.sampled_from((PAD, EOS))
+        return st.one_of(
+            st.just(base),
+            filler.map(lambda f: [f, *base]),
+            filler.map(lambda f: [*base, f]),
+            st.tuples(filler, st.integers(0, len(base))).map(
+                lambda x: [*base[: x[1]], x[0], *base[x[1] :]]
+            ),
+            st.integers(1, len(base)).map(lambda k: base[:k]),
+            st.lists(st.integers(0, V - 1), min_size=1, max_size=3).map(lambda x: base + x),
+            st.lists(st.integers(0, V - 1), min_size=1, max_size=6),
+        )
+
+    base = st.lists(st.integers(3, V - 1), min_size=1, max_size=4)
+    return base.flatmap(lambda b: st.lists(kin(b), min_size=2, max_size=4))
+
+
+# Prompts that differ only by pad ids or EOS, are prefixes of each other, or are the same.
+GROUP_EDGES: tuple[list[list[int]], ...] = (
+    [[5, 6], [PAD, 5, 6], [5, 6, PAD], [5, EOS, 6]],
+    [[5, 6, 7], [5, 6], [PAD], [5, 6]],
+)
+
+
+def _groups_problem(batch: TensorDictBase, given: Sequence[list[int]]) -> str | None:
+    """How the batch's ``group_id`` differs from the prompts its items answer.
+
+    A prompt is its token ids (the pad id and EOS included). Items of a prompt given once
+    share one id; a prompt given more than once may be one group or one per time given.
+    Items whose prompt is not among those given are ROLL-002's to report.
+    """
+    gids = [int(g) for g in batch.get(K("group_id")).reshape(-1).tolist()]
+    prompts = [_prompt_part(toks, att, asst) for toks, att, asst in _rows(batch)]
+    times = {tuple(p): sum(q == p for q in given) for p in given}
+    known = [i for i, p in enumerate(prompts) if tuple(p) in times]
+    for a, i in enumerate(known):
+        for j in known[a + 1 :]:
+            same_prompt, same_group = prompts[i] == prompts[j], gids[i] == gids[j]
+            if not same_prompt and same_group:
+                return (
+                    f"items {i} and {j} answer different prompts {prompts[i]} / {prompts[j]} "
+                    f"but share group id {gids[i]}"
+                )
+            if same_prompt and not same_group and times[tuple(prompts[i])] == 1:
+                return (
+                    f"items {i} and {j} answer the same prompt {prompts[i]} but carry group "
+                    f"ids {gids[i]} / {gids[j]}"
+                )
+    for p, n in times.items():
+        ids = {gids[i] for i in known if tuple(prompts[i]) == p}
+        if len(ids) > n:
+            return (
+                f"the items answering prompt {list(p)} (given {n} times) carry {len(ids)} "
+                f"group ids {sorted(ids)}: one group, or one per time given"
+            )
+    return None
+
+
 @requirement("ROLL-009")
 def groups_stamped(ctx: Context) -> None:
     _policy, batch = _first_batch(ctx)
-    gids = batch.get(K("group_id")).reshape(-1).tolist()
-    prompts = [_prompt_part(toks, att, asst) for toks, att, asst in _rows(batch)]
-    for i in range(len(gids)):
-        for j in range(i + 1, len(gids)):
-            if (gids[i] == gids[j]) != (prompts[i] == prompts[j]):
-                raise _fail(
-                    f"items {i} and {j}: prompts {prompts[i]} / {prompts[j]} but group ids {gids[i]} / {gids[j]}"
-                )
+    problem = _groups_problem(batch, PROMPTS)
+    if problem is not None:
+        raise _fail(problem)
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+
+    def one(prompts: list[list[int]]) -> None:
+        src = ctx.make(policy, [list(p) for p in prompts], 1, max_new_tokens=1)
+        try:
+            batch = _first(iter(src), "first batch")
+        finally:
+            src.shutdown()
+        problem = _groups_problem(batch, prompts)
+        if problem is not None:
+            raise _fail(f"prompts {prompts}: {problem}")
+
+    explore.for_all(ctx, _group_prompts(), one, examples=2, boundaries=GROUP_EDGES)
 
 
 @requirement("ROLL-010")
