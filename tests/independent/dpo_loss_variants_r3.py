@@ -20,9 +20,12 @@ id):
 - ``mask_by_multiply`` breaks DPO-003: **caught under DPO-001** (DPO-003 reported "blocked
   by DPO-001": "loss_preference is nan, expected a finite value"; the suite's batches carry
   NaN outside the answers)
-- ``win_from_rounded_probability`` breaks DPO-005: **missed (PASS)**, also at depth 4: the
-  domain has exact ties (Δ = 0) and margins far from them, never a Δ > 0 with β·Δ below
-  about 6e-8, where σ rounds to 0.5 in float32
+- ``win_from_rounded_probability`` breaks DPO-005: **caught** (DPO-005: token_reduction
+  'sum', beta 0.1, 2 pairs x 9 columns (2 counted; β·Δ from -0.04748 to 1e-09), its last pair
+  a near-tie of two equal answers whose reference log-probs differ (β·Δ = 1e-09: a win, though
+  σ(β·Δ) rounds to 1/2 in float32 below about 6e-8): accuracy is 0, expected 0.5); dpo_loss
+  1.2's DPO-005 draws near-ties with β·Δ of either sign down to 1e-30 (missed under 1.1, whose
+  domain had exact ties and margins far from them)
 - ``reward_metrics_scaled_by_beta`` breaks DPO-005: **caught** (DPO-005: token_reduction
   'sum', beta 0.1, 3 pairs x 12 columns (3 counted; β·Δ from -0.6378 to 0.1623), its last
   pair's two answers equal (a tie, no win): rewar)
@@ -298,11 +301,7 @@ DEMOS: dict[str, Callable[[], bool]] = {
 
 # What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
 # an entry goes once the kit fails the variant on the requirement it breaks.
-KIT_DEFECTS: dict[str, str] = {
-    "win_from_rounded_probability": (
-        "DPO-005's domain has ties and margins far from them, never 0 < β·Δ below about 6e-8 where σ rounds to 0.5 in float32"
-    ),
-}
+KIT_DEFECTS: dict[str, str] = {}
 
 # Variants the kit fails under another requirement (a foundation that blocks theirs).
 OTHER_ID: dict[str, str] = {

@@ -10,20 +10,22 @@ the bug with plain code against the sentence (True when it shows).
 Results (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; the base ``MaskedSumNLL`` passes each
 id):
 
-- ``log_prob_clamped`` breaks NLL-003: **missed (PASS)**, also at depth 4: no assistant
-  token of the domain has -log p above 100 (a probe of ``tiny_causal_lm(vocab_size=64)``
-  with ``lm_head`` x 30 gives logits within ±12 and min log p about -22), so the clamp never
-  acts; the "logits of a few hundred" the domain text promises were not reached here
+- ``log_prob_clamped`` breaks NLL-003: **caught** (NLL-003: aggregation 'token_mean':
+  loss_nll of a batch of 5 rows x 24 columns (60 assistant tokens in 4 rows), output head x
+  1000 (logits up to 421.3, assistant log p down to -554) is 98.9959, expected 294.653); nll_loss
+  1.2 draws output heads scaled up to 1000 (missed under 1.1, whose logits stayed within ±12)
 - ``pad_id_ignored`` breaks NLL-003: **caught** (NLL-003: aggregation 'seq_mean_token_mean':
   loss_nll of a batch of 5 rows x 24 columns (60 assistant tokens in 4 rows) is 9.10419,
   expected 9.59665 (sum of w x )
 - ``trim_off_by_one`` breaks NLL-003: **caught** (NLL-003: aggregation 'token_mean':
   loss_nll of a batch of 1 rows x 2 columns (1 assistant tokens in 1 rows) is 0, expected
   4.28231 (sum of w x -log p over the a)
-- ``stale_logits_cache`` breaks NLL-003: **missed (PASS)**, also at depth 4: the suite
-  apparently never scores one batch twice with one loss object across a change of the
-  policy's weights (the domain text does not say it does: each policy seemingly gets a
-  fresh loss), so a cache keyed by the batch alone never serves a stale value
+- ``stale_logits_cache`` breaks NLL-003: **caught** (NLL-003: aggregation 'token_mean', one
+  loss object on a live policy (output head x 1), batch 0 scored again after a load of new
+  weights into the policy in place (noise 0.001): loss_nll is 4.28231, expected 4.28252 (... it
+  is the value this loss gave the same batch before ...)); nll_loss 1.2's NLL-003 drives a live
+  policy statefully (missed under 1.1, which never scored one batch twice across a change of
+  the policy's weights)
 
 Base on the same ids and declarations (token_mean and seq_mean_token_mean): NLL-003 PASS.
 
@@ -258,14 +260,7 @@ DEMOS: dict[str, Callable[[], bool]] = {
 
 # What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
 # an entry goes once the kit fails the variant on the requirement it breaks.
-KIT_DEFECTS: dict[str, str] = {
-    "log_prob_clamped": (
-        "NLL-003's domain has no assistant log p below about -22 (logits never reach a few hundred), so a clamp at -100 never shows"
-    ),
-    "stale_logits_cache": (
-        "no NLL check scores one batch twice across a change of the policy's weights"
-    ),
-}
+KIT_DEFECTS: dict[str, str] = {}
 
 # Variants the kit fails under another requirement (a foundation that blocks theirs).
 OTHER_ID: dict[str, str] = {}

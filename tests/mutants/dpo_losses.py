@@ -37,8 +37,18 @@ class BuggyDPO(DPOLoss):
             label_smoothing=label_smoothing,
         )
         self.bug = bug
+        self._last: tuple[TensorDictBase, TensorDict] | None = None
 
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        if self.bug == "cached_by_batch":  # an evaluation call on the last batch serves its result
+            if not torch.is_grad_enabled() and self._last is not None and self._last[0] is td:
+                return self._last[1]
+            out = self._forward(td, counts=counts)
+            self._last = (td, out)
+            return out
+        return self._forward(td, counts=counts)
+
+    def _forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
         bug = self.bug
         if bug == "reference_free" and RLP not in td.keys(True):
             td = td.clone().set(RLP, torch.zeros(td.get(K("tokens")).shape))
@@ -93,6 +103,8 @@ class BuggyDPO(DPOLoss):
             if bug == "metrics_per_micro_batch":
                 pairs = max(own.sequences, 1) / 2
             wins = chosen >= rejected if bug == "ties_win" else chosen > rejected
+            if bug == "win_from_sigmoid":  # σ(β·Δ) > 1/2: 1/2 exactly below β·Δ of about 6e-8
+                wins = torch.sigmoid(margin.float()) > 0.5
             scale = self.beta if bug == "rewards_times_beta" else 1.0
             out["accuracy"] = (wins.to(logp.dtype) * valid).sum() / pairs
             out["rewards_chosen_mean"] = scale * (chosen * valid).sum() / pairs
@@ -135,5 +147,7 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("DPO-006", _impl("DPO-006", "either_row_counts")),
     ("DPO-009", _impl("DPO-009", "drops_odd_row")),
     ("DPO-001", _impl("DPO-001", "log_of_sigmoid")),
+    ("DPO-005", _impl("DPO-005", "win_from_sigmoid")),
+    ("DPO-003", _impl("DPO-003", "cached_by_batch")),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""

@@ -33,8 +33,18 @@ class BuggyNLL(NLLLoss):
     ) -> None:
         super().__init__(policy, aggregation=aggregation, label_smoothing=label_smoothing)
         self.bug = bug
+        self._last: tuple[TensorDictBase, TensorDict] | None = None
 
     def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
+        if self.bug == "cached_by_batch":  # an evaluation call on the last batch serves its result
+            if not torch.is_grad_enabled() and self._last is not None and self._last[0] is td:
+                return self._last[1]
+            out = self._forward(td, counts=counts)
+            self._last = (td, out)
+            return out
+        return self._forward(td, counts=counts)
+
+    def _forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
         bug = self.bug
         if bug == "missing_mask_is_attention" and ASST not in td.keys(True):
             td = td.clone().set(ASST, td.get(ATT).clone())
@@ -58,8 +68,18 @@ class BuggyNLL(NLLLoss):
             lp = torch.log_softmax(self.policy(input_ids=tokens).logits[:, :-1].float(), -1)
             lp = lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
             logp = torch.where(mask, torch.cat([torch.zeros_like(lp[:, :1]), lp], 1), 0.0)
+        elif bug == "log_of_softmax":  # log(softmax): -inf once a probability underflows
+            tokens, attn = td.get(TOK), td.get(ATT)
+            mask = td.get(ASST) & attn
+            mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
+            logits = self.policy(input_ids=tokens, attention_mask=attn.long()).logits
+            lp = torch.log(torch.softmax(logits[:, :-1].float(), -1))
+            lp = lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+            logp = torch.where(mask, torch.cat([torch.zeros_like(lp[:, :1]), lp], 1), 0.0)
         else:
             mask, logp = _mask_and_log_probs(self.policy, td, self.layout, self.label_smoothing)
+        if bug == "log_clamped":  # log p floored at -100 (a clamp against -inf, as BCE's)
+            logp = logp.clamp_min(-100.0)
         if bug == "pad_id_ignored":  # cross_entropy(ignore_index=pad_token_id), the pad id 0
             mask = mask & (td.get(TOK) != 0)
         if bug == "trains_on_prompt":
@@ -169,5 +189,10 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("NLL-003", _impl("NLL-003", "pad_id_ignored")),
     ("NLL-004", _impl("NLL-004", "z_loss")),
     ("NLL-005", _impl("NLL-005", "no_attention_mask")),
+    # Logits of a few hundred: log p far below -100 for most assistant tokens.
+    ("NLL-003", _impl("NLL-003", "log_clamped")),
+    ("NLL-001", _impl("NLL-001", "log_of_softmax")),
+    # One loss object scoring the same batch after the policy's weights changed.
+    ("NLL-003", _impl("NLL-003", "cached_by_batch")),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""

@@ -10,7 +10,12 @@ here in float64 from the same policy.
 Every check draws its pairs from the requirement's domain (:class:`Pairs`, the boundaries
 first): 1 to 4 pairs, 2 to 20 columns, empty rows in any pair, ties, reference offsets up to
 200 nats (margins β·Δ past ±100, where σ underflows in float32) and a policy whose output head
-is scaled up.
+is scaled by 1 to 1000 (logits up to about 400; 30 at most where gradients are read). DPO-005
+adds near-ties: a pair of two equal answers whose reference log-probs differ by a margin β·Δ of
+either sign down to 1e-30, far below float32's resolution of σ around 1/2 (about 6e-8), its
+answer the policy's own greedy continuation so that each log p is 0 or nearly, and every sum
+of the rewards exact enough in float32 to keep Δ's sign. DPO-003 drives a live policy as
+NLL-003 does (:func:`~posttrain.conformance.suites.nll_loss.check_live`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from posttrain.conformance.context import Context
 from posttrain.conformance.explore import for_all
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
-from posttrain.conformance.suites.loss_kit import ASST, ATT, RLP, TOK, V
+from posttrain.conformance.suites.loss_kit import ASST, ATT, PEAK, RLP, TOK, V
 from posttrain.conformance.suites.loss_kit import call_counted as _call_counted
 from posttrain.conformance.suites.loss_kit import (
     check_scalar_finite_terms as _check_scalar_finite_terms,
@@ -38,12 +43,16 @@ from posttrain.conformance.suites.loss_kit import setup as _setup
 from posttrain.conformance.suites.loss_kit import term_logp_grads as _term_logp_grads
 from posttrain.conformance.suites.loss_kit import with_value as _with
 from posttrain.conformance.suites.nll_loss import (
+    BIG,
     Case,
+    Scaled,
+    check_live,
     check_parts_add_up,
     gradient_reaches,
     log_probs64,
     nll_batch,
-    policies,
+    peaks64,
+    scales,
     with_split,
 )
 from posttrain.testing import llm_batch
@@ -71,8 +80,10 @@ class Pairs:
     ``"against"`` the chosen answers' reference at 0 and the rejected ones' ``offset`` below
     the policy's (β·Δ far below 0), ``"for"`` the mirror; ``tie``: the last pair's rejected
     row a copy of its chosen one; ``full_pair``: pair 0 answered from position 0 to the last
-    column; ``edges``: ids 0 and V - 1 on pair 0's answers; ``peaked``: the output head
-    scaled by 30.
+    column; ``edges``: ids 0 and V - 1 on pair 0's answers; ``scale``: the factor on the
+    output head; ``tiny``: when not 0, the last pair a near-tie of margin β·Δ = ``tiny``
+    (or the smallest whose sign float32 keeps, where larger; a tie then goes to the pair
+    before).
     """
 
     pairs: int
@@ -84,14 +95,27 @@ class Pairs:
     tie: bool = False
     full_pair: bool = False
     edges: bool = False
-    peaked: bool = False
+    scale: float = 1.0
+    tiny: float = 0.0
 
 
 _EMPTY = ("", "rejected", "both", "chosen")
 
 
-def pair_cases() -> Any:
-    """The domain's strategy: at least one counted pair (pair 0's chosen row holds a token)."""
+def tiny_margins() -> Any:
+    """Margins β·Δ of either sign from 1e-30 to 1e-6 in magnitude (log-uniform), where σ(β·Δ)
+    rounds to 1/2 in float32 below about 6e-8."""
+    from hypothesis import strategies as st
+
+    return st.builds(
+        lambda e, sign: sign * 10.0**e, st.floats(-30.0, -6.0), st.sampled_from((1.0, -1.0))
+    )
+
+
+def pair_cases(*, top: float = BIG, near_ties: bool = False) -> Any:
+    """The domain's strategy: at least one counted pair (pair 0's chosen row holds a token);
+    ``top`` the largest output-head factor, ``near_ties``: a near-tie drawn too (its policy's
+    output head scaled by ``BIG``, where greedy tokens have log p 0 or nearly)."""
     from hypothesis import strategies as st
 
     def build(n: int) -> Any:
@@ -108,18 +132,49 @@ def pair_cases() -> Any:
             tie=st.booleans(),
             full_pair=st.booleans(),
             edges=st.booleans(),
-            peaked=st.booleans(),
+            scale=scales(top),
+            tiny=(st.just(0.0) | tiny_margins()) if near_ties else st.just(0.0),
         )
 
-    return st.integers(1, 4).flatmap(build)
+    drawn = st.integers(1, 4).flatmap(build)
+    return drawn.map(lambda c: replace(c, scale=BIG) if c.tiny else c)
 
 
 PAIR_BOUNDARIES = (
     Pairs(1, 2),  # one pair, one scored position each
     Pairs(2, 16, 1, offset=200.0, margin="against", full_pair=True),  # β·Δ far below -100
-    Pairs(3, 12, 2, ("", "", ""), tie=True, edges=True, peaked=True),
-    Pairs(4, 14, 3, ("rejected", "both", "chosen", ""), offset=200.0, margin="for"),
+    Pairs(3, 12, 2, ("", "", ""), tie=True, edges=True, scale=PEAK),
+    Pairs(4, 14, 3, ("rejected", "both", "chosen", ""), offset=200.0, margin="for", scale=BIG),
 )
+NEAR_TIES = (
+    Pairs(2, 9, 5, tiny=1e-9, scale=BIG),  # a win σ(β·Δ) rounds to 1/2
+    Pairs(1, 2, 6, tiny=1e-30, scale=BIG),  # one pair, one token: β·Δ = 1e-30
+    Pairs(3, 12, 7, tie=True, tiny=-3e-8, scale=BIG),  # a tie, then a near-tie lost
+)
+"""DPO-005's near-tie boundaries: margins β·Δ of either sign below float32's resolution of σ."""
+
+
+def _near_tie(policy: Any, width: int, g: torch.Generator) -> tuple[torch.Tensor, int, int, float]:
+    """A row for a near-tie: (tokens of its attended length n, n, its answer length L, the
+    least |Σ log-ratio difference| whose sign float32 keeps). Of 8 random prompts, each
+    answered by the policy's greedy continuation, the one whose log-probs are nearest 0."""
+    n = int(torch.randint(2, width + 1, (1,), generator=g)) if width > 2 else 2
+    answer = min(n - 1, int(torch.randint(1, 5, (1,), generator=g)))
+    cand = torch.randint(1, V, (8, n), generator=g)
+    with torch.no_grad():
+        for pos in range(n - answer, n):
+            logits = policy(input_ids=cand[:, :pos], attention_mask=torch.ones(8, pos).long())
+            cand[:, pos] = logits.logits[:, -1].argmax(-1)
+        logits = policy(input_ids=cand, attention_mask=torch.ones(8, n).long()).logits
+    lsm = torch.log_softmax(logits[:, :-1].double(), -1)
+    lp = lsm.gather(-1, cand[:, 1:, None])[..., 0][:, n - 1 - answer :].abs()
+    top = logits[:, :-1].double().abs().amax(-1)[:, n - 1 - answer :]
+    # A float32 log p is 0 where log(1 + tiny) and max + tiny round away; elsewhere it may be
+    # off by the rounding of a logsumexp of logits of magnitude ``top``.
+    mag = torch.where(lp < 2.0**-26 * top, lp, lp + 2.0**-22 * top).sum(-1)
+    floor = 64 * 2.0**-24 * answer * mag + 1e-12 * lp.sum(-1)
+    best = int(floor.argmin())
+    return cand[best], n, answer, float(floor[best])
 
 
 def pairs_case(ctx: Context, policy: Any, case: Pairs) -> TensorDictBase:
@@ -145,10 +200,21 @@ def pairs_case(ctx: Context, policy: Any, case: Pairs) -> TensorDictBase:
             at = at[at > 0]
             tokens[i, at[0::2]] = V - 1
             tokens[i, at[1::2]] = 0
-    if case.tie and case.pairs > 1:
+    near = None
+    if case.tiny:  # the last pair two equal greedy answers
+        row, n, answer, floor = _near_tie(policy, t, g)
+        tokens[-2:, :n] = row
+        att[-2:] = pos[-2:] < n
+        asst[-2:] = att[-2:] & (pos[-2:] >= n - answer)
+        near = (n, answer, floor)
+    tie = case.tie and case.pairs > (2 if near else 1)
+    tied = -3 if near else -1  # the tie's rejected row
+    if tie:
         for x in (tokens, att, asst):
-            x[-1] = x[-2]
+            x[tied] = x[tied - 1]
     for p, which in enumerate(case.empty):
+        if near and p == case.pairs - 1:
+            continue
         if which in ("chosen", "both"):
             asst[2 * p] = False
         if which in ("rejected", "both"):
@@ -165,8 +231,15 @@ def pairs_case(ctx: Context, policy: Any, case: Pairs) -> TensorDictBase:
         off[high::2] = lp[high::2]  # its reference log-probs 0: r = Σ log p
         off[1 - high :: 2] = mag[1 - high :: 2]  # the other's offset below: r = Σ offset
     ref = (lp - off).float()
-    if case.tie and case.pairs > 1:
-        ref[-1] = ref[-2]
+    if tie:
+        ref[tied] = ref[tied - 1]
+    if near:
+        n, answer, floor = near
+        # r_chosen = Σ log p (0 or nearly), r_rejected = that - δ: Δ = δ (δ/L under `mean`)
+        length = answer if ctx.options["token_reduction"] == "mean" else 1
+        delta = math.copysign(max(abs(case.tiny) / _beta(ctx) * length, floor), case.tiny)
+        ref[-2:] = 0.0
+        ref[-1, n - 1] = delta
     td.set(RLP, torch.where(asst, ref, float("nan")))
     return td
 
@@ -210,14 +283,17 @@ def expected(
     beta = _beta(ctx)
     m = _mask(td).double()
     ref = torch.where(_mask(td), td.get(RLP).double(), 0.0)
-    lp = log_probs64(policy, td)
+    lp, top = peaks64(policy, td)
     n_tok = m.sum(-1)
     scale = (1 / n_tok.clamp_min(1)) if ctx.options["token_reduction"] == "mean" else 1 + 0 * n_tok
     r = ((lp - ref) * m).sum(-1) * scale
     chosen, rejected = r[0::2], r[1::2]
     valid = (n_tok[0::2] > 0).double()
     p = float(valid.sum()) if pairs is None else float(pairs)
-    delta = chosen - rejected
+    # Δ token by token, the log-probs' difference before the reference's: exact for a tie or a
+    # near-tie (two equal answers), whose Σ log p would otherwise swallow a Δ of 1e-30
+    lpm, refm = lp * m * scale[:, None], ref * m * scale[:, None]
+    delta = ((lpm[0::2] - lpm[1::2]) - (refm[0::2] - refm[1::2])).sum(-1)
     ls = torch.nn.functional.logsigmoid
     pair = -(1 - smoothing) * ls(beta * delta) - smoothing * ls(-beta * delta)
     loss = float((pair * valid).sum() / p)
@@ -226,16 +302,18 @@ def expected(
     g_row = torch.stack([g_pair, -g_pair], -1).flatten() * scale
     return {
         "loss_preference": loss,
-        "accuracy": float(((chosen > rejected).double() * valid).sum() / p),
+        "accuracy": float(((delta > 0).double() * valid).sum() / p),
         "rewards_chosen_mean": float((chosen * valid).sum() / p),
         "rewards_rejected_mean": float((rejected * valid).sum() / p),
         "plain": float((-ls(beta * delta) * valid).sum() / p),  # -log σ(β·Δ), averaged
         "mirror": float((-ls(-beta * delta) * valid).sum() / p),  # -log σ(-β·Δ), averaged
         "grad": g_row[:, None] * m,
         # 1e-6 absolute, or the float32 rounding of an answer's log-probs and reference
-        # log-probs (2e-7 of Σ|log p| + |log p_ref|: a reward of two large sums cancels)
+        # log-probs (2e-7 of Σ|log p| + |log p_ref|: a reward of two large sums cancels) and of
+        # the logits they are read from (max_v |logit|: a logsumexp of logits of a few hundred)
         "atol": max(
-            1e-6, 2e-7 * float(((lp.abs() + ref.abs()) * m).sum(-1).max()) * max(1.0, beta)
+            1e-6,
+            2e-7 * float(((lp.abs() + ref.abs() + top) * m).sum(-1).max()) * max(1.0, beta),
         ),
         "delta": delta,
         "pairs": [(float(a), float(b)) for a, b in zip(chosen, rejected, strict=True)],
@@ -269,20 +347,22 @@ def _pairs_shape(td: TensorDictBase, want: dict[str, Any]) -> str:
 _BETA_OF = [1.0]  # the running check's β, for messages
 
 
-class PairLosses:
-    """The suite's two policies (the second's output head scaled by 30) and the loss built
-    on each, with ``label_smoothing`` passed by name under the capability."""
+def _maker(ctx: Context, smoothing: float = 0.0) -> Any:
+    """The factory on a policy, the declared options and, under capability label_smoothing,
+    ``label_smoothing`` by name."""
+    kw: dict[str, Any] = dict(ctx.impl.options)
+    if "label_smoothing" in ctx.capabilities:
+        kw["label_smoothing"] = smoothing
+    return lambda policy: ctx.make(policy, **kw)
+
+
+class PairLosses(Scaled):
+    """The suite's policy at each drawn output-head factor and the loss built on it, with
+    ``label_smoothing`` passed by name under the capability."""
 
     def __init__(self, ctx: Context, smoothing: float = 0.0) -> None:
         _BETA_OF[0] = _beta(ctx)
-        self.policy = policies(ctx)
-        kw: dict[str, Any] = dict(ctx.impl.options)
-        if "label_smoothing" in ctx.capabilities:
-            kw["label_smoothing"] = smoothing
-        self.loss = {k: ctx.make(p, **kw) for k, p in self.policy.items()}
-
-    def __call__(self, case: Pairs) -> tuple[Any, Any]:
-        return self.policy[case.peaked], self.loss[case.peaked]
+        super().__init__(ctx, _maker(ctx, smoothing))
 
 
 @requirement("DPO-001")
@@ -313,15 +393,20 @@ def gradients_reach_policy(ctx: Context) -> None:
 def untied(strategy: Any) -> Any:
     """``strategy``'s pairs without a tie: the gradient probe tells rows apart by their tokens,
     and a tie's two rows are one."""
-    return strategy.map(lambda c: replace(c, tie=False))
+    return strategy.map(lambda c: replace(c, tie=False, tiny=0.0, scale=min(c.scale, PEAK)))
 
 
-_UNTIED = tuple(replace(c, tie=False) for c in (PAIR_BOUNDARIES[:3]))
+_UNTIED = tuple(replace(c, tie=False, scale=min(c.scale, PEAK)) for c in (PAIR_BOUNDARIES[:3]))
 
 
 def st_calm(strategy: Any) -> Any:
-    """``strategy``'s pairs with small reference offsets (every pair's gradient alive)."""
-    return strategy.map(lambda c: replace(c, offset=min(c.offset, 1.0), margin="random"))
+    """``strategy``'s pairs with small reference offsets and an output head scaled by 30 at
+    most (every pair's gradient alive and readable)."""
+    return strategy.map(
+        lambda c: replace(
+            c, offset=min(c.offset, 1.0), margin="random", scale=min(c.scale, PEAK), tiny=0.0
+        )
+    )
 
 
 @requirement("DPO-003")
@@ -357,6 +442,25 @@ def preference_loss_value(ctx: Context) -> None:
         _compare(got, want, ("loss_preference",), what)
 
     for_all(ctx, pair_cases(), check, examples=10, boundaries=PAIR_BOUNDARIES)
+
+    def live(policy: Any, loss: Any, td: TensorDictBase) -> dict[str, tuple[float, float, float]]:
+        with torch.no_grad():
+            got = _scalars(loss(td))
+        want = expected(ctx, policy, td)
+        names = ("loss_preference", *(m for m in _METRICS if m in got))
+        return {n: (got.get(n, math.nan), want[n], want["atol"]) for n in names}
+
+    check_live(
+        ctx,
+        _maker(ctx),
+        lambda policy, case: pairs_case(ctx, policy, case),
+        live,
+        "loss_preference",
+        what=_declared(ctx),
+        formula="the mean over pairs of -log σ(β·Δ) and the metrics",
+        in_place=(RLP,),
+        recipes=pair_cases(top=PEAK),
+    )
 
 
 @requirement("DPO-004")
@@ -395,11 +499,25 @@ def reward_metrics(ctx: Context) -> None:
         with torch.no_grad():
             got = _scalars(loss(td))
         want = expected(ctx, policy, td)
-        tie = ", its last pair's two answers equal (a tie, no win)" if case.tie else ""
+        tie = ""
+        if case.tie and case.pairs > (2 if case.tiny else 1):
+            tie = ", a pair of two equal answers (a tie, no win)"
+        if case.tiny:
+            near = float(want["delta"][-1]) * _beta(ctx)
+            tie += (
+                f", its last pair a near-tie of two equal answers whose reference log-probs "
+                f"differ (β·Δ = {near:.3g}: {'a win' if near > 0 else 'no win'}, though "
+                f"σ(β·Δ) rounds to 1/2 in float32 below about 6e-8)"
+            )
         _compare(got, want, _METRICS, f"{_declared(ctx)}, {_pairs_shape(td, want)}{tie}")
 
-    tied = pair_cases().map(lambda c: replace(c, tie=c.pairs > 1))
-    edge = (PAIR_BOUNDARIES[2], replace(PAIR_BOUNDARIES[3], tie=True), PAIR_BOUNDARIES[1])
+    tied = pair_cases(near_ties=True).map(lambda c: replace(c, tie=c.pairs > 1))
+    edge = (
+        PAIR_BOUNDARIES[2],
+        replace(PAIR_BOUNDARIES[3], tie=True),
+        PAIR_BOUNDARIES[1],
+        *NEAR_TIES,
+    )
     for_all(ctx, tied, check, examples=6, boundaries=edge)
 
 
@@ -426,10 +544,10 @@ def pairs_counted(ctx: Context) -> None:
     from hypothesis import strategies as st
 
     losses = PairLosses(ctx)
-    policy0 = losses.policy[False]
+    policy0, loss0 = losses(Pairs(1, 2))
     td = _sparse_pairs(ctx, policy0, 6, seed=9)
     with torch.no_grad():
-        got = _scalars(losses.loss[False](td))
+        got = _scalars(loss0(td))
     want = expected(ctx, policy0, td)
     _compare(
         got,
