@@ -24,7 +24,7 @@ from posttrain.adapters.torchrl.loggers import (
     tensorboard_logger,
     wandb_logger,
 )
-from posttrain.adapters.torchrl.loss import make_loss
+from posttrain.adapters.torchrl.loss import RATIOS, make_loss
 from posttrain.adapters.torchrl.ray_weight_sync import ray_weight_sync_pair
 from posttrain.adapters.torchrl.rollout import llm_collector
 from posttrain.adapters.torchrl.weight_sync import TRANSPORTS, weight_sync_pair
@@ -247,7 +247,8 @@ def _loss(cls_name: str, aggregation: str, *, adapted: bool, kl: bool = False) -
         | ({"global_counts"} if adapted else set())
         | ({"kl_to_ref"} if kl else set())
         | ({"clip"} if clip is not None else set()),
-        options={"aggregation": aggregation} | ({"ratio": "cispo"} if cispo else {}),
+        # The ratio each class's surrogate takes (loss.RATIOS), declared so LOSS-021 checks it.
+        options={"aggregation": aggregation, "ratio": RATIOS[cls_name]},
         extras={} if clip is None else {"clip_epsilon": clip},
         description="TorchRL LLM loss around a TransformersWrapper of the suite's policy (masking_strategy='rlhf')."
         + ("" if adapted else " Raw: only the advantage is reshaped to TorchRL's [B, T, 1].")
