@@ -235,10 +235,18 @@ METRICS = Contract(
         "names, are out of scope of v1: a sink may store, rewrite or refuse them, and the "
         "suite logs none. Also out of scope: a sink made again on a directory a closed sink "
         "wrote (reopening a run); several processes writing one run is the `cross_process` "
-        "capability."
+        "capability. Steps are integers from 0 to 2**63 - 1 (int64: the step type of "
+        "TensorBoard's events, of MLflow and of W&B). Storage precision: "
+        "`Implementation.extras['precision']` names the dtype the backend stores values in, "
+        "`'float32'` (the default when nothing is declared; TensorBoard's scalars) or "
+        "`'float64'` (text, JSON, SQLite, MLflow, W&B). It decides what every check compares, "
+        "with no other tolerance: a float32 store reads back each value's float32 rounding "
+        "(to nearest: float32's subnormals kept, a value below half its smallest subnormal "
+        "becomes 0, float32's range only is logged), a float64 store the value itself (any "
+        "finite float64 is logged). -0.0 may read back as 0.0."
     ),
     protocol=MetricSinkV1,
-    version="1.4",
+    version="1.5",
     factory=(
         "factory(directory: pathlib.Path) -> MetricSinkV1  # and Implementation.extras['reader']"
         "(directory) -> {name: [(step, value), ...]}, reading through the backend's own reader"
@@ -254,32 +262,32 @@ METRICS = Contract(
             undeclared="`log_samples` is not called (a sink without the capability need not have it); MET-009 does not apply. Scalars are checked as for every sink."),
     ),
     requirements=(
-        Requirement(id="MET-001", level=_M, title="read back exactly", tightened=("1.1", "1.2", "1.4"),
-            text="Every logged (name, step, value) MUST read back from the backend with the same name, step and value (float32 rounding allowed); two values logged for one name at one step are two points, and both read back.",
-            domain="Five points of three names (two values of one name at one step, back to back and apart); then sinks each given 1 to 20 values, each under a name of its own at one step, across float32's range (MLflow's and TensorBoard's float32 rounding allowed): 0.0, -0.0, ±1, ±3e38, 1e-40, -1e-45, 1/3, 2**24 + 1 tried first, then any finite float within ±3e38."),
+        Requirement(id="MET-001", level=_M, title="read back exactly", tightened=("1.1", "1.2", "1.4", "1.5"),
+            text="Every logged (name, step, value) MUST read back from the backend with the same name, step and value (float32 rounding allowed, as a float32 store rounds, where the implementation does not declare `extras['precision'] = 'float64'`); two values logged for one name at one step are two points, and both read back.",
+            domain="Five points of three names at steps 0 to 2 (two values of one name at one step, back to back and apart); then sinks each given 1 to 20 values, each under a name of its own at step 7 (the steps' range is MET-003's), across the declared precision's whole finite range: 0.0, -0.0, ±1, ±3.4028234663852886e38 (float32's largest), 1.1754943508222875e-38 (float32's smallest normal) and float32's largest subnormal, 1e-40, 1.4e-45 (float32's smallest subnormal), -1e-45, 1e-46 (below half of it), 2.2250738585072014e-308 (float64's smallest normal), 1e-310, -5e-324, 1/3, 0.1, 2**24 + 1 tried first (under `float64` also ±1.7976931348623157e308, 1e300, 2**53 - 1), then any finite float of float32's range (float64's under `float64`). Each read back as its float32 rounding (the default) or exactly (`float64`): a subnormal read back as 0 in a store that holds it fails, and so does a value cut to fewer digits than the declared dtype keeps."),
         Requirement(id="MET-002", level=_M, title="catalogue names", tightened=("1.2", "1.4"),
             text="Names matching `^[a-z0-9_]+(/[a-z0-9_]+)*$` of up to 250 characters (MLflow's limit for a metric key) MUST be stored unchanged, slashes included.", depends_on=("MET-001",),
             domain="Five catalogue names and three of exactly 250 characters (many short segments, one segment alone, a group over one long leaf) on one sink; then sinks each given 1 to 12 names drawn over the alphabet: 1 to 6 segments of 1 to 40 characters of [a-z0-9_], each starting with a letter or a digit (a digit first included), joined by '/'. Names outside the alphabet are never logged (out of scope)."),
-        Requirement(id="MET-003", level=_M, title="steps kept apart", tightened=("1.2", "1.4"),
+        Requirement(id="MET-003", level=_M, title="steps kept apart", tightened=("1.2", "1.4", "1.5"),
             text="Values logged for one name at different steps MUST all be kept, each with its step, in whatever order the steps come (a step lower than one already logged for the name included).", depends_on=("MET-001",),
-            domain="One name at steps 0, 1, 2, 10, 5, 3 in that order; one name at steps 0 to 1099 in a row (past batches of 256, 512 and 1000); then random sequences on a new sink each, read back once it is closed: points of four plain names with MET-001's values at steps 0 to 12, 2**31 - 1, 2**31, 10**12 and up to 2**40, in any order, repeated and lower than the name's highest, and one burst of 257 or 600 points of one name at consecutive steps (past a writer's batch or queue size). Every point read back, each once."),
-        Requirement(id="MET-004", level=_S, title="non-finite values kept",
+            domain="One name at steps 0, 1, 2, 10, 5, 3 in that order, and on the same sink one name at every integer-width boundary: steps 2**31, 0, 2**32, 2**31 - 1, 2**63 - 1, 2**53 + 1, 2**53, 2**32 - 1, 1 in that order, each read back once at its own step; one name at steps 0 to 1099 in a row (past batches of 256, 512 and 1000); then random sequences on a new sink each, read back once it is closed: points of four plain names with MET-001's values at steps 0 to 12, those boundaries and any up to 2**63 - 1, in any order, repeated and lower than the name's highest, and one burst of 257 or 600 points of one name at consecutive steps (past a writer's batch or queue size). Every point read back, each once."),
+        Requirement(id="MET-004", level=_S, title="non-finite values kept", tightened=("1.5",),
             text="NaN and infinite values SHOULD be stored as such rather than dropped or replaced.", depends_on=("MET-001",),
-            domain="NaN, +inf and -inf at steps 0, 1, 2 of one name."),
-        Requirement(id="MET-005", level=_M, title="flush", capability="flush", tightened=("1.2", "1.4"),
+            domain="NaN, +inf and -inf of one name at steps 0, 2**31 and 2**53 + 1."),
+        Requirement(id="MET-005", level=_M, title="flush", capability="flush", tightened=("1.2", "1.4", "1.5"),
             text="After `flush()`, everything logged so far, under every name, MUST be readable without closing the sink.", depends_on=("MET-001",),
-            domain="Four points of three names (the first name again last), flushed and read; then MET-003's random sequences with `flush()` among the calls, everything logged so far read back after each flush, before close."),
-        Requirement(id="MET-006", level=_M, title="several writers", capability="cross_process",
+            domain="Six points of three names (the first name again last; two at steps 2**31 and 2**63 - 1), flushed and read; then MET-003's random sequences with `flush()` among the calls, everything logged so far read back after each flush, before close."),
+        Requirement(id="MET-006", level=_M, title="several writers", capability="cross_process", tightened=("1.5",),
             text="Metrics logged from several processes into one run MUST all read back.", depends_on=("MET-001",),
-            domain="Two spawned processes, each a sink on the same directory logging three steps of a name of its own and of one shared name."),
+            domain="Two spawned processes, each a sink on the same directory logging three steps of a name of its own (steps 0 to 2) and of one shared name (steps past 2**32)."),
         Requirement(id="MET-007", level=_S, title="no step: the next step", since="1.1",
-            text="A value logged without a step (`step=None`) SHOULD be recorded at the sink's next step for its name, one past the highest step logged for that name through the sink (0 for its first value), and read back there, not raise or fall back to step 0 (a SHOULD until v2: the 1.0 Protocol allowed `step=None` without saying what it means).", depends_on=("MET-001",), tightened=("1.4",),
-            domain="Four names: three values without a step; two steps then none; step 5 then none; steps 5 and 2 then none (6, not 3). Then MET-003's random sequences over four names, each in a group of its own (`nostep_a/x` ...), with `step=None` among the steps, each expected where `NextStep` puts it."),
+            text="A value logged without a step (`step=None`) SHOULD be recorded at the sink's next step for its name, one past the highest step logged for that name through the sink (0 for its first value), and read back there, not raise or fall back to step 0 (a SHOULD until v2: the 1.0 Protocol allowed `step=None` without saying what it means).", depends_on=("MET-001",), tightened=("1.4", "1.5"),
+            domain="Eight names: three values without a step; two steps then none; step 5 then none; steps 5 and 2 then none (6, not 3); steps 2**31 - 1, 2**32 - 1, 2**53 and 2**63 - 2 each then none (2**31, 2**32, 2**53 + 1 and 2**63 - 1: past a 32-bit or a float64 counter). Then MET-003's random sequences over four names, each in a group of its own (`nostep_a/x` ...), with `step=None` among steps up to 2**62, each expected where `NextStep` puts it."),
         Requirement(id="MET-008", level=_M, title="distributions", capability="histogram", since="1.3",
-            text="`log_histogram(name, values, step)` with finite values MUST store one distribution per call that reads back at its step with the number of values, their minimum and their maximum (float32 rounding allowed), steps in any order, a sample whose values are all equal included; a NaN or infinite value MUST be refused with ValueError rather than binned or dropped.", depends_on=("MET-001",), tightened=("1.4",),
-            domain="Lists of 1 to 102 values (all equal, one value, negatives, 1e6 beside -2e5), two calls of one name at one step, steps in any order, and a [3, 4] tensor (12 values, not 3); then a list holding NaN."),
+            text="`log_histogram(name, values, step)` with finite values MUST store one distribution per call that reads back at its step with the number of values, their minimum and their maximum (float32 rounding allowed), steps in any order, a sample whose values are all equal included; a NaN or infinite value MUST be refused with ValueError rather than binned or dropped.", depends_on=("MET-001",), tightened=("1.4", "1.5"),
+            domain="Lists of 1 to 102 values (all equal, one value, negatives, 1e6 beside -2e5; float32's subnormals 1e-40, 3e-40, -1e-45 at step 2**31; ±3.4028234663852886e38 beside 0 at step 2**63 - 1), two calls of one name at one step, steps in any order, and a [3, 4] tensor (12 values, not 3); then a list holding NaN. Minimum and maximum compared in the declared precision."),
         Requirement(id="MET-009", level=_M, title="completion samples", capability="samples", since="1.3",
-            text="`log_samples(name, rows, step)` with rows of (prompt: str, completion: str, reward: float) MUST store one table per call that reads back at its step with every row in order, each text unchanged (newlines, leading and trailing spaces, non-ASCII, empty and 20,000-character texts) and each reward as logged (NaN kept); tables of one name at several steps are all kept.", depends_on=("MET-001",), tightened=("1.4",),
-            domain="Four tables of two names: texts with newlines (\\n, \\r\\n), tabs, leading and trailing spaces, accents, CJK, emoji, U+2028, decomposed (NFD: e + U+0301) beside composed characters, compatibility characters (U+212B, U+FB01), empty and 20,000-character texts; rewards 1.0, -0.5, NaN, 0.125; two tables of one name at one step."),
+            text="`log_samples(name, rows, step)` with rows of (prompt: str, completion: str, reward: float) MUST store one table per call that reads back at its step with every row in order, each text unchanged (newlines, leading and trailing spaces, non-ASCII, empty and 20,000-character texts) and each reward as logged (NaN kept); tables of one name at several steps are all kept.", depends_on=("MET-001",), tightened=("1.4", "1.5"),
+            domain="Five tables of two names: texts with newlines (\\n, \\r\\n), tabs, leading and trailing spaces, accents, CJK, emoji, U+2028, decomposed (NFD: e + U+0301) beside composed characters, compatibility characters (U+212B, U+FB01), empty and 20,000-character texts; rewards 1.0, -0.5, NaN, 0.125, and 1/3, 1e-40, -3.4028234663852886e38, 1e-310 (compared in the declared precision) in a table at step 2**53 + 1; two tables of one name at one step."),
     ),
 )  # fmt: skip

@@ -118,6 +118,7 @@ JSONL_SINK = Implementation(
         "reader": read_jsonl,
         "histogram_reader": read_jsonl_histograms,
         "samples_reader": read_jsonl_samples,
+        "precision": "float64",  # JSON keeps every float64 (repr round-trips)
     },
     description="Reference JSONL metrics sink, read back with read_jsonl (histograms and samples in files of their own).",
 )

@@ -12,14 +12,13 @@ shows).
 
 Results (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; each base design passes the id):
 
-- ``int32_step`` breaks MET-003: **missed (PASS)** at depth 1; caught at depth 4 ("'loss'
-  logged 14 times, 0.0 at step 2147483648 not read back (found ... (-2147483648, 0.0)"): the
-  steps 2**31, 10**12 and 2**40 are only in the random sequences' alphabet, and depth 1
-  draws one sequence that did not hold one; no fixed boundary sequence tries them
-- ``flush_to_zero`` breaks MET-001: **missed (PASS)**, also at depth 4: 1e-40 and -1e-45
-  are tried first, but reading them back as 0.0 passes, so the comparison's float32
-  allowance apparently is absolute (or relative to float32's smallest normal) near zero, not the
-  rounding of a subnormal
+- ``int32_step`` breaks MET-003: **caught** (MET-003: 'rollout/wide_steps' logged at steps
+  [2147483648, 0, 4294967296, 2147483647, 9223372036854775807, ...] (integer-width boundaries
+  up to 2**63 - 1) in that order: 0.5 at step 2147483648 not read back; found 9 points:
+  [(-2147483648, 0.5), (-1, 4.5), ...)
+- ``flush_to_zero`` breaks MET-001: **caught** (MET-001: read back: 'value_7' at step 7 logged
+  as 1.1754942106924411e-38, read back [(7, 0.0)]: float32's largest subnormal, among the
+  boundaries tried first, compared as a float32 store keeps it)
 - ``name_cut_at_249`` breaks MET-002: **caught** (MET-002: catalogue names:
   'g_0/g_0/g_0/g_0/g_0/g_0/g_0/g_0/g_0/g_0/'... (250 characters) logged but not read back;
   names read back: ['buffer/utilization', 'g_0/)
@@ -342,12 +341,7 @@ DEMOS: dict[str, Callable[[], bool]] = {
 
 # What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
 # an entry goes once the kit fails the variant on the requirement it breaks.
-KIT_DEFECTS: dict[str, str] = {
-    "int32_step": (
-        "MET-003 tries a step of 2**31 only inside random sequences (caught at depth 4, not 1)"
-    ),
-    "flush_to_zero": ("MET-001's comparison's absolute tolerance accepts 0 for a subnormal value"),
-}
+KIT_DEFECTS: dict[str, str] = {}
 
 # Variants the kit fails under another requirement (a foundation that blocks theirs).
 OTHER_ID: dict[str, str] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -398,6 +399,59 @@ class DropsPastBatch(JsonlSink):
             super().log_scalar(name, value, step)
 
 
+_F32_TINY = 1.1754943508222875e-38  # float32's smallest normal
+
+
+class FlushesSubnormals(JsonlSink):
+    """Stores a value below float32's smallest normal as 0.0 (a float32 path with flush-to-zero
+    on, as GPUs and ``-ffast-math`` builds run): float32 keeps 1e-40, this sink loses it."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        v = float(value)
+        super().log_scalar(name, math.copysign(0.0, v) if abs(v) < _F32_TINY else v, step)
+
+
+class Float32UnderFloat64(JsonlSink):
+    """Declares float64 storage (``extras['precision']``) but keeps each value's float32
+    rounding, as a float32 column would: 1/3 reads back as 0.3333333432674408."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        v = float(value)
+        f32 = struct.unpack("f", struct.pack("f", v))[0] if abs(v) < 3.4e38 else v
+        super().log_scalar(name, f32, step)
+
+
+class WrapsStepTo32Bits(JsonlSink):
+    """Keeps a step in an unsigned 32-bit column: 2**32 reads back as 0, 2**63 - 1 as
+    2**32 - 1."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        super().log_scalar(name, value, None if step is None else step % 2**32)
+
+
+class StepsAsFloat64(JsonlSink):
+    """Steps held as float64 (a JSON reader that parses every number as a double): a step past
+    2**53 reads back rounded, 2**53 + 1 as 2**53."""
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        super().log_scalar(name, value, None if step is None else int(float(step)))
+
+
+class NoStepCounterInFloat64(JsonlSink):
+    """Keeps each name's next step in a float64: past 2**53 the next step after 2**53 is 2**53
+    again."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__(directory)
+        self._last: dict[str, float] = {}
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        last = self._last.get(name, -1.0)
+        s = int(last + 1.0) if step is None else step
+        self._last[name] = max(last, float(s))
+        super().log_scalar(name, value, s)
+
+
 def _impl(
     req: str,
     cls: type[JsonlSink],
@@ -413,6 +467,7 @@ def _impl(
         "reader": reader,
         "histogram_reader": histogram_reader,
         "samples_reader": samples_reader,
+        **kw.pop("extras", {}),
     }
     return Implementation("metrics", cls, name=name, extras=extras, **kw)
 
@@ -462,6 +517,11 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
         ),
     ),
     ("MET-009", _impl("MET-009", DropsNanRewardRows, capabilities={"samples"})),
+    ("MET-001", _impl("MET-001", FlushesSubnormals)),
+    ("MET-001", _impl("MET-001", Float32UnderFloat64, extras={"precision": "float64"})),
+    ("MET-003", _impl("MET-003", WrapsStepTo32Bits)),
+    ("MET-003", _impl("MET-003", StepsAsFloat64)),
+    ("MET-007", _impl("MET-007", NoStepCounterInFloat64)),
     ("MET-008", _impl("MET-008", HistogramPerStep, capabilities={"histogram"})),
     ("MET-009", _impl("MET-009", TablePerStep, capabilities={"samples"})),
     (

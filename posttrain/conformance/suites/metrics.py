@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +42,42 @@ def _finish(sink: Any) -> None:
             return
 
 
-def _close(a: float, b: float) -> bool:
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    # float32 backends round to nearest: at most 2**-24 relative. Any coarser (a sink writing
-    # six significant digits, 1e-6 relative) loses what the caller logged.
-    return a == b or math.isclose(a, b, rel_tol=2**-23, abs_tol=1e-30)
+PRECISIONS = ("float32", "float64")
+"""What ``Implementation.extras['precision']`` may declare: the dtype the backend stores values
+in. ``float32`` (the default) allows float32 rounding; ``float64`` asks every value back exactly."""
+
+_F32_MAX = 3.4028234663852886e38  # float32's largest finite value
+
+
+def _precision(ctx: Context) -> str:
+    declared = ctx.impl.extras.get("precision", "float32")
+    if declared not in PRECISIONS:
+        raise _fail(
+            f"Implementation.extras['precision'] is {declared!r}; expected one of {PRECISIONS} "
+            "(the dtype the backend stores values in)"
+        )
+    return str(declared)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32, as a float32 store does: float32's subnormals are
+    kept, a value below half its smallest subnormal becomes a zero of its sign."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", x))[0])
+    except OverflowError:  # past float32's largest finite: a float32 store holds infinity
+        return math.copysign(math.inf, x)
+
+
+def _close(read: float, logged: float, precision: str) -> bool:
+    """Whether ``read`` is ``logged`` as a store of the declared ``precision`` keeps it."""
+    if math.isnan(read) or math.isnan(logged):
+        return math.isnan(read) and math.isnan(logged)
+    # Compared as floats of the declared dtype, never within an absolute tolerance: a
+    # subnormal read back as 0.0, or a value cut to fewer digits than float32 keeps (a sink
+    # writing six significant digits), is not what the caller logged. -0.0 == 0.0.
+    if math.isinf(read) or math.isinf(logged):  # an infinity is itself in every precision
+        return read == logged
+    return read == logged or (precision == "float32" and _f32(read) == _f32(logged))
 
 
 def _shown(name: str) -> str:
@@ -78,16 +110,17 @@ def _log_and_read(ctx: Context, entries: list[tuple[str, float, int]]) -> Scalar
         return _read(ctx, d)
 
 
-def _expect(got: Scalars, entries: list[tuple[str, float, int]], what: str) -> None:
+def _expect(got: Scalars, entries: list[tuple[str, float, int]], what: str, precision: str) -> None:
     for name, value, step in entries:
         vals = got.get(name)
         if vals is None:
             raise _fail(
                 f"{what}: {_shown(name)} logged but not read back; names read back: {_names(got)}"
             )
-        if not any(s == step and _close(v, value) for s, v in vals):
+        if not any(s == step and _close(v, value, precision) for s, v in vals):
             raise _fail(
-                f"{what}: {_shown(name)} at step {step} logged as {value!r}, read back "
+                f"{what}: {_shown(name)} at step {step} logged as {value!r}"
+                f"{_as_stored(value, precision)}, read back "
                 f"{vals[:10]}{f' ... and {len(vals) - 10} more' if len(vals) > 10 else ''}"
             )
 
@@ -105,36 +138,46 @@ def read_back_exactly(ctx: Context) -> None:
         ("lr", -2.5e-3, 2),
         ("reward", 2 / 3, 1),
     ]
+    precision = _precision(ctx)
     got = _log_and_read(ctx, entries)
-    _twice_at_one_step(got, entries)
-    _expect(got, entries, "read back")
+    _twice_at_one_step(got, entries, precision)
+    _expect(got, entries, "read back", precision)
     from hypothesis import strategies as st
 
     one_step = one_step_values(ctx)
     explore.for_all(
         ctx,
-        st.lists(_values(), min_size=1, max_size=20),
+        st.lists(_values(precision), min_size=1, max_size=20),
         one_step,
         examples=1,
-        boundaries=[list(_VALUE_EDGES)],
+        boundaries=[list(_value_edges(precision))],
     )
 
 
 def one_step_values(ctx: Context) -> Any:
-    """MET-001's drawn check: values across float32's range, each under a name of its own."""
+    """MET-001's drawn check: values across the declared precision's range, each under a name
+    of its own."""
+    precision = _precision(ctx)
 
     def one(values: list[float]) -> None:
         entries = [(f"value_{i}", v, 7) for i, v in enumerate(values)]
-        _expect(_log_and_read(ctx, entries), entries, "read back")
+        _expect(_log_and_read(ctx, entries), entries, "read back", precision)
 
     return one
 
 
-def _twice_at_one_step(got: Scalars, entries: list[tuple[str, float, int]]) -> None:
+def _as_stored(value: float, precision: str) -> str:
+    """How a float32 store keeps ``value``, where that differs from it (for messages)."""
+    if precision != "float32" or math.isnan(value) or _f32(value) == value:
+        return ""
+    return f" (float32: {_f32(value)!r}, the declared precision)"
+
+
+def _twice_at_one_step(got: Scalars, entries: list[tuple[str, float, int]], precision: str) -> None:
     for name, step in (("loss", 0), ("reward", 1)):
         logged = [v for n, v, s in entries if n == name and s == step]
         vals = got.get(name, [])
-        if not all(any(s == step and _close(v, w) for s, v in vals) for w in logged):
+        if not all(any(s == step and _close(v, w, precision) for s, v in vals) for w in logged):
             raise _fail(
                 f"read back: {name!r} logged at step {step} twice, as {logged[0]!r} then "
                 f"{logged[1]!r}; expected both read back, found {vals}"
@@ -148,10 +191,42 @@ _POOL = ("loss", "reward", "kl_2", "lr")  # plain names: slashes are MET-002's
 # MET-007's names each in a group of its own, as in its fixed check: TorchRL's WandbLogger
 # keeps one step counter per name prefix.
 _NO_STEP_POOL = ("nostep_a/x", "nostep_b/x", "nostep_c/x", "nostep_d/x")
-# Values across float32's range (MET-001 allows float32 rounding): zero of both signs, the
-# extremes, values below float32's smallest normal, and long mantissas.
-_VALUE_EDGES = (0.0, -0.0, 1.0, -1.0, 3.0e38, -3.0e38, 1e-40, -1e-45, 1 / 3, 2.0**24 + 1)
-_STEP_EDGES = (0, 1, 2**31 - 1, 2**31, 10**12)
+# Values across the declared precision's whole finite range (MET-001): zero of both signs,
+# the largest finite values, the smallest normals, subnormals (float32's and float64's: a
+# float32 store keeps float32's, and legitimately turns a value below half float32's smallest
+# subnormal into 0), and mantissas longer than float32's.
+_VALUE_EDGES = (
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    _F32_MAX,
+    -_F32_MAX,
+    1.1754943508222875e-38,  # float32's smallest normal
+    1.1754942106924411e-38,  # float32's largest subnormal
+    1e-40,
+    1.401298464324817e-45,  # float32's smallest subnormal
+    -1e-45,
+    1e-46,  # below half float32's smallest subnormal
+    sys.float_info.min,  # float64's smallest normal
+    1e-310,
+    -5e-324,  # float64's smallest subnormal
+    1 / 3,
+    0.1,
+    2.0**24 + 1,
+)
+_F64_EDGES = (sys.float_info.max, -sys.float_info.max, 2.0**53 - 1, 1e300)
+
+_STEP_MAX = 2**63 - 1
+"""The largest step the suite logs: int64, the step type of TensorBoard's ``Event.step``, of
+MLflow's and W&B's steps."""
+
+# Integer-width boundaries: int32, uint32, float64's exact integers, int64.
+_STEP_EDGES = (0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53, 2**53 + 1, _STEP_MAX)
+
+
+def _value_edges(precision: str) -> tuple[float, ...]:
+    return _VALUE_EDGES + (_F64_EDGES if precision == "float64" else ())
 
 
 def _catalogue_names() -> Any:
@@ -165,19 +240,23 @@ def _catalogue_names() -> Any:
     return st.lists(segment, min_size=1, max_size=6).map("/".join)
 
 
-def _values() -> Any:
+def _values(precision: str) -> Any:
+    """Any finite value the declared precision holds (float32's range by default)."""
     from hypothesis import strategies as st
 
+    top = _F32_MAX if precision == "float32" else sys.float_info.max
     return st.one_of(
-        st.sampled_from(_VALUE_EDGES),
-        st.floats(-3.0e38, 3.0e38, allow_nan=False, allow_infinity=False),
+        st.sampled_from(_value_edges(precision)),
+        st.floats(-top, top, allow_nan=False, allow_infinity=False),
     )
 
 
-def _steps() -> Any:
+def _steps(top: int = _STEP_MAX) -> Any:
+    """Steps 0 to ``top``: small ones, the integer-width boundaries, and any in between."""
     from hypothesis import strategies as st
 
-    return st.one_of(st.integers(0, 12), st.sampled_from(_STEP_EDGES), st.integers(0, 2**40))
+    edges = [s for s in _STEP_EDGES if s <= top] + [top]
+    return st.one_of(st.integers(0, 12), st.sampled_from(edges), st.integers(0, top))
 
 
 class _SinkSpec:
@@ -194,6 +273,7 @@ class _SinkSpec:
         self.stack = contextlib.ExitStack()
         self.dir = self.stack.enter_context(ctx.tmpdir())
         self.sink = ctx.make(self.dir)
+        self.precision = _precision(ctx)
         self.points: list[tuple[str, float, int]] = []
         self.steps = NextStep()
         self.calls: list[str] = []
@@ -261,7 +341,7 @@ class _SinkSpec:
             missing = []
             for step, value in logged:  # each read-back point pairs with one logged point
                 left = by_step.get(step, [])
-                i = next((i for i, v in enumerate(left) if _close(v, value)), None)
+                i = next((i for i, v in enumerate(left) if _close(v, value, self.precision)), None)
                 if i is None:
                     missing.append((step, value))
                 else:
@@ -295,6 +375,10 @@ def _sink_machine(ctx: Context, focus: str) -> type[Any]:
     from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
     no_step = focus == "MET-007"
+    precision = _precision(ctx)
+    # Without a step a name's next one is one past its highest: drawn steps leave room for
+    # the sequence's steps left out, all within int64.
+    top = 2**62 if no_step else _STEP_MAX
 
     class SinkMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -303,8 +387,8 @@ def _sink_machine(ctx: Context, focus: str) -> type[Any]:
 
         @rule(
             name=st.sampled_from(_NO_STEP_POOL if no_step else _POOL),
-            value=_values(),
-            step=st.one_of(st.none(), _steps()) if no_step else _steps(),
+            value=_values(precision),
+            step=st.one_of(st.none(), _steps(top)) if no_step else _steps(top),
         )
         def log(self, name: str, value: float, step: int | None) -> None:
             self._do(self.spec.log, name, value, step)
@@ -312,7 +396,7 @@ def _sink_machine(ctx: Context, focus: str) -> type[Any]:
         # Once per sequence (a backend that writes each point in its own transaction takes
         # seconds for one), and named after "log" so that shrinking prefers single points.
         @precondition(lambda self: focus == "MET-003" and not self.spec.bursts)
-        @rule(name=st.sampled_from(_POOL), n=st.sampled_from((257, 600)), first=_steps())
+        @rule(name=st.sampled_from(_POOL), n=st.sampled_from((257, 600)), first=_steps(top - 600))
         def volume(self, name: str, n: int, first: int) -> None:
             self._do(self.spec.burst, name, n, first)
 
@@ -365,13 +449,14 @@ def catalogue_names(ctx: Context) -> None:
         "step",
         *LONG_NAMES,
     ]
+    precision = _precision(ctx)
     entries = [(n, float(i) + 0.5, 7) for i, n in enumerate(names)]
-    _expect(_log_and_read(ctx, entries), entries, "catalogue names")
+    _expect(_log_and_read(ctx, entries), entries, "catalogue names", precision)
     from hypothesis import strategies as st
 
     def one(drawn: list[str]) -> None:
         entries = [(n, float(i) + 0.25, 3) for i, n in enumerate(drawn)]
-        _expect(_log_and_read(ctx, entries), entries, f"catalogue names {_names(drawn)}")
+        _expect(_log_and_read(ctx, entries), entries, f"catalogue names {_names(drawn)}", precision)
 
     explore.for_all(
         ctx, st.lists(_catalogue_names(), min_size=1, max_size=12, unique=True), one, examples=1
@@ -381,18 +466,49 @@ def catalogue_names(ctx: Context) -> None:
 # Steps 5 and 3 come after 10: W&B's own step= drops a step lower than the run's last one.
 _STEPS = [(0, 0.5), (1, 0.25), (2, 0.75), (10, 1.0), (5, 1.5), (3, 2.5)]
 
+# Every integer-width boundary, on one name beside the steps above, in an order where a step
+# cut to 32 bits (2**32 -> 0, 2**31 -> -2**31) or held in a float64 (2**53 + 1 -> 2**53) meets
+# a step already logged.
+_WIDE_STEPS = [(s, 0.5 + i) for i, s in enumerate(
+    (2**31, 0, 2**32, 2**31 - 1, _STEP_MAX, 2**53 + 1, 2**53, 2**32 - 1, 1)
+)]  # fmt: skip
+
 _BURST = 1100
 """Points of one name MET-003 logs in a row: past batches of 256, 512 and 1000."""
 
 
+def _unpaired(
+    logged: list[tuple[int, float]], found: list[tuple[int, float]], precision: str
+) -> list[tuple[int, float]]:
+    """The logged (step, value) points left once each is paired with a read-back point of its
+    own: two logged points never match one read-back point."""
+    return _unmatched(logged, found, lambda w, f: f[0] == w[0] and _close(f[1], w[1], precision))
+
+
 @requirement("MET-003")
 def steps_kept_apart(ctx: Context) -> None:
-    name = "rollout/reward/mean"
-    entries = [(name, v, s) for s, v in _STEPS]
+    precision = _precision(ctx)
+    name, wide = "rollout/reward/mean", "rollout/wide_steps"
+    entries = [(name, v, s) for s, v in _STEPS] + [(wide, v, s) for s, v in _WIDE_STEPS]
     got = _log_and_read(ctx, entries)
+    found = got.get(wide, [])
+    missing = _unpaired(_WIDE_STEPS, found, precision)
+    if missing or len(found) != len(_WIDE_STEPS):
+        step, value = missing[0] if missing else (None, None)
+        gone = (
+            f"{value!r} at step {step} not read back"
+            if missing
+            else f"{len(found)} points read back for {len(_WIDE_STEPS)} logged"
+        )
+        raise _fail(
+            "values logged for one name at different steps must all be kept, each with its "
+            f"step: {wide!r} logged at steps {[s for s, _v in _WIDE_STEPS]} (integer-width "
+            f"boundaries up to 2**63 - 1) in that order, {gone}; found {len(found)} points: "
+            f"{sorted(found)}"
+        )
     vals = got.get(name, [])
     for i, (step, value) in enumerate(_STEPS):
-        if not any(s == step and _close(v, value) for s, v in vals):
+        if not any(s == step and _close(v, value, precision) for s, v in vals):
             before = [s for s, _v in _STEPS[:i]]
             order = " (lower than one logged before it)" if before and step < max(before) else ""
             raise _fail(
@@ -418,10 +534,10 @@ def steps_kept_apart(ctx: Context) -> None:
 def non_finite_kept(ctx: Context) -> None:
     entries = [
         ("policy/kl_ref/k3", math.nan, 0),
-        ("policy/kl_ref/k3", math.inf, 1),
-        ("policy/kl_ref/k3", -math.inf, 2),
+        ("policy/kl_ref/k3", math.inf, 2**31),
+        ("policy/kl_ref/k3", -math.inf, 2**53 + 1),
     ]
-    _expect(_log_and_read(ctx, entries), entries, "non-finite values")
+    _expect(_log_and_read(ctx, entries), entries, "non-finite values", _precision(ctx))
 
 
 # Several names, the first one again last: a sink with a file (or buffer) per name whose
@@ -431,6 +547,8 @@ _FLUSHED = [
     ("loss/total", 1.25, 1),
     ("optim/lr", 3e-4, 1),
     ("rollout/reward/mean", 0.75, 2),
+    ("optim/lr", 2.5e-4, 2**31),
+    ("loss/total", 1.5, _STEP_MAX),
 ]
 
 
@@ -442,9 +560,12 @@ def flush_makes_readable(ctx: Context) -> None:
             _log(sink, name, value, step)
         sink.flush()
         got = _read(ctx, d)
-        _expect(got, _FLUSHED, "after flush(), before close")
+        _expect(got, _FLUSHED, "after flush(), before close", _precision(ctx))
         _finish(sink)
     explore.run_machine(ctx, _sink_machine(ctx, "MET-005"), examples=1, steps=10)
+
+
+_SHARED_BASE = 2**32  # the shared name's steps start past 32 bits
 
 
 def _child(factory: Any, directory: str, k: int) -> None:
@@ -452,7 +573,7 @@ def _child(factory: Any, directory: str, k: int) -> None:
     for step in range(3):
         sink.log_scalar(f"worker/w{k}", float(step + 10 * k), step=step)
         sink.log_scalar(
-            "worker/all", float(step + 10 * k), step=step + 10 * k
+            "worker/all", float(step + 10 * k), step=_SHARED_BASE + step + 10 * k
         )  # one name, both writers
     _finish(sink)
 
@@ -476,8 +597,12 @@ def several_writers(ctx: Context) -> None:
                 raise _fail(f"a writer process exited with {code}")
         got = _read(ctx, d)
     entries = [(f"worker/w{k}", float(s + 10 * k), s) for k in range(2) for s in range(3)]
-    entries += [("worker/all", float(s + 10 * k), s + 10 * k) for k in range(2) for s in range(3)]
-    _expect(got, entries, "two processes logging into one run")
+    entries += [
+        ("worker/all", float(s + 10 * k), _SHARED_BASE + s + 10 * k)
+        for k in range(2)
+        for s in range(3)
+    ]
+    _expect(got, entries, "two processes logging into one run", _precision(ctx))
 
 
 # Each name in its own group: TorchRL's WandbLogger keeps one step column per name prefix.
@@ -495,6 +620,15 @@ _NO_STEP: list[tuple[str, float, int | None, int]] = [
     ("nostep_d/x", 5.5, 5, 5),
     ("nostep_d/x", 6.5, 2, 2),
     ("nostep_d/x", 7.5, None, 6),
+    # Past integer widths: a counter of 32 bits wraps, one held in a float64 stays at 2**53.
+    ("nostep_e/x", 8.5, 2**31 - 1, 2**31 - 1),
+    ("nostep_e/x", 9.5, None, 2**31),
+    ("nostep_f/x", 10.5, 2**32 - 1, 2**32 - 1),
+    ("nostep_f/x", 11.5, None, 2**32),
+    ("nostep_g/x", 12.5, 2**53, 2**53),
+    ("nostep_g/x", 13.5, None, 2**53 + 1),
+    ("nostep_h/x", 14.5, _STEP_MAX - 1, _STEP_MAX - 1),
+    ("nostep_h/x", 15.5, None, _STEP_MAX),
 ]
 
 
@@ -516,9 +650,10 @@ def no_step_is_the_next_step(ctx: Context) -> None:
                 ) from None
         _finish(sink)
         got = _read(ctx, d)
+    precision = _precision(ctx)
     for name, value, step, want in _NO_STEP:
         vals = got.get(name, [])
-        if not any(s == want and _close(v, value) for s, v in vals):
+        if not any(s == want and _close(v, value, precision) for s, v in vals):
             given = "without a step" if step is None else f"at step {step}"
             raise _fail(
                 f"{name!r}: {value} logged {given} after steps "
@@ -550,6 +685,10 @@ _HISTOGRAMS: list[tuple[str, list[float], int]] = [
     ("rollout/reward", [-1.0, 0.5, 2.0], 3),
     # Passed as a [3, 4] tensor (per-token values of 3 sequences): 12 values, not 3.
     ("rollout/token_log_prob", [-0.5 - 0.25 * i for i in range(12)], 6),
+    # float32's range at integer-width steps: subnormals (a bucket range of 2e-40), and its
+    # largest values of both signs (a range wider than float32's largest value).
+    ("rollout/kl", [1e-40, 3e-40, -1e-45], 2**31),
+    ("rollout/kl", [_F32_MAX, -_F32_MAX, 0.0], _STEP_MAX),
 ]
 _AS_MATRIX = {"rollout/token_log_prob": (3, 4)}  # names whose values go as a 2-D tensor
 
@@ -577,6 +716,7 @@ def _unmatched(wanted: list[Any], found: list[Any], same: Any) -> list[Any]:
 @requirement("MET-008")
 def distributions(ctx: Context) -> None:
     reader = _extra_reader(ctx, "histogram_reader", "histogram")
+    precision = _precision(ctx)
     with ctx.tmpdir() as d:
         sink = ctx.make(d)
         for name, values, step in _HISTOGRAMS:
@@ -616,7 +756,9 @@ def distributions(ctx: Context) -> None:
         missing = _unmatched(
             wanted,
             summary,
-            lambda w, f: f[0] == w[0] and _close(f[1], w[1]) and _close(f[2], w[2]),
+            lambda w, f: (
+                f[0] == w[0] and _close(f[1], w[1], precision) and _close(f[2], w[2], precision)
+            ),
         )
         if missing or len(found) != len(logged):
             calls = "one call" if len(logged) == 1 else f"{len(logged)} calls"
@@ -649,11 +791,17 @@ _TABLES: list[tuple[str, list[tuple[str, str, float]], int]] = [
     ("samples", [("second step", "kept too", 0.0)], 1),
     ("samples", [("second call", "same step", -2.0), ("", "also kept", 0.5)], 1),
     ("samples/eval", [("other table", "same step", 3.5)], 3),
+    # Rewards across float32's range, at a step past float64's exact integers.
+    (
+        "samples/eval",
+        [("wide", "rewards", 1 / 3), ("", "", 1e-40), ("", "", -_F32_MAX), ("", "", 1e-310)],
+        2**53 + 1,
+    ),
 ]
 
 
-def _same_row(a: tuple[str, str, float], b: tuple[str, str, float]) -> bool:
-    return a[0] == b[0] and a[1] == b[1] and _close(float(a[2]), float(b[2]))
+def _same_row(a: tuple[str, str, float], b: tuple[str, str, float], precision: str) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and _close(float(b[2]), float(a[2]), precision)
 
 
 def _row_shown(row: Any) -> str:
@@ -674,6 +822,7 @@ def _text_diff(want: tuple[str, str, float], found: tuple[str, str, float]) -> s
 @requirement("MET-009")
 def completion_samples(ctx: Context) -> None:
     reader = _extra_reader(ctx, "samples_reader", "samples")
+    precision = _precision(ctx)
     with ctx.tmpdir() as d:
         sink = ctx.make(d)
         for name, rows, step in _TABLES:
@@ -703,7 +852,10 @@ def completion_samples(ctx: Context) -> None:
             missing = _unmatched(
                 logged,
                 tables,
-                lambda w, f: len(w) == len(f) and all(map(_same_row, w, f)),
+                lambda w, f: (
+                    len(w) == len(f)
+                    and all(_same_row(a, b, precision) for a, b in zip(w, f, strict=True))
+                ),
             )
             if missing:
                 raise _fail(
@@ -718,7 +870,7 @@ def completion_samples(ctx: Context) -> None:
                 f"log_samples({name!r}, step={step}) with {len(rows)} rows reads back {len(table)}"
             )
         for i, (want, found) in enumerate(zip(rows, table, strict=True)):
-            if not _same_row(want, found):
+            if not _same_row(want, found, precision):
                 raise _fail(
                     f"log_samples({name!r}, step={step}): row {i} logged as {_row_shown(want)}, "
                     f"read back {_row_shown(found)}{_text_diff(want, found)}"
