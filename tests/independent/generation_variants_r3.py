@@ -11,7 +11,7 @@ Measured (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; filled in below after th
 | variant | breaks | outcome | base on that id |
 |---|---|---|---|
 | cancel_shift | GEN-002 | caught (FAIL) | PASS |
-| lost_update | GEN-005 | missed (PASS) | PASS |
+| lost_update | GEN-005 | caught (FAIL) | PASS |
 | exclusive_eos | GEN-001 | caught (FAIL) | PASS |
 | prompt_keyed | GEN-002 | caught (FAIL) | PASS |
 
@@ -19,16 +19,18 @@ Messages:
 
 - cancel_shift: GEN-002: after a caller cancelled its request submitted, prompt [30, 31, 32]: no
   response within 10 s (see specs/generation-v1.md#GEN-002)
-- lost_update: (no message)
+- lost_update: GEN-005: policy_version went from 0 to 1 after 2 updates from as many threads at
+  once (weights [1, 2]): it must rise with every update, to at least 2 (see
+  specs/generation-v1.md#GEN-005)
 - exclusive_eos: GEN-001: a policy that emits EOS first got response [], expected only EOS (see
   specs/generation-v1.md#GEN-001)
-- prompt_keyed: GEN-002: prompt [5, 6, 7]: no response within 60 s (see
-  specs/generation-v1.md#GEN-002)
+- prompt_keyed: GEN-002: prompt [5, 6, 7]: no response 10.0 s after the other 9 requests sent
+  with it were answered (in 0.0 s) (see specs/generation-v1.md#GEN-002)
 
-Missed, and what the domain does not try:
+Missed, and what the domain does not try: none since generation 1.5. Under 1.4 the kit missed
+lost_update: GEN-005 made its updates from one thread, one after another, so no two updates
+overlapped; 1.5 adds updates from several threads at once.
 
-- lost_update: GEN-005 makes its updates from one thread, one after another; no two updates
-  overlap.
 - (Withdrawn before measuring: a fifth candidate running left-padded rows with positions
   0..width-1. With the suite's rotary-position Llama a constant shift of a row's positions
   changes nothing, so it is no bug there; its demo showed no difference.)
@@ -323,11 +325,7 @@ BASES: dict[str, Implementation] = dict.fromkeys(VARIANTS, _impl(DrainBatchingSe
 
 # What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
 # an entry goes once the kit fails the variant on the requirement it breaks.
-KIT_DEFECTS: dict[str, str] = {
-    "lost_update": (
-        "GEN-005 makes its updates one after another from one thread; no two updates overlap"
-    ),
-}
+KIT_DEFECTS: dict[str, str] = {}
 
 # Variants the kit fails under another requirement (a foundation that blocks theirs).
 OTHER_ID: dict[str, str] = {}

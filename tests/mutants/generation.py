@@ -441,6 +441,16 @@ class NoneMeansNoWait(ThreadGenerationServer):
         super().shutdown(timeout or 0.0)
 
 
+class CountsFromAStaleRead(ThreadGenerationServer):
+    """Reads the version before waiting for the weights lock and stores that plus one once its
+    weights are loaded: updates from several threads at once count once."""
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        seen = self._version
+        super().update_policy_weights_(weights)
+        self._version = seen + 1
+
+
 def _impl(req: str, factory: Any, **kw: Any) -> Implementation:
     kw.setdefault("options", {"on_shutdown": "fail"})
     return Implementation("generation", factory, name=f"mutant-{req}-{factory.__name__}", **kw)
@@ -483,6 +493,7 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("GEN-001", _impl("GEN-001", SqueezesPrompt)),
     ("GEN-002", _impl("GEN-002", DiesOnCancelled)),
     ("GEN-008", _impl("GEN-008", NoneMeansNoWait, options={"on_shutdown": "drain"})),
+    ("GEN-005", _impl("GEN-005", CountsFromAStaleRead)),
 ]
 """Named bugs beside the main mutants: a bad request that kills the server, a hang on shutdown,
 a server declaring on_shutdown='fail' that drains,
@@ -493,6 +504,7 @@ no-argument update never re-reads), a client from before shutdown that still que
 keyed on the prompt's storage, pad ids dropped from prompts, integer prompts of another dtype
 cast and served, an update with unchanged weights that keeps the version, a decode one token
 short of max_new_tokens, a one-token prompt squeezed to a bare int, a worker that dies on a
-future its caller cancelled, and shutdown(None) read as shutdown(0) on a draining server."""
+future its caller cancelled, shutdown(None) read as shutdown(0) on a draining server, and a
+version counted from a read taken before the weights lock (overlapping updates count once)."""
 
 _ = RESPONSE_LOG_PROBS_KEY

@@ -28,7 +28,11 @@ from posttrain.conformance._spawn import Spawned
 from posttrain.conformance.context import Context, NotApplicable
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
-from posttrain.conformance.suites.generation_model import machine
+from posttrain.conformance.suites.generation_model import (
+    concurrent_rounds,
+    machine,
+    weights_pool,
+)
 from posttrain.conformance.suites.generation_serving import (
     CANCEL_WAIT,
     EDGE_PROMPTS,
@@ -54,8 +58,10 @@ from posttrain.conformance.suites.generation_serving import (
     _prompts,
     _request,
     _result,
+    _results,
     _server,
     _stop,
+    _Together,
 )
 from posttrain.contracts.generation import PROMPT_KEY, RESPONSE_KEY, RESPONSE_LOG_PROBS_KEY
 from posttrain.testing import forced_token_weights, tiny_causal_lm
@@ -98,10 +104,12 @@ def _budgets(ctx: Context) -> None:
     for max_new in BUDGETS:
         with _server(ctx, max_new=max_new) as (policy, server, _hold):
             eos = policy.config.eos_token_id
-            burst = [(p, server.client().submit(_request(p))) for p in prompts]  # one batch
-            for p, future in burst:
-                what = f"prompt {p} on a server built with max_new_tokens={max_new}"
-                out = _result(future, what)
+            whats = [f"prompt {p} on a server built with max_new_tokens={max_new}" for p in prompts]
+            burst = [
+                (w, server.client().submit(_request(p)))
+                for w, p in zip(whats, prompts, strict=True)
+            ]
+            for what, out in zip(whats, _results(burst), strict=True):  # one batch
                 _check_layout(out, what, max_new)
                 toks = out.get(RESPONSE_KEY).tolist()
                 if eos in toks[:-1]:
@@ -115,13 +123,14 @@ def own_response(ctx: Context) -> None:
         answered: set[tuple[int, ...]] = set()
         errors: list[str] = []
         barrier = threading.Barrier(len(PROMPTS))
+        together = _Together()  # a caller still waiting long after the others is lost
 
         def caller(prompt: list[int]) -> None:
             client = server.client()
             try:
                 barrier.wait(timeout=WAIT)
                 for _ in range(3):
-                    out = _result(client.submit(_request(prompt)), f"prompt {prompt}")
+                    out = together.result(client.submit(_request(prompt)), f"prompt {prompt}")
                     answered.add(tuple(prompt))
                     # Tokens and log-probs: two prompts may share a greedy answer, not its scores.
                     wrong = _mismatch(out, alone[tuple(prompt)])
@@ -148,9 +157,11 @@ def own_response(ctx: Context) -> None:
             for i, prompts in enumerate(per_client):
                 client = server.client()
                 sent += [(i, p, client.submit(_request(p))) for p in prompts]
-        _result(blocker, f"prompt {PROMPTS[0]}")
-        for i, p, f in sent:
-            wrong = _mismatch(_result(f, f"prompt {p}"), alone[tuple(p)])
+        outs = _results(
+            [(f"prompt {PROMPTS[0]}", blocker), *((f"prompt {p}", f) for _i, p, f in sent)]
+        )
+        for (i, p, _f), out in zip(sent, outs[1:], strict=True):
+            wrong = _mismatch(out, alone[tuple(p)])
             if wrong:
                 raise _fail(
                     f"client {i} with {len(per_client[i])} requests in flight "
@@ -171,9 +182,9 @@ def _own_response_domain(ctx: Context) -> None:
     def one(prompts: list[list[int]]) -> None:
         server = ctx.make(tiny_causal_lm(vocab_size=V, seed=ctx.seed), max_new_tokens=MAX_NEW)
         try:
-            burst = [(p, server.client().submit(_request(p))) for p in prompts]
-            for p, f in burst:
-                wrong = _mismatch(_result(f, f"prompt {p}"), answers(p))
+            burst = [(f"prompt {p}", server.client().submit(_request(p))) for p in prompts]
+            for p, out in zip(prompts, _results(burst), strict=True):
+                wrong = _mismatch(out, answers(p))
                 if wrong:
                     raise _fail(f"prompts {prompts} submitted together: prompt {p} got {wrong}")
             client = server.client()
@@ -262,11 +273,11 @@ def batching_does_not_change_results(ctx: Context) -> None:
         client = server.client()
         alone = {tuple(p): _result(client.submit(_request(p)), f"{p} alone") for p in PROMPTS}
     with _server(ctx) as (_policy, server, _hold):
-        burst = [(p, server.client().submit(_request(p))) for p in PROMPTS * 4]  # batched
-        for p, f in burst:
+        burst = [(f"{p} in a burst", server.client().submit(_request(p))) for p in PROMPTS * 4]
+        for p, out in zip(PROMPTS * 4, _results(burst), strict=True):  # batched
             want = alone[tuple(p)]
             wrong = _mismatch(
-                _result(f, f"{p} in a burst"),
+                out,
                 (want.get(RESPONSE_KEY).tolist(), want.get(RESPONSE_LOG_PROBS_KEY).float()),
             )
             if wrong:
@@ -285,8 +296,10 @@ def batching_does_not_change_results(ctx: Context) -> None:
     with _server(ctx, eos_policy()) as (_policy, server, hold):
         with hold.batch(server, LONG_PROMPTS[0]) as (blocker, _held):
             rows = [(p, server.client().submit(_request(p))) for p in [EOS_PROMPT, *LONG_PROMPTS]]
-        _result(blocker, f"prompt {LONG_PROMPTS[0]}")
-        outs = {tuple(p): _result(f, f"{p} in a batch") for p, f in rows}
+        got = _results(
+            [(f"prompt {LONG_PROMPTS[0]}", blocker), *((f"{p} in a batch", f) for p, f in rows)]
+        )
+        outs = {tuple(p): out for (p, _f), out in zip(rows, got[1:], strict=True)}
     alone_toks = alone_eos.get(RESPONSE_KEY).tolist()
     wrong = _mismatch(
         outs[tuple(EOS_PROMPT)], (alone_toks, alone_eos.get(RESPONSE_LOG_PROBS_KEY).float())
@@ -414,13 +427,16 @@ def version_stamped(ctx: Context) -> None:
                 "weights it already served"
             )
 
-    explore.run_machine(ctx, machine(ctx), examples=4, steps=10)
+    pool, twins = weights_pool(ctx)
+    concurrent_rounds(ctx, pool, twins)  # updates from several threads at once
+    explore.run_machine(ctx, machine(ctx, pool, twins), examples=4, steps=10)
 
 
 def _served_by(sent: list[tuple[list[int], Any]], want: dict[Any, Any], when: str) -> None:
     bad = []
-    for p, f in sent:
-        wrong = _mismatch(_result(f, f"prompt {p} {when}"), want[tuple(p)])
+    outs = _results([(f"prompt {p} {when}", f) for p, f in sent])
+    for (p, _f), out in zip(sent, outs, strict=True):
+        wrong = _mismatch(out, want[tuple(p)])
         if wrong:
             bad.append(f"{p}: {wrong}")
     if bad:
@@ -437,13 +453,11 @@ def new_weights_used(ctx: Context) -> None:
     newer = tiny_causal_lm(vocab_size=V, seed=ctx.seed + 2)
     with _server(ctx) as (policy, server, _hold):
         # Every prompt served once first: a cache kept from the old weights would answer these.
-        for f in [server.client().submit(_request(p)) for p in PROMPTS]:
-            _result(f, "before the update")
+        _results([("before the update", server.client().submit(_request(p))) for p in PROMPTS])
         early = [server.client().submit(_request(p)) for p in PROMPTS]  # in flight meanwhile
         server.update_policy_weights_(new.state_dict())
         late = [(p, server.client().submit(_request(p))) for p in PROMPTS]
-        for f in early:
-            _result(f, "in flight during the update")
+        _results([("in flight during the update", f) for f in early])
         _served_by(
             late,
             {tuple(p): _alone(new, p) for p in PROMPTS},
@@ -696,8 +710,7 @@ def closed_server_refuses(ctx: Context) -> None:
 @requirement("GEN-010")
 def statistics(ctx: Context) -> None:
     with _server(ctx) as (_policy, server, _hold):
-        for f in [server.client().submit(_request(p)) for p in PROMPTS]:
-            _result(f, "serving")
+        _results([("serving", server.client().submit(_request(p))) for p in PROMPTS])
         stats = dict(server.stats())
         if not isinstance(stats.get("batch_size"), int | float) or stats["batch_size"] < 1:
             raise _fail(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FuturesTimeout  # not the builtin before 3.11
 from contextlib import contextmanager
@@ -200,6 +200,105 @@ def _result(future: Any, what: str, wait: float = WAIT) -> TensorDictBase:
             "expected its response"
         ) from e
     return out
+
+
+# A request still pending this many times as long after its batch-mates were answered as
+# they took is lost, not slow (never less than CANCEL_WAIT): a correct server under load
+# answers requests submitted together within a small multiple of one another.
+STRAGGLER_FACTOR = 20.0
+PENDING = object()  # what _Together.poll returns for a request not answered yet
+
+
+class _Together:
+    """The answers of requests submitted together, and how long to wait for the last ones.
+
+    Until one of them is answered each may take ``WAIT``; after that a request still pending
+    ``max(floor, STRAGGLER_FACTOR x`` the time the answered ones took``)`` (``floor``:
+    ``CANCEL_WAIT``, never more than ``wait``) after the last answer is lost: the check fails
+    then instead of waiting out ``WAIT``. Safe to share between caller threads.
+
+    Example:
+        >>> from concurrent.futures import Future
+        >>> answered, lost = Future(), Future()
+        >>> answered.set_result("out")
+        >>> _Together(floor=0.1).results([("prompt [5]", answered), ("prompt [6]", lost)])
+        Traceback (most recent call last):
+        ...
+        posttrain.conformance.context.ConformanceError: prompt [6]: no response ... s after the other 1 requests sent with it were answered (in ... s)
+    """
+
+    def __init__(self, wait: float = WAIT, floor: float = CANCEL_WAIT) -> None:
+        self.wait, self.floor = wait, floor
+        self.start = time.perf_counter()
+        self.answered = 0
+        self.last: float | None = None
+        self._lock = threading.Lock()
+
+    def _deadline(self) -> tuple[float, str | None]:
+        with self._lock:
+            if self.last is None:
+                return self.start + self.wait, None
+            took = self.last - self.start
+            bound = min(self.wait, max(self.floor, STRAGGLER_FACTOR * took))
+            return self.last + bound, (
+                f"the other {self.answered} requests sent with it were answered (in {took:.1f} s)"
+            )
+
+    def _answered(self) -> None:
+        with self._lock:
+            self.answered += 1
+            self.last = time.perf_counter()
+
+    def poll(self, future: Any, what: str, wait: float = 0.0) -> Any:
+        """``future``'s response, or ``PENDING`` while it is pending (``wait`` at most)."""
+        try:
+            out = future.result(timeout=wait)
+        except (TimeoutError, FuturesTimeout):
+            if not _settled(future):
+                return PENDING
+            return _result(future, what, 0.0)  # failed with a TimeoutError of its own
+        except (Exception, CancelledError):
+            return _result(future, what, 0.0)
+        self._answered()
+        return out
+
+    def _late(self, what: str) -> None:
+        deadline, after = self._deadline()
+        now = time.perf_counter()
+        if now < deadline:
+            return
+        if after is None:
+            raise _fail(f"{what}: no response within {self.wait:.0f} s")
+        assert self.last is not None
+        raise _fail(f"{what}: no response {now - self.last:.1f} s after {after}")
+
+    def result(self, future: Any, what: str) -> TensorDictBase:
+        """``future``'s response (the check fails if it is lost, as the class says)."""
+        while True:
+            out = self.poll(future, what, 0.02)
+            if out is not PENDING:
+                return out
+            self._late(what)
+
+    def results(self, sent: Sequence[tuple[str, Any]]) -> list[TensorDictBase]:
+        """Every response of ``sent`` (``(what, future)`` pairs), in order, each read as it
+        comes, so the answer times are the server's, not the order asked in."""
+        got: dict[int, TensorDictBase] = {}
+        while len(got) < len(sent):
+            pending = [i for i in range(len(sent)) if i not in got]
+            for n, i in enumerate(pending):
+                what, future = sent[i]
+                out = self.poll(future, what, 0.02 if n == 0 else 0.0)
+                if out is not PENDING:
+                    got[i] = out
+            if len(got) < len(sent):
+                self._late(sent[min(i for i in range(len(sent)) if i not in got)][0])
+        return [got[i] for i in range(len(sent))]
+
+
+def _results(sent: Sequence[tuple[str, Any]], wait: float = WAIT) -> list[TensorDictBase]:
+    """The responses to valid requests submitted together (see :class:`_Together`)."""
+    return _Together(wait).results(sent)
 
 
 def _settled(handle: Any) -> bool:
