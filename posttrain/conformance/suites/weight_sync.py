@@ -1100,7 +1100,7 @@ def latency_reported(ctx: Context) -> None:
                 spec.receive()
     if "cross_process" in ctx.capabilities and ctx.depth == 1:
         return  # a new receiving process per sequence: tried from depth 2
-    explore.run_machine(ctx, _latency_machine(ctx), examples=2, steps=8)
+    explore.run_machine(ctx, _latency_machine(ctx), examples=2, steps=6)
 
 
 @requirement("WS-008")
