@@ -396,7 +396,7 @@ class _FailsOnRow(RingBuffer):
 
     def extend(self, data: Any, /) -> torch.Tensor:
         row = self.row
-        if row is not None and bool((data[CHUNK_KEY] == row).all(1).any()):
+        if row is not None and bool((data[CHUNK_KEY].view(torch.uint8) == row).all(1).any()):
             raise RuntimeError("injected: the backing buffer refused the write")
         return super().extend(data)
 

@@ -1,5 +1,6 @@
 """The NeMo-RL replay buffer's storage path: one read per sample, the room check kept up to
-date through every change, the payload decoding, and the earlier checkpoint format refused."""
+date through every change, chunks as int64 words, the payload decoding, and the earlier
+checkpoint format refused."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from posttrain.adapters.nemo_rl.payload import (
     prepare_payload,
 )
 from posttrain.adapters.nemo_rl.replay_buffer import (
+    CHUNK_KEY,
     EARLIER_STATE_FILE,
     NemoAsyncReplayBuffer,
     NemoReplayBuffer,
@@ -248,3 +250,21 @@ def test_a_restored_group_is_checked_as_add_checks_one() -> None:
     rb = NemoAsyncReplayBuffer(4)
     rb.load_state_dict(state({"data": 1}))
     assert rb.size() == 2
+
+
+@pytest.mark.parametrize(("width", "dtype"), [(1024, torch.int64), (1001, torch.uint8)])
+def test_chunks_are_stored_as_int64_words_where_the_width_allows(
+    width: int, dtype: torch.dtype
+) -> None:
+    ring = RingBuffer(8)
+    rb = NemoAsyncReplayBuffer(4, buffer=ring, chunk_bytes=width)
+    group = {"batch": {"x": torch.arange(300)}, "t": 1.5}
+    assert rb.add(group, 0, 0) == "success"
+    items = ring.read(torch.tensor(rb._entries[0].indices))[CHUNK_KEY]
+    assert items.dtype == dtype
+    assert items.shape[0] == 3  # 2,400 bytes of tensor and a header
+    assert items[0].numel() * items.element_size() == width
+    out = rb.sample(1, 0, 0)
+    assert out is not None
+    assert torch.equal(out["trajectories"][0]["batch"]["x"], torch.arange(300))
+    assert out["trajectories"][0]["t"] == 1.5

@@ -15,7 +15,7 @@ same restore options (``num_prompts_per_step``, ``current_training_step``, ``max
 
 Storage: each pushed group is encoded without pickle by :func:`encode_payload` (a JSON tree
 plus raw tensor bytes, dtypes and shapes kept bit-exactly) and written to the backing buffer
-as fixed-width uint8 chunks, one item per chunk, so any ``ReplayBufferV1`` with ``read``
+as fixed-width chunks, one item per chunk, so any ``ReplayBufferV1`` with ``read``
 holds it: posttrain's ``RingBuffer``, a TorchRL buffer behind ``ValidatedReplayBuffer``, or
 either served from a Ray actor. ``sample`` hands back the group as it was pushed (``batch``
 as ``nemo_rl``'s ``BatchedDataDict`` where it imports, else posttrain's mirror).
@@ -97,7 +97,8 @@ class NemoAsyncReplayBuffer:
     ``RingBuffer`` of ``max_size * chunks_per_entry`` items, which allocates
     ``max_size * chunks_per_entry * chunk_bytes`` bytes (1 MiB per entry by default) at the
     first ``add``; a group may take more chunks than ``chunks_per_entry`` while the ring has
-    room. ``chunk_bytes`` is the width of one item. Thread safe (one lock, as NeMo-RL's), so it runs as a Ray actor unchanged:
+    room. ``chunk_bytes`` is the width of one item in bytes, stored as int64 words where 8
+    divides it (``chunk_dtype``), else as uint8. Thread safe (one lock, as NeMo-RL's), so it runs as a Ray actor unchanged:
     see :func:`nemo_replay_buffer_actor`.
 
     Example:
@@ -144,6 +145,10 @@ class NemoAsyncReplayBuffer:
         self.buffer = buffer
         self.capacity = _capacity_of(buffer)
         self.chunk_bytes = chunk_bytes
+        # A chunk is stored as int64 words where its width allows: TorchRL's indexed reads
+        # and writes of a [n, w] uint8 storage go one byte per element, about 4x slower (a read of
+        # 8 x 160 KiB: ~1 ms against ~0.25 ms).
+        self.chunk_dtype = torch.int64 if chunk_bytes % 8 == 0 else torch.uint8
         self._entries: list[_Entry] = []
         # Backing item -> the held entry whose chunk it is: what add's room check and the
         # walk of the write position read, kept up to date so that an add costs O(its chunks)
@@ -169,10 +174,15 @@ class NemoAsyncReplayBuffer:
         k = max(1, -(-payload.numel() // self.chunk_bytes))
         rows = torch.zeros(k * self.chunk_bytes, dtype=torch.uint8)
         rows[: payload.numel()] = payload
-        return TensorDict({CHUNK_KEY: rows.reshape(k, self.chunk_bytes)}, batch_size=[k])
+        return self._items(rows.reshape(k, self.chunk_bytes))
+
+    def _items(self, rows: torch.Tensor) -> TensorDict:
+        """uint8 [k, chunk_bytes] rows as the k items written (:attr:`chunk_dtype` words)."""
+        k = int(rows.shape[0])
+        return TensorDict({CHUNK_KEY: rows.view(self.chunk_dtype)}, batch_size=[k])
 
     def _rows(self, indices: list[int]) -> torch.Tensor:
-        """The backing items at ``indices``, in that order, as one [n, chunk_bytes] tensor."""
+        """The backing items at ``indices``, in that order, as one [n, width] tensor of words."""
         rows: torch.Tensor = self.buffer.read(torch.tensor(indices, dtype=torch.int64))[CHUNK_KEY]
         return rows
 
@@ -184,7 +194,7 @@ class NemoAsyncReplayBuffer:
         out, at = [], 0
         for e in entries:
             n = len(e.indices)
-            out.append(rows[at : at + n].reshape(-1)[: e.nbytes])
+            out.append(rows[at : at + n].reshape(-1).view(torch.uint8)[: e.nbytes])
             at += n
         return out
 
@@ -297,8 +307,7 @@ class NemoAsyncReplayBuffer:
                 return "full"
             if self.capacity is not None and len(self._owner) + k > self.capacity:
                 return "full"  # before the bytes are copied: a full buffer is asked often
-            rows = payload.rows(self.chunk_bytes)
-            indices = self._store(TensorDict({CHUNK_KEY: rows}, batch_size=[k]))
+            indices = self._store(self._items(payload.rows(self.chunk_bytes)))
             if indices is None:
                 return "full"
             entry = _Entry(indices, nbytes, version, target, task)
