@@ -76,3 +76,24 @@ def test_adapted_rows_conform_to_their_declared_clip(name: str, rid: str) -> Non
 
     got = {r.id: r for r in run_for(ROWS[name], rid).results}[rid]
     assert got.status is Status.PASS, got.message
+
+
+def test_a_micro_batch_without_loss_tokens_still_runs_trls_loss() -> None:
+    # GRPOTrainer._compute_loss all-reduces its metrics across ranks: a rank whose micro-batch
+    # holds no assistant token must take part, or the other ranks' collectives mismatch.
+    import torch
+
+    from posttrain.contracts.loss import GlobalCounts
+    from posttrain.testing import llm_batch, tiny_causal_lm
+
+    row = ROWS["trl-adapted-bnpo"]
+    loss = row.factory(tiny_causal_lm(vocab_size=64), **row.options)
+    td = llm_batch(2, 9, vocab_size=64)
+    td.set(
+        ("masks", "all_assistant_mask"), torch.zeros_like(td.get(("masks", "all_assistant_mask")))
+    )
+    metrics = loss.trainer._metrics["train"]
+    before = sum(len(v) for v in metrics.values())
+    out = loss(td, counts=GlobalCounts(tokens=5, sequences=2))
+    assert float(out["loss_objective"]) == 0.0
+    assert sum(len(v) for v in metrics.values()) > before

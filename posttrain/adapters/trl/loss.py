@@ -263,6 +263,10 @@ class TRLGRPOLoss(torch.nn.Module):
             else:  # a mean over every row of the micro-batch, rows without a token included
                 scale = td.batch_size[0] / max(c.sequences, 1)
             if own.tokens == 0:  # this part weighs nothing (TRL's means of nothing may be NaN)
+                # TRL's loss still runs: it all-reduces its metrics across ranks, and a rank
+                # that skipped those collectives would leave the others waiting on it.
+                with torch.no_grad():
+                    self.trainer._compute_loss(self.policy, inputs)
                 return TensorDict({"loss_objective": torch.zeros(())}, batch_size=[])
         loss = self.trainer._compute_loss(self.policy, inputs)
         return TensorDict({"loss_objective": (loss * scale).reshape(())}, batch_size=[])
