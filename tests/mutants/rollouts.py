@@ -9,9 +9,10 @@ from functools import partial
 from typing import Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import LazyStackedTensorDict, TensorDict
 
 from posttrain.contracts import LLM_LAYOUT_V1, Implementation
+from posttrain.contracts.alignment import token_log_probs
 from posttrain.reference_impls import HFRolloutSource
 
 __all__ = ["CORRECT", "EXTRA_MUTANTS", "MUTANTS", "SHIFTED_MASKS"]
@@ -311,6 +312,55 @@ class GroupsByTruncatedPrompt(_Regrouped):
         return tuple(prompt[:2])
 
 
+class NoneUpdateKeepsVersion(HFRolloutSource):
+    """Takes ``update_policy_weights_(None)`` for "nothing new": the policy changed in place is
+    used, but the version stays where it was."""
+
+    def update_policy_weights_(self, weights: Mapping[str, torch.Tensor] | None = None, /) -> None:
+        if weights is not None:
+            super().update_policy_weights_(weights)
+
+
+class ScoresWithTheFirstWeights(HFRolloutSource):
+    """Generates with the policy but computes ``sample_log_probs`` with a copy made at
+    construction, which no update reaches."""
+
+    def __init__(self, policy: Any, *args: Any, **kw: Any) -> None:
+        super().__init__(policy, *args, **kw)
+        self._scorer = copy.deepcopy(policy)
+
+    def _generate(self) -> TensorDict:
+        out = super()._generate()
+        tokens, asst = out.get(K("tokens")), out.get(K("assistant_mask"))
+        att = out.get(K("attention_mask")).long()
+        with torch.no_grad():
+            logits = self._scorer(input_ids=tokens, attention_mask=att).logits
+        lp = torch.where(asst, token_log_probs(logits, tokens), float("nan"))
+        out.set(K("sample_log_probs"), lp)
+        return out
+
+
+class RaggedMasksPadIdInPrompts(_Edit):
+    """Ragged items (each its real tokens), whose prompt mask is ``tokens != pad_id``: a prompt
+    token equal to the pad id is marked as padding."""
+
+    def edit(self, batch: TensorDict) -> TensorDict:
+        items = []
+        for i in range(batch.batch_size[0]):
+            n = int(batch.get(K("attention_mask"))[i].sum())
+            item = TensorDict(
+                {
+                    key: batch.get(key)[i][:n] if batch.get(key).ndim == 2 else batch.get(key)[i]
+                    for key in batch.keys(True, True)
+                },
+                batch_size=[],
+            )
+            prompt_pad = (item.get(K("tokens")) == self.pad) & ~item.get(K("assistant_mask"))
+            item.set(K("attention_mask"), item.get(K("attention_mask")) & ~prompt_pad)
+            items.append(item)
+        return LazyStackedTensorDict.lazy_stack(items, 0)
+
+
 def _impl(req: str, cls: type[HFRolloutSource], **kw: Any) -> Implementation:
     kw.setdefault("capabilities", {"log_probs", "groups"})
     return Implementation(
@@ -349,6 +399,9 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("ROLL-007", _impl("ROLL-007", SpentSourceStopsSilently)),
     ("ROLL-009", _impl("ROLL-009", GroupsByDecodedText)),
     ("ROLL-009", _impl("ROLL-009", GroupsByTruncatedPrompt)),
+    ("ROLL-004", _impl("ROLL-004", NoneUpdateKeepsVersion)),
+    ("ROLL-008", _impl("ROLL-008", ScoresWithTheFirstWeights)),
+    ("ROLL-010", _impl("ROLL-010", RaggedMasksPadIdInPrompts, capabilities={"ragged"})),
 ]
 """Further bugs one requirement must catch beyond its main mutant: (requirement id, mutant)."""
 

@@ -10,6 +10,7 @@ tokenizers), and the tokens generated name the weights that generated them.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -557,6 +558,46 @@ def version_rises(ctx: Context) -> None:
             )
     finally:
         src.shutdown()
+    _updates_in_a_row(ctx)
+
+
+def _updates_in_a_row(ctx: Context) -> None:
+    """ROLL-004 over more of a source's life: an update before the first iteration, then two
+    in a row (the second with None): each raises the version, and the next batch's stamps."""
+    policy, src = _source(ctx, total=None)
+    calls: list[str] = []
+    try:
+        stamps = {int(src.policy_version)}
+        it: Iterator[TensorDictBase] | None = None
+        for step in ("state_dict", "iter", "None", "state_dict", "batch"):
+            if step == "iter":
+                it = iter(src)
+                calls.append("it = iter(src)")
+                batch = _versions(_first(it, f"batch after {calls}"))
+            elif step == "batch":
+                assert it is not None
+                batch = _versions(_first(it, f"batch after {calls}"))
+            else:
+                v = int(src.policy_version)
+                arg = "None" if step == "None" else "policy.state_dict()"
+                call = f"src.update_policy_weights_({arg})"
+                src.update_policy_weights_(None if step == "None" else policy.state_dict())
+                calls.append(call)
+                if not int(src.policy_version) > v:
+                    raise _fail(
+                        f"policy_version went from {v} to {src.policy_version} across {call} "
+                        f"(calls: {calls})"
+                    )
+                continue
+            calls.append("next(it)")
+            if not min(batch) > max(stamps):
+                raise _fail(
+                    f"after {calls}, the batch's stamps {sorted(batch)} are not greater than "
+                    f"those before the updates {sorted(stamps)}"
+                )
+            stamps = batch | {int(src.policy_version)}
+    finally:
+        src.shutdown()
 
 
 @requirement("ROLL-005")
@@ -640,23 +681,58 @@ def shutdown(ctx: Context) -> None:
     explore.run_machine(ctx, life.lifecycle_machine(ctx, policy), examples=2, steps=5)
 
 
-@requirement("ROLL-008")
-def behaviour_log_probs(ctx: Context) -> None:
-    policy, batch = _first_batch(ctx)
+def _log_probs_problem(batch: TensorDictBase, models: dict[int, Any]) -> str | None:
+    """How an item's ``sample_log_probs`` differ from those of the weights its stamp names.
+
+    ``models`` maps a version to a model holding its weights; an item stamped with another
+    version is ROLL-003's to report.
+    """
     for i, it in enumerate(_items(batch)):
+        model = models.get(int(it.get(K("policy_version")).reshape(-1)[0]))
+        if model is None:
+            continue
         toks = it.get(K("tokens"))[None]
         asst = it.get(K("assistant_mask"))[None]
         att = it.get(K("attention_mask"))[None].long()
         pos = (att.cumsum(-1) - 1).clamp(min=0)  # counted over real tokens: left padding too
         with torch.no_grad():
             want = token_log_probs(
-                policy(input_ids=toks, attention_mask=att, position_ids=pos).logits, toks
+                model(input_ids=toks, attention_mask=att, position_ids=pos).logits, toks
             )
         got = it.get(K("sample_log_probs"))[None]
         if not torch.allclose(got[asst], want[asst], atol=1e-4, rtol=0):
+            return f"item {i}: sample_log_probs {got[asst].tolist()} differ from the policy's {want[asst].tolist()}"
+    return None
+
+
+@requirement("ROLL-008")
+def behaviour_log_probs(ctx: Context) -> None:
+    policy, batch = _first_batch(ctx)
+    problem = _log_probs_problem(batch, {int(v): policy for v in _versions(batch)})
+    if problem is not None:
+        raise _fail(problem)
+    # Prompts holding the pad id and EOS, then other weights: each batch's log-probs are
+    # those of the weights its stamp names (a batch in flight at the update keeps the old).
+    prompts = PROMPT_EDGES[0][0]
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    other = tiny_causal_lm(vocab_size=V, seed=ctx.seed + 1)
+    src = ctx.make(policy, [list(p) for p in prompts], None, max_new_tokens=3)
+    try:
+        it = iter(src)
+        v0, old = int(src.policy_version), copy.deepcopy(policy)
+        problem = _log_probs_problem(_first(it, "first batch"), {v0: old})
+        if problem is not None:
+            raise _fail(f"prompts {prompts}: {problem}")
+        src.update_policy_weights_({k: v.clone() for k, v in other.state_dict().items()})
+        models = {v0: old, int(src.policy_version): other}
+        problem = _log_probs_problem(_first(it, "batch after the update"), models)
+        if problem is not None:
             raise _fail(
-                f"item {i}: sample_log_probs {got[asst].tolist()} differ from the policy's {want[asst].tolist()}"
+                f"prompts {prompts}, the batch after update_policy_weights_ with other "
+                f"weights: {problem}"
             )
+    finally:
+        src.shutdown()
 
 
 def _group_prompts() -> Any:
@@ -751,3 +827,17 @@ def ragged_batches(ctx: Context) -> None:
     for i, (_toks, att, _asst) in enumerate(_rows(batch)):
         if not all(att):
             raise _fail(f"item {i} of a ragged batch is padded: attention mask {att}")
+    # Prompts the pad id starts, ends or fills, EOS inside one; two batches.
+    prompts, budget = PROMPT_EDGES[0]
+    policy = tiny_causal_lm(vocab_size=V, seed=ctx.seed)
+    src = ctx.make(policy, [list(p) for p in prompts], 2, max_new_tokens=budget)
+    try:
+        for n, batch in enumerate(src):
+            for i, (toks, att, _asst) in enumerate(_rows(batch)):
+                if not all(att):
+                    raise _fail(
+                        f"prompts {prompts}, batch {n}, item {i} of a ragged batch is "
+                        f"padded: tokens {toks}, attention mask {att}"
+                    )
+    finally:
+        src.shutdown()
