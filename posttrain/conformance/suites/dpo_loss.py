@@ -104,7 +104,12 @@ _EMPTY = ("", "rejected", "both", "chosen")
 
 def tiny_margins() -> Any:
     """Margins β·Δ of either sign from 1e-30 to 1e-6 in magnitude (log-uniform), where σ(β·Δ)
-    rounds to 1/2 in float32 below about 6e-8."""
+    rounds to 1/2 in float32 below about 6e-8.
+
+    Example:
+        >>> 1e-30 <= abs(tiny_margins().example()) <= 1e-6
+        True
+    """
     from hypothesis import strategies as st
 
     return st.builds(
@@ -194,12 +199,12 @@ def pairs_case(ctx: Context, policy: Any, case: Pairs) -> TensorDictBase:
     pos = torch.arange(t).expand(b, t)
     att = pos < lengths[:, None]
     asst = att & (pos >= prompts[:, None])
-    if case.edges:
-        for i in (0, 1):
+    if case.edges:  # in opposite orders: the two answers never the same tokens (not a tie)
+        for i, (first, second) in enumerate(((V - 1, 0), (0, V - 1))):
             at = asst[i].nonzero().flatten()
             at = at[at > 0]
-            tokens[i, at[0::2]] = V - 1
-            tokens[i, at[1::2]] = 0
+            tokens[i, at[0::2]] = first
+            tokens[i, at[1::2]] = second
     near = None
     if case.tiny:  # the last pair two equal greedy answers
         row, n, answer, floor = _near_tie(policy, t, g)

@@ -75,7 +75,12 @@ SCALES = (1.0, PEAK, BIG)
 
 
 def scales(top: float = BIG) -> Any:
-    """Output-head factors from 1 to ``top``: the listed ones and any between."""
+    """Output-head factors from 1 to ``top``: the listed ones and any between.
+
+    Example:
+        >>> scales(PEAK).example() <= PEAK
+        True
+    """
     from hypothesis import strategies as st
 
     return st.sampled_from(tuple(s for s in SCALES if s <= top)) | st.floats(1.0, top)
@@ -186,7 +191,14 @@ def batch(ctx: Context, *, b: int = B, seed: int = 0) -> TensorDictBase:
 
 
 def scaled_policy(base: Any, scale: float) -> Any:
-    """A copy of ``base`` whose output head is multiplied by ``scale``."""
+    """A copy of ``base`` whose output head is multiplied by ``scale``.
+
+    Example:
+        >>> base = tiny_causal_lm(vocab_size=V)
+        >>> big = scaled_policy(base, 2.0).get_output_embeddings().weight
+        >>> bool(torch.equal(big, 2 * base.get_output_embeddings().weight))
+        True
+    """
     policy = copy.deepcopy(base)
     if scale != 1.0:
         with torch.no_grad():
@@ -259,7 +271,12 @@ def _log_softmax64(
 
 def value_tol(w: torch.Tensor, top: torch.Tensor) -> float:
     """NLL-003's absolute tolerance: 1e-7, or the float32 rounding of log-probs read from
-    logits of magnitude ``top`` (5e-7 of Σ w·max_v |logit|), where larger."""
+    logits of magnitude ``top`` (5e-7 of Σ w·max_v |logit|), where larger.
+
+    Example:
+        >>> round(value_tol(torch.tensor([0.5, 0.5]), torch.tensor([400.0, 400.0])), 9)
+        0.0002
+    """
     return max(1e-7, 5e-7 * float((w * top).sum()))
 
 
@@ -661,12 +678,23 @@ def check_parts_add_up(
                 parts_m.append(_scalars(_call_counted(loss, part, counts)))
         at = f"{where} split into micro-batches {_split_name(split)}, each called with {counts}"
         names = set(full).union(*(set(t) for t, _ in parts))
-        sums = {n: (sum(t.get(n, 0.0) for t, _ in parts), full.get(n, 0.0)) for n in names}
+        # 1e-5 of the largest magnitude among the whole's value and the parts': a sum of parts
+        # that nearly cancel keeps their float32 rounding, not a share of the small total
+        sums = {
+            n: (
+                sum(t.get(n, 0.0) for t, _ in parts),
+                full.get(n, 0.0),
+                [t.get(n, 0.0) for t, _ in parts],
+            )
+            for n in names
+        }
         for m in metrics:
             if m in full_m:
-                sums[m] = (sum(pm.get(m, 0.0) for pm in parts_m), full_m[m])
-        for name, (got, want) in sorted(sums.items()):
-            if not abs(got - want) <= 1e-5 * max(abs(want), 1e-6):  # NaN fails too
+                each = [pm.get(m, 0.0) for pm in parts_m]
+                sums[m] = (sum(each), full_m[m], each)
+        for name, (got, want, each) in sorted(sums.items()):
+            largest = max([abs(want), 1e-6, *(abs(x) for x in each)])
+            if not abs(got - want) <= 1e-5 * largest:  # NaN fails too
                 raise _fail(
                     f"{at}: the micro-batches' {name} sum to {got:.6g}, the whole batch's is "
                     f"{want:.6g}"
