@@ -452,6 +452,11 @@ class NoStepCounterInFloat64(JsonlSink):
         super().log_scalar(name, value, s)
 
 
+class UnknownPrecision(JsonlSink):
+    """Declared with ``extras['precision'] = "bfloat16"``, a storage precision the spec does not
+    name (float32 or float64): the suite cannot know what to compare."""
+
+
 def _impl(
     req: str,
     cls: type[JsonlSink],
@@ -522,6 +527,7 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("MET-003", _impl("MET-003", WrapsStepTo32Bits)),
     ("MET-003", _impl("MET-003", StepsAsFloat64)),
     ("MET-007", _impl("MET-007", NoStepCounterInFloat64)),
+    ("MET-001", _impl("MET-001", UnknownPrecision, extras={"precision": "bfloat16"})),
     ("MET-008", _impl("MET-008", HistogramPerStep, capabilities={"histogram"})),
     ("MET-009", _impl("MET-009", TablePerStep, capabilities={"samples"})),
     (
