@@ -8,10 +8,11 @@ raw TorchRL ``sample(64)``; blocks alternate within one run. The buffer holds 51
 4096 items of the raw buffer: the timed adds fill it after 64 steps and are then answered
 ``"full"`` (the train-data check and the encoding's size, no write), so the first figure mixes
 stored and refused groups; ``every group stored`` times adds into a buffer emptied first.
+A sample is timed alone, the adds that feed it untimed before it.
 
 The newer facades, each against the one call it wraps (ratios printed, never asserted):
 ``NemoAsyncReplayBuffer.add`` / ``sample`` of a group as NeMo-RL's collector pushes it against
-the backing ``RingBuffer``'s ``extend`` / ``read`` of the same uint8 chunks; a
+the backing ``RingBuffer``'s ``extend`` / ``read`` of the same chunks (each timed alone); a
 ``NemoGroupSlots`` reserve + commit + remove against the data-plane ``put_samples`` it makes;
 ``NemoShardedWeightSynchronizer.sync_weights`` over 3 worker shards against one ``send`` +
 ``receive`` of the whole state through the reference weight sync.
@@ -19,6 +20,8 @@ the backing ``RingBuffer``'s ``extend`` / ``read`` of the same uint8 chunks; a
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +32,23 @@ from posttrain.contracts.keys import leaf_items
 from posttrain.testing import llm_batch
 
 B, T, G, ROUNDS = 64, 512, 8, 60
+
+
+def _alternating(
+    ops: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], rounds: int, blocks: int = 5
+) -> dict[str, float]:
+    """Median seconds of each op's timed call, blocks alternating as in ``block_medians``;
+    each timed call follows the op's untimed setup (a sample after the adds that feed it, so
+    the sample is timed alone, not as a difference of two larger medians)."""
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for _ in range(blocks):
+        for name, (setup, fn) in ops.items():
+            for _ in range(rounds):
+                setup()
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
 def _facades() -> None:
@@ -65,10 +85,12 @@ def _facades() -> None:
         for g in groups:
             nemo.add({"batch": g}, version[0], version[0] + 1)
 
-    def sample_step() -> None:
+    def feed() -> None:  # the next step's groups, then the step they are meant for
+        add_step()
         version[0] += 1
-        nemo.sample(G, version[0], 1)
-        add_step()  # keep the buffer fed for the next draw (timed apart below)
+
+    def sample_step() -> None:
+        assert nemo.sample(G, version[0], 1) is not None
 
     for _ in range(4):
         raw.extend(raw_batch)
@@ -82,14 +104,15 @@ def _facades() -> None:
             "raw extend": lambda: raw.extend(raw_batch),
             "nemo add": add_step,
             "nemo add, stored": stored_step,
-            "raw sample": lambda: raw.sample(B),
         },
         ROUNDS,
     )
-    # sample_step also adds; time the add alone to subtract it.
-    both = block_medians({"sample+add": sample_step, "add": add_step}, ROUNDS // 2)
+    draws = _alternating(
+        {"raw sample": (lambda: None, lambda: raw.sample(B)), "nemo sample": (feed, sample_step)},
+        ROUNDS // 2,
+    )
     copy = block_medians({"memcpy": lambda: dst.copy_(src)}, 10)["memcpy"] / src.numel()
-    nemo_sample = max(both["sample+add"] - both["add"], 1e-9)
+    nemo_sample = draws["nemo sample"]
     PAIRED["nemo add / raw TorchRL extend time (B=64, T=512, 8 groups)"] = (
         med["nemo add"] / med["raw extend"]
     )
@@ -97,7 +120,7 @@ def _facades() -> None:
         med["nemo add, stored"] / med["raw extend"]
     )
     PAIRED["nemo sample / raw TorchRL sample time (8 groups = 64 items)"] = (
-        nemo_sample / med["raw sample"]
+        nemo_sample / draws["raw sample"]
     )
     PAIRED["nemo add x memcpy"] = copy * nbytes / med["nemo add"]
     PAIRED["nemo sample x memcpy"] = copy * nbytes / nemo_sample
@@ -152,27 +175,27 @@ def _async_buffer() -> None:
         step[0] += 1
         rb.add(group, step[0], step[0])
 
-    def add_sample() -> None:
-        add()
-        rb.sample(1, step[0], 1)
+    def drain() -> None:
+        assert rb.sample(1, step[0], 1) is not None
 
     for _ in range(3):
-        add_sample()
-    med = block_medians(
+        add()
+        drain()
+    # Each add alone (the sample after it untimed: the buffer stays small), each sample alone
+    # (the add before it untimed).
+    med = _alternating(
         {
-            "raw extend": lambda: raw.extend(chunks),
-            "raw read": lambda: raw.read(idx),
-            "add+sample": add_sample,
+            "raw extend": (lambda: None, lambda: raw.extend(chunks)),
+            "add": (lambda: rb.sample(1, step[0], 1), add),
+            "raw read": (lambda: None, lambda: raw.read(idx)),
+            "sample": (add, drain),
         },
         ROUNDS // 2,
     )
-    # add alone: sample right after, outside the timing of "add" (the buffer stays small).
-    adds = block_medians({"add": add, "drain": lambda: rb.sample(1, step[0], 1)}, ROUNDS // 2)
-    sample = max(med["add+sample"] - adds["add"], 1e-9)
     PAIRED["nemo async add / RingBuffer extend of its chunks (8 seqs)"] = (
-        adds["add"] / med["raw extend"]
+        med["add"] / med["raw extend"]
     )
-    PAIRED["nemo async sample / RingBuffer read of its chunks"] = sample / med["raw read"]
+    PAIRED["nemo async sample / RingBuffer read of its chunks"] = med["sample"] / med["raw read"]
 
 
 def test_nemo_async_buffer_facade(benchmark: Any) -> None:
