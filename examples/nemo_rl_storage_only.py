@@ -37,7 +37,7 @@ def group(step: int) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     torchrl_buffer = TensorDictReplayBuffer(storage=LazyStackStorage(64))
-    # Each group is stored as fixed-width uint8 chunks (4 KiB here), one TorchRL item each.
+    # Each group is stored as fixed-width chunks (4 KiB here, as int64 words), one TorchRL item each.
     nemo = NemoReplayBuffer(ValidatedReplayBuffer(torchrl_buffer), 8, chunk_bytes=4096)
     sent = {}
     for step in range(4):  # a generator at version `step` writes for version step + 1
