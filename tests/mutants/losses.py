@@ -636,6 +636,44 @@ class KlImportanceWeighted(PolicyLoss):
             self.options = replace(self.options, kl_gradient="behaviour")
 
 
+class SequenceMeanOfEmptyRow(PolicyGradientLoss):
+    """Divides a row's sum by its assistant-token count unguarded: a row without an
+    assistant token (a truncated answer) makes 0/0 and every term NaN. Killed by LOSS-001
+    since loss 1.8 (drawn batches whose first or last row holds no assistant token)."""
+
+    def _weights(self, mask: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
+        if self.aggregation != "seq_mean_token_mean":
+            return super()._weights(mask, counts)
+        m = mask.double()
+        return m / (max(counts.sequences, 1) * m.sum(-1, keepdim=True))
+
+
+class ContiguousAnswer(_Edit):
+    """Takes the answer as one span, every attended position from the first assistant token
+    on (a single-turn trainer's response slice): tool output inside a multi-turn answer, a
+    hole in the assistant mask, is trained on. Killed by LOSS-004 since loss 1.8 (drawn
+    masks with holes)."""
+
+    def pre(self, td: TensorDictBase) -> TensorDictBase:
+        td = td.clone()
+        asst, att = td.get(ASST), td.get(ATT)
+        t = asst.shape[-1]
+        first = torch.where(asst.any(-1), asst.float().argmax(-1), t)
+        td.set(ASST, att & (torch.arange(t)[None, :] >= first[:, None]))
+        return td
+
+
+class ClampsAdvantages(PolicyGradientLoss):
+    """Clamps advantages to [-10, 10] before the surrogate (an outlier guard some trainers
+    put in front of the loss): a large advantage's token gets the gradient of 10. Killed by
+    LOSS-014 since loss 1.8 (drawn advantages up to 50 in magnitude)."""
+
+    def _surrogate(
+        self, adv: torch.Tensor, ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return super()._surrogate(adv.clamp(-10.0, 10.0), ratio)
+
+
 _CLIP = (0.2, 0.28)
 
 
@@ -745,6 +783,10 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-024", _impl("LOSS-024", KlApproxOtherThanDeclared, extras={"kl_approx": "k1"})),
     # loss 1.7: micro-batches add up across data-parallel ranks too
     ("LOSS-017", _impl("LOSS-017", RankLocalCounts, agg="token_mean", capabilities=_COUNTED)),
+    # loss 1.8: drawn batches (any shape, empty first/last rows, holes) and clip ratios
+    ("LOSS-001", _impl("LOSS-001", SequenceMeanOfEmptyRow)),
+    ("LOSS-004", _impl("LOSS-004", ContiguousAnswer)),
+    ("LOSS-014", _clip_impl("LOSS-014", ClampsAdvantages)),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
 

@@ -25,6 +25,12 @@ from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites import loss_options  # noqa: F401  (registers LOSS-019 to LOSS-024)
 from posttrain.conformance.suites._compare import bits_equal, leaves
 from posttrain.conformance.suites._fail import fail as _fail
+from posttrain.conformance.suites.loss_drawn import (
+    clip_everywhere,
+    finite_on_layouts,
+    inert_on_layouts,
+    order_on_layouts,
+)
 from posttrain.conformance.suites.loss_kit import (
     ADV,
     ASST,
@@ -43,10 +49,8 @@ from posttrain.conformance.suites.loss_kit import (
     check_same,
     check_scalar_finite_terms,
     clip_declaration,
-    clipped_terms,
     counted_batch,
     counts_of,
-    expected_weights,
     live_batch,
     logp_grads,
     loss_terms,
@@ -78,6 +82,7 @@ from posttrain.testing import llm_batch, tiny_causal_lm
 def scalar_finite_terms(ctx: Context) -> None:
     policy, loss = setup(ctx)
     check_scalar_finite_terms(loss(make_batch(policy, ctx)), "loss_objective")
+    finite_on_layouts(ctx, policy, loss)  # since 1.8: any shape, empty rows, holes
 
 
 @requirement("LOSS-002")
@@ -201,6 +206,7 @@ def masked_positions_inert(ctx: Context) -> None:
         _variant_check(
             ctx, garbage(value), f"padding tokens and log-probs {value} outside the assistant mask"
         )
+    inert_on_layouts(ctx, *setup(ctx))  # since 1.8: holes, empty rows, any shape
 
 
 @requirement("LOSS-005")
@@ -212,6 +218,7 @@ def padding_inert(ctx: Context) -> None:
 def batch_order_inert(ctx: Context) -> None:
     perm = torch.tensor([2, 0, 3, 1])
     _variant_check(ctx, lambda td: td[perm], "permuting the batch rows")
+    order_on_layouts(ctx, *setup(ctx))  # since 1.8: drawn batches and orders
 
 
 @requirement("LOSS-007")
@@ -510,60 +517,13 @@ def clipped_surrogate(ctx: Context) -> None:
         )
     eps_low, eps_high, dual = clip_declaration(ctx)
     lo, hi = 1 - eps_low, 1 + eps_high
-    ratios = _probe_ratios(lo, hi, dual)
-    n, prompt, b = len(ratios), 3, 4
-    t = prompt + n + 2
     policy, loss = setup(ctx)
-    td = llm_batch(b, t, vocab_size=V, seed=ctx.seed * 7919 + 14)
-    # Every row covers every ratio (one per assistant token, shifted by row) and rows differ in
-    # length; advantages alternate in sign, so each ratio meets both signs.
-    pos = torch.arange(t).expand(b, t)
-    lengths = torch.tensor([t, t - 1, t - 2, t])[:b]
-    att = pos < lengths[:, None]
-    asst = att & (pos >= prompt)
-    td.set(ATT, att)
-    td.set(ASST, asst)
-    r = torch.ones(b, t, dtype=torch.float64)
-    for i in range(b):
-        for j, p in enumerate(asst[i].nonzero().flatten().tolist()):
-            r[i, p] = ratios[(j + i) % n]
+    # First the probes 3% either side of every bound, advantages in [0.5, 1.5) alternating in
+    # sign (so each ratio meets both signs); since 1.8 drawn ratio sets and magnitudes.
     g = torch.Generator().manual_seed(ctx.seed + 14)
-    adv = (0.5 + torch.rand(b, generator=g)) * torch.tensor([1.0, -1.0] * (b // 2))
-    td.set(ADV, adv)
-    logp = own_log_probs(policy, td)
-    slp = torch.where(asst, logp - r.log().float(), float("nan"))
-    td.set(SLP, slp)
-    td.set(RLP, torch.where(asst, logp, float("nan")))
-    # The expected figures, in float64 from the ratios the loss will see (the float32 behaviour
-    # log-probs against the same forward pass), away from every bound by 1% or more.
-    with torch.no_grad():
-        ratio = torch.where(asst, (logp.double() - slp.double()).exp(), 1.0)
-        a = adv.double()[:, None].expand(b, t)
-        per_token, active = clipped_terms(a, ratio, lo, hi, dual)
-        w = expected_weights(ctx, asst).double()
-        want_value = float((per_token * w).where(asst, 0.0).sum())
-        want = torch.where(asst & active, -a * ratio * w, 0.0)
-    tol = tol_factor(ctx)
-    value, got = logp_grads(policy, loss, td, tol)
-    bad = ~torch.isclose(got.double(), want, atol=1e-6 * tol, rtol=1e-4 * tol)
-    if bool(bad.any()):
-        i, p = divmod(int(((got.double() - want).abs() * bad).argmax()), t)
-        unclipped_side = bool(active[i, p])
-        term = "the unclipped term is" if unclipped_side else "a clipped term is"
-        raise _fail(
-            f"clip bounds [{lo:.4g}, {hi:.4g}]{'' if dual is None else f', dual clip {dual:.4g}'}: "
-            f"at ratio {float(ratio[i, p]):.4g} with advantage {float(adv[i]):+.3g} (row {i}, "
-            f"position {p}; {term} active), d loss_objective / d logp is "
-            f"{float(got[i, p]):.6g}, expected {float(want[i, p]):.6g}"
-            f"{' (-A x r x weight)' if unclipped_side else ''}; "
-            f"{int(bad.sum())} of {int(asst.sum())} assistant tokens differ"
-        )
-    if not math.isclose(float(value), want_value, rel_tol=1e-4 * tol, abs_tol=1e-6 * tol):
-        raise _fail(
-            f"clip bounds [{lo:.4g}, {hi:.4g}]: loss_objective is {float(value):.6g} at ratios "
-            f"{', '.join(f'{x:.3g}' for x in ratios)} with advantages of both signs, expected "
-            f"{want_value:.6g} (the weighted sum of max(-A r, -A clip(r)))"
-        )
+    adv = (0.5 + torch.rand(4, generator=g)) * torch.tensor([1.0, -1.0, 1.0, -1.0])
+    first = (tuple(_probe_ratios(lo, hi, dual)), tuple(adv.tolist()))
+    clip_everywhere(ctx, policy, loss, first, (lo, hi, dual))
 
 
 @requirement("LOSS-015")

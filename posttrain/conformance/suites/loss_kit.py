@@ -5,8 +5,10 @@ the reading of a loss's outputs (``scalars``, ``loss_term``, ``check_same``) and
 gradient of a loss term with respect to each token's log-prob (``logp_grads``, through a probe
 on the logits of every policy call), the declared aggregation's weights and global counts
 (``expected_weights``, ``weights_for``, ``counts_of``, ``call_counted``), micro-batch splits
-(``SPLITS``, ``split_strategy``, ``trimmed``, ``ragged_form``, ``value_and_grads``) and the
-refusal checks (``must_refuse``, ``refuse_each``). The checks themselves live in the suites.
+(``SPLITS``, ``split_strategy``, ``trimmed``, ``ragged_form``, ``value_and_grads``), drawn
+batch layouts (``LAYOUTS``, ``layout_strategy``, ``layout_batch``: any shape, rows without an
+assistant token, holes in an answer) and the refusal checks (``must_refuse``,
+``refuse_each``). The checks themselves live in the suites.
 """
 
 from __future__ import annotations
@@ -668,3 +670,70 @@ def deltas(td: TensorDictBase, base: float) -> torch.Tensor:
     row's mean log-ratio then differ for every estimator but k1 (linear)."""
     t = td.get(TOK).shape[1]
     return base * torch.where(torch.arange(t) % 2 == 0, 1.8, 0.2).expand(td.get(TOK).shape)
+
+
+ADV_POINTS = (0.0, 1e-3, -1e-3, 0.7, -1.3, 50.0, -50.0)
+"""Advantages every drawn batch may take besides any in [-5, 5]: zero, tiny, large, both signs."""
+
+Layout = tuple[int, tuple[tuple[int, int, bool, float], ...]]
+"""A drawn batch's layout: (width, rows), each row (attended length, first assistant position
+(= the length: no assistant token), a hole one position into the answer, advantage)."""
+
+LAYOUTS: tuple[Layout, ...] = (
+    (2, ((2, 1, False, 0.7),)),  # one row of width 2: a single assistant token
+    (6, ((4, 4, False, 0.7), (6, 1, True, -1.3), (5, 2, False, 0.0))),  # first row empty
+    (7, ((7, 3, True, 50.0), (3, 1, False, -1e-3), (5, 5, False, -50.0))),  # last row empty
+)
+"""Layouts every check over drawn batches tries first: width 2, a first and a last row
+without an assistant token, holes in the answer, advantages 0, tiny and large of both signs."""
+
+
+def layout_strategy(max_rows: int = 8, max_width: int = 12) -> Any:
+    """Any :data:`Layout` of 1 to ``max_rows`` rows of width 2 to ``max_width``, at least one
+    assistant token in the batch (position 0 excluded: no logit predicts it)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(d: Any) -> Layout:
+        width = d(st.integers(2, max_width))
+        rows = []
+        for _ in range(d(st.integers(1, max_rows))):
+            length = d(st.integers(2, width))
+            start = d(st.integers(1, length))
+            hole = length - start >= 3 and d(st.booleans())
+            adv = d(st.sampled_from(ADV_POINTS) | st.floats(-5, 5, allow_subnormal=False))
+            rows.append((length, start, hole, adv))
+        if all(start >= length for length, start, _, _ in rows):
+            length, _, _, adv = rows[0]
+            rows[0] = (length, length - 1, False, adv)
+        return (width, tuple(rows))
+
+    return draw()
+
+
+def layout_batch(policy: Any, ctx: Context, layout: Layout, *, seed: int = 31) -> TensorDictBase:
+    """A batch at ratio 1 laid out as ``layout`` (a prompt, an answer from each row's start,
+    a hole (attended, not assistant) where drawn, right padding); tokens drawn by the seed,
+    behaviour and reference log-probs the policy's own on every attended position, NaN on
+    padding."""
+    width, rows = layout
+    b = len(rows)
+    full = llm_batch(b, max(width, 4), vocab_size=V, seed=ctx.seed * 7919 + seed)
+    td = full.empty()
+    for key, v in leaves(full).items():
+        td.set(key, v[:, :width] if v.ndim == 2 else v)
+    pos = torch.arange(width).expand(b, width)
+    att = pos < torch.tensor([r[0] for r in rows])[:, None]
+    asst = att & (pos >= torch.tensor([r[1] for r in rows])[:, None])
+    for i, (_, start, hole, _) in enumerate(rows):
+        if hole:
+            asst[i, start + 1] = False
+    td.set(ATT, att)
+    td.set(ASST, asst)
+    # Finite on every attended position (prompt and holes too, as a trainer that scores the
+    # whole sequence writes them): a loss that reads one there is seen to (LOSS-004).
+    lp = torch.where(att, own_log_probs(policy, td), float("nan"))
+    td.set(SLP, lp)
+    td.set(RLP, lp.clone())
+    td.set(ADV, torch.tensor([float(r[3]) for r in rows]))
+    return td
