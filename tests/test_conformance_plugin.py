@@ -20,7 +20,7 @@ def test_reference_passes_from_an_empty_directory(pytester: pytest.Pytester) -> 
     assert res.ret == 0
     res.stdout.fnmatch_lines(
         [
-            "posttrain conformance: posttrain.RingBuffer (*) against buffer v1.5; capabilities: checkpoint, read, thread_safe*",
+            "posttrain conformance: posttrain.RingBuffer (*) against buffer v1.6; capabilities: checkpoint, read, thread_safe*",
             "BUF-009   MUST   PASS           missing key rejected atomically",
             "*20 PASS, 0 FAIL, 0 ERROR, 5 NOT_APPLICABLE; verdict: conforms*",
         ]
@@ -102,7 +102,7 @@ def test_list_prints_the_catalogue(pytester: pytest.Pytester) -> None:
     assert res.ret == 0
     res.stdout.fnmatch_lines(
         [
-            "buffer v1.5 — Replay buffer",
+            "buffer v1.6 — Replay buffer",
             "  BUF-001 MUST   extend returns indices",
             "  BUF-017 MUST   priorities steer sampling [capability priority]",
         ]

@@ -153,7 +153,7 @@ _M, _S = Level.MUST, Level.SHOULD
 
 BUFFER = Contract(
     id="buffer",
-    version="1.5",
+    version="1.6",
     title="Replay buffer",
     purpose=(
         "Stores rollout items (rows of a TensorDict, usually in the LLM layout) and samples them "
@@ -163,7 +163,15 @@ BUFFER = Contract(
         "`read`). Out of scope in v1: leaves that are not tensors (strings, non-tensor data: a "
         "buffer may refuse them), and the sampling order under way as part of a saved state (after "
         "`load_state_dict` or `loads`, sampling without replacement may start a new epoch), and "
-        "`sample(0)` (a buffer may return an empty batch or raise)."
+        "`sample(0)` (a buffer may return an empty batch or raise). Keys: a key is a tuple of "
+        "non-empty names, nested to any depth; a name may hold any character but '/' and NUL "
+        "('.', '_', '-', spaces and non-ASCII letters included), and two keys are the same only "
+        "when their tuples are equal: `('a', 'b')`, `'a.b'` and `'a_b'` are three keys, and a "
+        "buffer keeps each apart in what it stores, samples, reads and saves (BUF-001, BUF-006, "
+        "BUF-018, BUF-022). Two exceptions in v1: through `state_dict` (BUF-014) names holding "
+        "'.' are out of scope, as state dicts join nested names with '.' (`nn.Module.state_dict`, "
+        "`TensorDict.state_dict`); and names holding '/' or NUL, or empty ones, are out of scope "
+        "(a buffer may refuse them, naming the key)."
     ),
     protocol=ReplayBufferV1,
     extra_protocols=(SupportsPriority, SupportsCheckpoint, SupportsRead),
@@ -183,9 +191,9 @@ BUFFER = Contract(
         Option(name="sampling", values=("with_replacement", "without_replacement"), default="with_replacement", text="How `sample` draws items."),
     ),
     requirements=(
-        Requirement(id="BUF-001", level=_M, title="extend returns indices", tightened=("1.3", "1.5"),
+        Requirement(id="BUF-001", level=_M, title="extend returns indices", tightened=("1.3", "1.5", "1.6"),
             text="`extend(data)` with batch dims [N] MUST store the N items and return a 1-D integer tensor of the N storage indices written, in order.",
-            domain="random sequences of extends of 1 to 12 items (1, 2 and 9 always) into capacities 1, 2, 3, 5 and 8, T from 4 to 12, values ordinary, of every bit pattern of each dtype or its boundary values alone, contiguous or column-major, interleaved with samples; and the fill-wrap-replace-wrap sequence 3, 4, 3, 5, 8, 2 into capacity 8. Keys inserted in a shuffled order."),
+            domain="random sequences of extends of 1 to 12 items (1, 2 and 9 always) into capacities 1, 2, 3, 5 and 8, T from 4 to 12, values ordinary, of every bit pattern of each dtype or its boundary values alone, contiguous or column-major, interleaved with samples; and the fill-wrap-replace-wrap sequence 3, 4, 3, 5, 8, 2 into capacity 8. Keys inserted in a shuffled order. Each sequence's items hold the layout's keys alone or beside one of these key sets: `'a.b'` with `('a', 'b')`; `'next.reward'`, `'tokens.full'` and `('next', 'ref_log_probs.full')` (the layout's own keys joined with '.'); `('x', 'y', 'z')`, `'x.y.z'`, `('x.y', 'z')` and `('x', 'y.z')`; `'a_b'`, `('a', 'b')`, `'clé'`, `'键'`, `('ключ', 'значение')`, `'with space'` and `'dash-name'` (int64 [N] and float32 [N, 3] leaves, distinct per key)."),
         Requirement(id="BUF-002", level=_M, title="len counts items", tightened=("1.5",),
             text="`len(buffer)` MUST equal the number of items stored and MUST never exceed the capacity.", depends_on=("BUF-001",),
             domain="the sequences of BUF-001; len read after every extend and restore."),
@@ -198,9 +206,9 @@ BUFFER = Contract(
         Requirement(id="BUF-005", level=_M, title="sample schema",
             text="A sample MUST carry every key of the stored schema, with the stored dtype and trailing shape (bookkeeping keys such as TorchRL's `index` may be added).", depends_on=("BUF-004",),
             domain="a sample of 3 from 4 items of the LLM layout (every field)."),
-        Requirement(id="BUF-006", level=_M, title="sample holds stored items", tightened=("1.3", "1.5"),
+        Requirement(id="BUF-006", level=_M, title="sample holds stored items", tightened=("1.3", "1.5", "1.6"),
             text="Every sampled item MUST be bit-exactly an item that was written, as it was when `extend` was called (the caller may reuse its tensors afterwards), and is still stored.", depends_on=("BUF-004",),
-            domain="the sequences of BUF-001 with every sample checked bit-exactly (NaN payloads, -0.0, subnormals and integer extremes included), and the caller overwriting the batch it last extended at any point. Sampling need not reach every stored item here (BUF-007, BUF-016 ask that)."),
+            domain="the sequences of BUF-001 (their key sets included) with every sample checked bit-exactly (NaN payloads, -0.0, subnormals and integer extremes included), and the caller overwriting the batch it last extended at any point. Sampling need not reach every stored item here (BUF-007, BUF-016 ask that)."),
         Requirement(id="BUF-007", level=_M, title="sampling with replacement", tightened=("1.5",), option=("sampling", "with_replacement"),
             text="With replacement, `sample(n)` MUST accept n > len(buffer), and repeated sampling MUST reach every stored item.", depends_on=("BUF-006",),
             domain="the sequences of BUF-001 with samples of up to 16 items whatever len is (1 item stored included)."),
@@ -222,9 +230,9 @@ BUFFER = Contract(
         Requirement(id="BUF-013", level=_M, title="empty sample raises", tightened=("1.3",),
             text="`sample` on an empty buffer MUST raise a clear error rather than return garbage: one whose message says the buffer is empty (words such as 'empty', 'no items' or 'len 0').",
             domain="sample(2) on a buffer never written to."),
-        Requirement(id="BUF-014", level=_M, title="state round trip", tightened=("1.3", "1.5"),
+        Requirement(id="BUF-014", level=_M, title="state round trip", tightened=("1.3", "1.5", "1.6"),
             text="`load_state_dict(state_dict())` into a fresh buffer MUST reproduce contents and write position bit-exactly as they were when `state_dict()` was called (later writes to the original change neither), so the next `extend` writes where the original would have; the state MUST survive `torch.save` and `torch.load(weights_only=True)` (tensors and plain data: a checkpoint that loads without running code).", depends_on=("BUF-001",),
-            domain="the sequences of BUF-001 with `state_dict()` restored (through torch.save) into a fresh buffer that carries on, at any point, empty included; and a snapshot restored after the original moved on."),
+            domain="the sequences of BUF-001 with `state_dict()` restored (through torch.save) into a fresh buffer that carries on, at any point, empty included, their key sets less those with a name holding '.'; and a snapshot, of items with the keys `'a_b'`, `('a', 'b')`, `'clé'`, `'键'`, `('ключ', 'значение')`, `'with space'` and `'dash-name'` beside the layout's, restored after the original moved on."),
         Requirement(id="BUF-015", level=_S, title="empty extend", tightened=("1.3", "1.5"),
             text="`extend` of a batch with N = 0 SHOULD be a no-op (contents, write position and the sampling order under way unchanged) that returns an empty index tensor.", depends_on=("BUF-001",),
             domain="extends of 0 items into a buffer of 6, five times between the samples of an epoch without replacement; and an extend of 0 items, of another T, into a fresh buffer, before its first items."),
@@ -234,9 +242,9 @@ BUFFER = Contract(
         Requirement(id="BUF-017", level=_M, title="priorities steer sampling", capability="priority", tightened=("1.3",),
             text="After `update_priority` on the indices `extend` returned, an item with zero priority MUST NOT be drawn while items with positive priority remain, and higher priority MUST be drawn more often.", depends_on=("BUF-006",),
             domain="priorities 10, 1 and 0 set by the indices two extends returned after a wrap, in a scrambled order; 2000 draws."),
-        Requirement(id="BUF-018", level=_M, title="dumps/loads round trip", capability="checkpoint", tightened=("1.3", "1.5"),
+        Requirement(id="BUF-018", level=_M, title="dumps/loads round trip", capability="checkpoint", tightened=("1.3", "1.5", "1.6"),
             text="`loads(path)` into a fresh buffer after `dumps(path)` MUST reproduce contents and write position bit-exactly.", depends_on=("BUF-001",),
-            domain="the sequences of BUF-001 with `dumps`/`loads` into a fresh buffer that carries on, at any point, empty included."),
+            domain="the sequences of BUF-001 (their key sets included) with `dumps`/`loads` into a fresh buffer that carries on, at any point, empty included; and a checkpoint of items holding every key of those sets at once beside the layout's, loaded before and after the original moved on. A `loads` that raises on what `dumps` wrote fails."),
         Requirement(id="BUF-019", level=_M, title="thread safety", capability="thread_safe", tightened=("1.3",),
             text="Under 4 writer and 4 reader threads, with and without eviction, no written item MUST be lost or duplicated, the indices the extends return MUST differ between items stored at the same time, and every sample MUST hold only written items.", depends_on=("BUF-006",),
             domain="4 writers x 10 extends of 2 and 4 readers, into capacities 80 (no eviction) and 32."),
@@ -246,9 +254,9 @@ BUFFER = Contract(
         Requirement(id="BUF-021", level=_M, title="CUDA storage", capability="cuda",
             text="With CUDA storage, samples MUST come back on the storage device, bit-exactly.", depends_on=("BUF-006",),
             domain="4 items sampled back from CUDA storage."),
-        Requirement(id="BUF-022", level=_M, title="read by index", tightened=("1.5",), capability="read", since="1.1",
+        Requirement(id="BUF-022", level=_M, title="read by index", tightened=("1.5", "1.6"), capability="read", since="1.1",
             text="`read(indices)` MUST return, in the order asked, bit-exactly the item the latest write put at each index, and MUST raise an error naming the index for one that holds no item.", depends_on=("BUF-001",),
-            domain="the sequences of BUF-001 with reads of 1 to 10 stored indices in random orders, repeats included; an index holding no item. Bad indices: an unwritten slot, -1, -capacity, capacity and capacity + 3."),
+            domain="the sequences of BUF-001 (their key sets included) with reads of 1 to 10 stored indices in random orders, repeats included; an index holding no item. Bad indices: an unwritten slot, -1, -capacity, capacity and capacity + 3."),
         Requirement(id="BUF-023", level=_M, title="many producers, one learner", capability="remote_writers", since="1.2",
             text="Once a first write has fixed the schema, items extended concurrently through `client()` handles by 3 Ray tasks while this process samples MUST each be stored exactly once: `len` MUST equal the number written, the indices the extends returned MUST be distinct and cover exactly the positions written, every sample MUST hold only written items bit-exactly, and an extend with a missing key sent by a producer MUST raise there, naming the key, and leave the buffer unchanged.", depends_on=("BUF-006",),
             domain="3 Ray tasks extending concurrently while this process samples; one extend with a key missing."),

@@ -20,7 +20,7 @@ class DeclarationError(PosttrainError, ValueError):
         ...     BUFFER.resolve_declaration(capabilities=["teleport"])
         ... except DeclarationError as e:
         ...     print(str(e).splitlines()[0])
-        buffer v1.5: unknown capability 'teleport'; the closed set is: checkpoint, cuda, priority, ragged, read, remote_writers, thread_safe
+        buffer v1.6: unknown capability 'teleport'; the closed set is: checkpoint, cuda, priority, ragged, read, remote_writers, thread_safe
     """
 
 
@@ -82,7 +82,7 @@ class Contract(BaseModel):
         >>> from posttrain.contracts import get_contract
         >>> BUFFER = get_contract("buffer")
         >>> BUFFER.id, BUFFER.version, BUFFER.requirement("BUF-001").level.value
-        ('buffer', '1.5', 'MUST')
+        ('buffer', '1.6', 'MUST')
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)

@@ -14,7 +14,7 @@ Measured (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; filled in below after th
 | numpy_priority_state | BUF-014 | caught (FAIL) | PASS |
 | unique_sorted_priority | BUF-017 | caught (FAIL) | PASS |
 | age_order_read | BUF-022 | caught (FAIL) | PASS |
-| dotted_file_checkpoint | BUF-018 | missed (PASS) | PASS |
+| dotted_file_checkpoint | BUF-018 | caught (FAIL) | PASS |
 | recounted_cursor | BUF-014 | caught (FAIL) | PASS |
 
 Messages:
@@ -33,14 +33,17 @@ Messages:
   7000006, 7000004, 7000009, 7000007, 7000005, 7000010], expected [7000008, 7000005, 7000003,
   7000009, 7000006, 7000004, 7000010, 7000007] (the latest write per index) (see
   specs/buffer-v1.
-- dotted_file_checkpoint: (no message)
+- dotted_file_checkpoint: BUF-018: dumps/loads of items with keys ['a.b', ('a', 'b'),
+  'next.reward', 'tokens.full', ('next', 'ref_log_probs.full'), ('x', 'y', 'z'), 'x.y.z', ...]
+  beside the layout's: restoring raised RuntimeError: The expanded size of the tensor (8) must
+  match the existing size (3) at non-singleton dimension 1. ... (see specs/buffer-v1.md#BUF-018)
 - recounted_cursor: BUF-014: state_dict/load_state_dict: the restored buffer's next extend wrote
   at [0, 1, 2]; the original writes at [3, 4, 5] (see specs/buffer-v1.md#BUF-014)
 
-Missed, and what the domain does not try:
-
-- dotted_file_checkpoint: BUF-018 round-trips buffers of the LLM layout's keys (and BUF-001's),
-  none of which holds the '.' separator, so no two keys' joined file names collide.
+Missed, and what the domain does not try: none since buffer 1.6. Under 1.5 the kit missed
+dotted_file_checkpoint: BUF-018 round-tripped buffers of the LLM layout's keys (and BUF-001's),
+none of which holds the '.' separator, so no two keys' joined file names collided; 1.6 adds
+key sets whose names joined with '.' are one another's.
 
 Example:
     >>> sorted(VARIANTS)[0]
@@ -344,11 +347,7 @@ BASES: dict[str, Implementation] = {
 
 # What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
 # an entry goes once the kit fails the variant on the requirement it breaks.
-KIT_DEFECTS: dict[str, str] = {
-    "dotted_file_checkpoint": (
-        "BUF-018 round-trips layouts whose keys never hold '.', so joined file names never collide"
-    ),
-}
+KIT_DEFECTS: dict[str, str] = {}
 
 # Variants the kit fails under another requirement (a foundation that blocks theirs).
 OTHER_ID: dict[str, str] = {}

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from posttrain._checkpoint import load_verified, save_state
 from posttrain.contracts import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1
 from posttrain.reference_impls import RingBuffer
@@ -635,3 +636,25 @@ EXTRA_MUTANTS.append(
         _impl("BUF-016", EpochFixedAtStart, options={"sampling": "without_replacement"}),
     )
 )
+
+
+class JoinsKeyNames(RingBuffer):
+    """Files each column of a checkpoint under its key's names joined with '.' (as a directory
+    of one file per joined name does) and splits them on '.' when loading: ``'a.b'`` comes back
+    as ``('a', 'b')``, and ``('a', 'b')`` beside ``'a.b'`` leaves one of the two."""
+
+    def dumps(self, path: str | os.PathLike[str], /) -> None:
+        state = self.state_dict()
+        if state["schema"] is not None:
+            state["schema"] = [((".".join(k),), d, s) for k, d, s in state["schema"]]
+        save_state(path, "ring_buffer.pt", state)
+
+    def loads(self, path: str | os.PathLike[str], /) -> None:
+        state = load_verified(path, "ring_buffer.pt")
+        if state["schema"] is not None:
+            state["schema"] = [(tuple(k[0].split(".")), d, s) for k, d, s in state["schema"]]
+        self.load_state_dict(state)
+
+
+# buffer 1.6: key names holding '.' (and nested keys whose names joined with '.' are another's)
+EXTRA_MUTANTS.append(("BUF-018", _impl("BUF-018", JoinsKeyNames)))

@@ -14,7 +14,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from posttrain.conformance.context import ConformanceError, Context
 from posttrain.conformance.explore import run_machine
-from posttrain.conformance.suites._buffer_run import Run, indices, scribble
+from posttrain.conformance.suites._buffer_run import Run, indices, keys_for, scribble
 from posttrain.conformance.suites._compare import leaves
 from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.contracts.buffer import BUFFER
@@ -84,7 +84,8 @@ def model_machine(ctx: Context, focus: str, root: Path | None) -> type[Any]:
     ``focus`` is the requirement it checks: BUF-001 the indices extend returns, BUF-002 len,
     BUF-003 the contents (sampled at the end), BUF-006 every sample, BUF-007 samples of up to
     16 items whatever len is (with replacement); it also chooses which operations join extend,
-    sample and len (:func:`_focus_rules`).
+    sample and len (:func:`_focus_rules`). Each sequence's items hold one of the key sets
+    ``focus``'s domain allows beside the layout's keys (``keys_for``).
     """
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -98,9 +99,13 @@ def model_machine(ctx: Context, focus: str, root: Path | None) -> type[Any]:
         where: dict[int, int]  # uid -> the index extend returned, for every stored item
         last: TensorDictBase | None
 
-        @initialize(capacity=st.sampled_from([1, 2, 3, 5, 8]), t=st.integers(PROMPT_LEN + 1, 12))
-        def fresh(self, capacity: int, t: int) -> None:
-            self.run = Run(ctx, capacity=capacity)
+        @initialize(
+            capacity=st.sampled_from([1, 2, 3, 5, 8]),
+            t=st.integers(PROMPT_LEN + 1, 12),
+            keys=st.sampled_from(keys_for(focus)),
+        )
+        def fresh(self, capacity: int, t: int, keys: tuple[tuple[str, ...], ...]) -> None:
+            self.run = Run(ctx, capacity=capacity, keys=keys)
             self.t, self.where, self.last = t, {}, None
 
         # n >= 1: an extend of 0 items is BUF-015's, a SHOULD
@@ -283,7 +288,7 @@ def _carry_on(
     """The machine ``m`` goes on with a fresh buffer ``load`` restored, holding the model's
     items; the model goes on unchanged."""
     r = m.run
-    fresh = Run(ctx, capacity=r.capacity)
+    fresh = Run(ctx, capacity=r.capacity, keys=r.keys)
     load(fresh.rb)
     fresh.table, fresh.fifo, fresh.next_uid = r.table, list(r.fifo), r.next_uid
     m.run = fresh

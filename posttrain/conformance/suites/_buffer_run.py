@@ -22,13 +22,76 @@ CAP = 8
 T = 8
 UID_BASES = itertools.count(1)
 
+# Keys beside the LLM layout's, from the key names the contract allows (non-empty, no '/' or
+# NUL): names whose parts joined with '.' (or '_') are one another's, or a layout key's
+# (('next', 'reward'), ('tokens', 'full')), dots at any depth, spaces, dashes, non-ASCII
+# letters. A buffer that files keys under joined names stores two of them in one place.
+KEY_SETS: tuple[tuple[tuple[str, ...], ...], ...] = (
+    (),
+    (("a.b",), ("a", "b")),
+    (("next.reward",), ("tokens.full",), ("next", "ref_log_probs.full")),
+    (("x", "y", "z"), ("x.y.z",), ("x.y", "z"), ("x", "y.z")),
+    (
+        ("a_b",),
+        ("a", "b"),
+        ("clé",),
+        ("键",),
+        ("ключ", "значение"),
+        ("with space",),
+        ("dash-name",),
+    ),
+)
+ALL_KEYS: tuple[tuple[str, ...], ...] = tuple(dict.fromkeys(k for ks in KEY_SETS for k in ks))
+"""Every key of :data:`KEY_SETS` at once (a layout holding all of them)."""
+
+
+def keys_for(req: str) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """The key sets ``req``'s domain tries: :data:`KEY_SETS`, less those with a name holding
+    '.' for BUF-014 (a state dict joins nested names with '.', as ``nn.Module``'s and
+    ``TensorDict.state_dict`` do: out of its scope in v1).
+
+    Example:
+        >>> len(keys_for("BUF-018")) - len(keys_for("BUF-014"))
+        3
+    """
+    if req != "BUF-014":
+        return KEY_SETS
+    return tuple(ks for ks in KEY_SETS if not any("." in name for k in ks for name in k))
+
+
+def with_keys(td: TensorDictBase, keys: tuple[tuple[str, ...], ...]) -> TensorDictBase:
+    """``td`` with a leaf under each of ``keys``, distinct per key and per item.
+
+    Alternately int64 [N] and float32 [N, 3], so keys that meet in one place differ in value
+    (and shape), whichever one a buffer keeps.
+
+    Example:
+        >>> from posttrain.testing import llm_batch
+        >>> td = with_keys(llm_batch(2), (("a.b",), ("a", "b")))
+        >>> td["a.b"].tolist(), td["a", "b"].shape
+        ([0, 2], torch.Size([2, 3]))
+    """
+    if not keys:
+        return td
+    uids = torch.as_tensor(item_uids(td), dtype=torch.int64)
+    out = td.clone(recurse=False)
+    for k, key in enumerate(keys):
+        if k % 2 == 0:
+            out.set(key, uids * len(keys) + k)
+        else:
+            out.set(key, (uids[:, None] * 3 + torch.arange(3)).float() + k / 64)
+    return out
+
 
 class Run:
     """A buffer under test plus the model of what it should hold (FIFO of uids)."""
 
-    def __init__(self, ctx: Context, capacity: int = CAP) -> None:
+    def __init__(
+        self, ctx: Context, capacity: int = CAP, keys: tuple[tuple[str, ...], ...] = ()
+    ) -> None:
         self.ctx = ctx
         self.capacity = capacity
+        self.keys = keys  # beside the layout's, in every item (see KEY_SETS)
         self.rb: Any = ctx.make(capacity)
         self.table = Table()
         self.fifo: list[int] = []
@@ -39,7 +102,7 @@ class Run:
     def batch(self, n: int, t: int = T) -> TensorDictBase:
         td = llm_batch(n, t, uid_start=self.next_uid, seed=self.ctx.seed)
         self.next_uid += n
-        return td
+        return with_keys(td, self.keys)
 
     def write(self, n: int) -> torch.Tensor:
         return self.put(self.batch(n))

@@ -43,11 +43,13 @@ from posttrain.conformance.suites._buffer_rejects import (
     retyped,
 )
 from posttrain.conformance.suites._buffer_run import (
+    ALL_KEYS,
     CAP,
     UID_BASES,
     Run,
     T,
     indices,
+    keys_for,
     scribble,
     short_err,
 )
@@ -304,10 +306,19 @@ def empty_sample_raises(ctx: Context) -> None:
     raise _fail(f"sample(2) on an empty buffer returned {type(s).__name__} instead of raising")
 
 
+def _names(keys: tuple[tuple[str, ...], ...]) -> str:
+    return "[" + ", ".join(key_str(k) for k in keys) + "]"
+
+
 def _restored(ctx: Context, src: Run, fifo: list[int], load: Any, what: str) -> Run:
     """A fresh buffer ``load`` fills, checked to hold exactly ``fifo`` (src's items)."""
-    fresh = Run(ctx)
-    load(fresh.rb)
+    fresh = Run(ctx, keys=src.keys)
+    try:
+        load(fresh.rb)
+    except ConformanceError:
+        raise
+    except Exception as e:  # what the buffer itself saved, of items it took: no bad input
+        raise _fail(f"{what}: restoring raised {short_err(e)}; expected the saved items") from e
     fresh.table, fresh.fifo, fresh.next_uid = src.table, list(fifo), src.next_uid
     if len(fresh.rb) != len(fifo):
         raise _fail(f"{what}: restored len is {len(fresh.rb)}, expected {len(fifo)}")
@@ -315,12 +326,16 @@ def _restored(ctx: Context, src: Run, fifo: list[int], load: Any, what: str) -> 
     return fresh
 
 
-def _roundtrip(ctx: Context, save: Any, load: Any, what: str) -> None:
+def _roundtrip(
+    ctx: Context, save: Any, load: Any, what: str, keys: tuple[tuple[str, ...], ...]
+) -> None:
     """``save(src)`` into something ``load(snapshot, dst)`` restores in a fresh buffer: contents
     and the next write position must be the original's; then the original moves on (CAP more
     items, every slot overwritten) and the same snapshot, restored again, must still give the
-    contents and write position of the moment it was taken."""
-    r = Run(ctx)
+    contents and write position of the moment it was taken. Items hold ``keys`` beside the
+    layout's (the key names the requirement's domain allows, see ``KEY_SETS``)."""
+    r = Run(ctx, keys=keys)
+    what = f"{what} of items with keys {_names(keys)} beside the layout's" if keys else what
     for n in (5, 6):  # wraps around: the write position is not trivially len
         r.write(n)
     snapshot, fifo = save(r.rb), list(r.fifo)
@@ -362,7 +377,13 @@ def state_roundtrip(ctx: Context) -> None:
             ) from None
         dst.load_state_dict(copy)
 
-    _roundtrip(ctx, lambda rb: rb.state_dict(), via_state_dict, "state_dict/load_state_dict")
+    _roundtrip(
+        ctx,
+        lambda rb: rb.state_dict(),
+        via_state_dict,
+        "state_dict/load_state_dict",
+        keys_for("BUF-014")[-1],
+    )
     drive_model(ctx, "BUF-014")
 
 
@@ -519,7 +540,7 @@ def dumps_loads_roundtrip(ctx: Context) -> None:
             src.dumps(d / "buffer")
             return d / "buffer"
 
-        _roundtrip(ctx, save, lambda path, dst: dst.loads(path), "dumps/loads")
+        _roundtrip(ctx, save, lambda path, dst: dst.loads(path), "dumps/loads", ALL_KEYS)
     drive_model(ctx, "BUF-018")
 
 
