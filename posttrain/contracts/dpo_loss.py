@@ -28,8 +28,10 @@ _GRAD_PAIRS = (
     "(1 - p), rounds to 0 and cannot be read; DPO-003 checks the values there)." + _PAIRS_TAIL
 )
 _LIVE = (
-    " Then (since 1.2) random sequences of up to 5 steps (10 from depth 2) on one loss object "
-    "built on a live policy, its output head scaled by 1, 30 or 1000: up to 2 batches, each "
+    " Then (since 1.2) one loss object built on a live policy, first in a fixed sequence on "
+    "one batch (output head x 1): scored, a training step, a weight load, an in-place change of "
+    "the batch, a second batch and a training step on it; then in random sequences of up to 5 "
+    "steps (10 from depth 2), the output head scaled by 1, 30 or 1000: up to 2 batches, each "
     "scored again after "
     "every step (`loss_preference` and the metrics); training steps of the policy between "
     "calls (each weight moved by lr·sign of the gradient of `loss_preference` through the loss "

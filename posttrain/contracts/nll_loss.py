@@ -40,8 +40,10 @@ _GRAD_BATCHES = (
     "0: a batch of such tokens has none to read, NLL-003 checks the values there)." + _TAIL
 )
 _LIVE = (
-    " Then (since 1.2) random sequences of up to 5 steps (10 from depth 2) on one loss object "
-    "built on a live policy, its output head scaled by 1, 30 or 1000: up to 2 batches, each "
+    " Then (since 1.2) one loss object built on a live policy, first in a fixed sequence on "
+    "one batch (output head x 1): scored, a training step, a weight load, an in-place change of "
+    "the batch, a second batch and a training step on it; then in random sequences of up to 5 "
+    "steps (10 from depth 2), the output head scaled by 1, 30 or 1000: up to 2 batches, each "
     "scored again after "
     "every step; training steps of the policy between calls (each weight moved by lr·sign of "
     "the gradient of `loss_nll` through the loss itself, lr 1e-3 to 0.1), new weights loaded "

@@ -21,11 +21,11 @@ id):
   loss_nll of a batch of 1 rows x 2 columns (1 assistant tokens in 1 rows) is 0, expected
   4.28231 (sum of w x -log p over the a)
 - ``stale_logits_cache`` breaks NLL-003: **caught** (NLL-003: aggregation 'token_mean', one
-  loss object on a live policy (output head x 1), batch 0 scored again after a load of new
-  weights into the policy in place (noise 0.001): loss_nll is 4.28231, expected 4.28252 (... it
-  is the value this loss gave the same batch before ...)); nll_loss 1.2's NLL-003 drives a live
-  policy statefully (missed under 1.1, which never scored one batch twice across a change of
-  the policy's weights)
+  loss object on a live policy (output head x 1), batch 0 scored again after a training step
+  of the policy (lr 0.01 x the sign of d loss_nll / d weight): loss_nll is 4.2638, expected
+  3.79384 (... it is the value this loss gave the same batch before ...)); nll_loss 1.2's
+  NLL-003 drives a live policy statefully (missed under 1.1, which never scored one batch twice
+  across a change of the policy's weights)
 
 Base on the same ids and declarations (token_mean and seq_mean_token_mean): NLL-003 PASS.
 

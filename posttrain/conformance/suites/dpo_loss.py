@@ -465,6 +465,7 @@ def preference_loss_value(ctx: Context) -> None:
         formula="the mean over pairs of -log σ(β·Δ) and the metrics",
         in_place=(RLP,),
         recipes=pair_cases(top=PEAK),
+        start=Pairs(2, 10, 9),
     )
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from posttrain.conformance.context import Context
+from posttrain.conformance.context import ConformanceError, Context
 from posttrain.conformance.explore import for_all, run_machine
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._compare import leaves
@@ -391,6 +391,7 @@ def loss_value(ctx: Context) -> None:
         "loss_nll",
         what=f"aggregation {ctx.options['aggregation']!r}",
         formula="sum of w x -log p",
+        start=BOUNDARIES[3],
     )
 
 
@@ -408,6 +409,7 @@ def check_live(
     formula: str,
     in_place: tuple[tuple[str, ...], ...] = (),
     recipes: Any = None,
+    start: Any = None,
     examples: int = 2,
     steps: int = 5,
 ) -> None:
@@ -420,7 +422,9 @@ def check_live(
     ``scale`` replaced by the sequence's); ``score(policy, loss, td)`` gives, by name, (what the
     loss gave, the formula's float64 value from the policy's current weights, the absolute
     tolerance). A value that differs from the formula's by more than 1e-5 relative fails,
-    naming the value the loss gave the same batch before, when it gives it again.
+    naming the value the loss gave the same batch before, when it gives it again. A fixed
+    sequence on the recipe ``start`` (output head x 1) runs first: a training step, a weight
+    load and an in-place change of the batch, then a second batch and a training step on it.
     """
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
@@ -518,6 +522,29 @@ def check_live(
                     self.seen[n][name] = got
 
     LivePolicy.__name__ = "LivePolicy"
+    # The boundary first, as a fixed sequence: each kind of change once, then a second batch.
+    first = replace(recipes.example() if start is None else start, scale=1.0)
+    script: list[tuple[str, dict[str, Any]]] = [
+        ("build", {"scale": 1.0, "recipe": first}),
+        ("train_step", {"i": 0, "lr": 0.01}),
+        ("load_weights", {"seed": 1, "size": 0.1}),
+        ("change_in_place", {"i": 0, "seed": 2}),
+        ("new_batch", {"recipe": replace(first, seed=first.seed + 1)}),
+        ("train_step", {"i": 1, "lr": 0.1}),
+    ]
+    state = LivePolicy()
+    for n, (step, kwargs) in enumerate(script):
+        try:
+            getattr(state, step)(**kwargs)
+        except ConformanceError as e:
+            program = "\n".join(
+                ["state = LivePolicy()"]
+                + [
+                    f"state.{name}({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
+                    for name, kw in script[: n + 1]
+                ]
+            )
+            raise ConformanceError(f"{e}\ncall sequence (runnable):\n{program}") from e
     run_machine(ctx, LivePolicy, examples=examples, steps=steps)
 
 
