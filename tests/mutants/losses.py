@@ -674,6 +674,15 @@ class ClampsAdvantages(PolicyGradientLoss):
         return super()._surrogate(adv.clamp(-10.0, 10.0), ratio)
 
 
+class CaseInsensitiveOptions(PolicyGradientLoss):
+    """Reads its aggregation case-insensitively (``value.lower()``, as many config parsers
+    do): ``"SEQ_MEAN_TOKEN_MEAN"`` is taken for a value the spec does not define. Killed by
+    LOSS-008 since loss 1.8 (near misses of the declared value)."""
+
+    def __init__(self, policy: Any, *, aggregation: str = "token_mean", **kwargs: Any) -> None:
+        super().__init__(policy, aggregation=aggregation.lower(), **kwargs)
+
+
 _CLIP = (0.2, 0.28)
 
 
@@ -787,6 +796,7 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-001", _impl("LOSS-001", SequenceMeanOfEmptyRow)),
     ("LOSS-004", _impl("LOSS-004", ContiguousAnswer)),
     ("LOSS-014", _clip_impl("LOSS-014", ClampsAdvantages)),
+    ("LOSS-008", _impl("LOSS-008", CaseInsensitiveOptions)),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
 

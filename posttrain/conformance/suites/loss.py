@@ -245,12 +245,9 @@ def unknown_options_rejected(ctx: Context) -> None:
     # Only a declared option is passed by its name: a factory that declares none need not take
     # any keyword, and rejects this one by name like any other unknown keyword.
     attempts = [
-        (
-            {name: _unknown_value(name)},
-            _unknown_value(name),
-            f"an unknown {name} {_unknown_value(name)!r}",
-        )
+        ({name: value}, value or name, f"an unknown {name} {value!r}")
         for name in sorted(ctx.impl.options)
+        for value in _unknown_values(name, str(ctx.options[name]))
     ]
     misspelt = {"aggregaton": ctx.options["aggregation"]}
     attempts.append((misspelt, "aggregaton", "a misspelt keyword 'aggregaton'"))
@@ -269,8 +266,19 @@ def unknown_options_rejected(ctx: Context) -> None:
         raise _fail("; ".join(problems))
 
 
-def _unknown_value(option: str) -> str:
-    return "token_meen" if option == "aggregation" else f"no_such_{option}"
+def _unknown_values(option: str, declared: str) -> list[str]:
+    """Values of ``option`` the spec does not define: a misspelling and, since 1.8, the
+    declared value's near misses (another case, a suffix, a prefix, empty: a lenient parser's
+    ``.lower()``, ``startswith`` or ``in`` accepts one of them)."""
+    from posttrain.contracts.loss import LOSS
+
+    known = {v for o in LOSS.options if o.name == option for v in o.values}
+    first = "token_meen" if option == "aggregation" else f"no_such_{option}"
+    out: list[str] = []
+    for v in (first, declared.upper(), declared + "_x", declared[:-1], ""):
+        if v not in known and v not in out:
+            out.append(v)
+    return out
 
 
 @requirement("LOSS-009")
