@@ -32,6 +32,7 @@ def _sink(
     readers: dict[str, str],
     capabilities: frozenset[str] = frozenset(),
     known_failures: frozenset[str] = frozenset(),
+    precision: str = "float32",
 ) -> Implementation:
     """One sink row: ``sinks.<cls>(directory)``, its readers as ``extras`` (key -> attribute)."""
     return Implementation(
@@ -39,7 +40,7 @@ def _sink(
         _lazy(cls),
         name=name,
         capabilities=capabilities,
-        extras={key: _lazy(attr) for key, attr in readers.items()},
+        extras={"precision": precision, **{key: _lazy(attr) for key, attr in readers.items()}},
         known_failures=known_failures,
         description=description,
     )
@@ -51,6 +52,7 @@ MLFLOW_SINK = _sink(
     "MLflow through its client API into a local SQLite store, read back with MlflowClient.",
     readers={"reader": "read_mlflow"},
     known_failures=frozenset({"MET-004"}),  # SHOULD: MLflow stores +-inf as +-1.797e308
+    precision="float64",  # a SQL double per value
 )
 """Entry point ``mlflow-sink``."""
 
@@ -65,6 +67,7 @@ WANDB_SINK = _sink(
         "samples_reader": "read_wandb_samples",
     },
     capabilities=frozenset({"histogram", "samples"}),
+    precision="float64",  # values travel as JSON numbers in the run's log
 )
 """Entry point ``wandb-sink``."""
 

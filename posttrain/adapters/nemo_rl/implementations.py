@@ -49,7 +49,7 @@ LOGGER_JSONL = Implementation(
     _jsonl_logger,
     name="NemoLogger(JsonlSink)",
     capabilities={"flush", "cross_process"},
-    extras={"reader": _read_jsonl},
+    extras={"reader": _read_jsonl, "precision": "float64"},  # JSON numbers, read back exactly
     description="NeMo-RL's LoggerInterface shape over posttrain's JSONL sink.",
 )
 """Entry point ``nemo-rl-logger-jsonl``."""

@@ -188,7 +188,7 @@ CSV_LOGGER = Implementation(
     csv_logger,
     name="torchrl.CSVLogger",
     capabilities={"flush", "cross_process"},
-    extras={"reader": read_torchrl_csv},
+    extras={"reader": read_torchrl_csv, "precision": "float64"},  # repr() of a Python float
     known_failures={"MET-007"},  # no step: the count of the name's values, not its next step
     description="TorchRL's CSVLogger, read back from its scalars/<name>.csv files.",
 )
@@ -205,7 +205,7 @@ WANDB_LOGGER = Implementation(
     "metrics",
     wandb_logger,
     name="torchrl.WandbLogger (offline)",
-    extras={"reader": read_torchrl_wandb},
+    extras={"reader": read_torchrl_wandb, "precision": "float64"},
     known_failures={"MET-002"},  # a metric named step or <group>/step becomes a step counter
     description=(
         "TorchRL's WandbLogger in offline mode, read back from the run's .wandb log with W&B's "
