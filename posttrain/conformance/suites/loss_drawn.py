@@ -70,15 +70,18 @@ def finite_on_layouts(ctx: Context, policy: Any, loss: Any) -> None:
 
 def garbage(td: TensorDictBase, value: float) -> TensorDictBase:
     """``td`` with ``value`` at every log-prob and advantage outside the assistant mask (holes
-    and rows without an assistant token included: a [B] advantage of such a row is all
-    outside) and other tokens at padding positions; prompt and hole tokens stay (they
+    included, and where ``value`` is finite the [B] advantage of a row without an assistant
+    token) and other tokens at padding positions; prompt and hole tokens stay (they
     condition the answer)."""
     outside = ~td.get(ASST)
     td.set(TOK, torch.where(~td.get(ATT), (td.get(TOK) + 17) % V, td.get(TOK)))
     for key in (SLP, RLP):
         td.set(key, torch.where(outside, torch.full_like(td.get(key), value), td.get(key)))
     adv = td.get(ADV)
-    off = outside if adv.ndim == 2 else ~td.get(ASST)[:, 1:].any(-1)
+    # A [B] advantage of a row without an assistant token gets finite values only: whether
+    # such a row's NaN advantage may reach a mask-multiplied sum, the spec does not say
+    # (TorchRL's sequence means let it through as NaN x 0).
+    off = outside if adv.ndim == 2 else ~td.get(ASST)[:, 1:].any(-1) & math.isfinite(value)
     td.set(ADV, torch.where(off, torch.full_like(adv, value), adv), inplace=False)
     return td
 
@@ -99,8 +102,8 @@ def inert_on_layouts(ctx: Context, policy: Any, loss: Any) -> None:
                     base,
                     scalars(loss(garbage(td.clone(), value))),
                     f"{shown(layout)}{', a [B, T] advantage' if per_token else ''}: "
-                    f"log-probs and advantages {value} outside the assistant mask (holes and "
-                    "rows without an assistant token included), other padding tokens",
+                    f"log-probs and advantages {value} outside the assistant mask (holes "
+                    "included), other tokens at padding positions",
                     1e-5 * tol_factor(ctx),
                 )
 
