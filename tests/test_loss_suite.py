@@ -81,9 +81,11 @@ class _SlicedPolicy:
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> _Logits:
         if self.how == "halves":
             h = input_ids.shape[0] // 2
+            # A single row is one call: a half of no rows is not a batch the policy takes.
             parts = [
                 self.policy(input_ids=input_ids[s], attention_mask=attention_mask[s]).logits
                 for s in (slice(0, h), slice(h, None))
+                if len(input_ids[s])
             ]
             return _Logits(torch.cat(parts))
         t = input_ids.shape[1]

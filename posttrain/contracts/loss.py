@@ -280,7 +280,7 @@ LOSS = Contract(
             domain="The suite's batch with `sample_log_probs`, `advantage` and `ref_log_probs` each in float64, bfloat16 and float16, one field at a time and, since 1.7, all three at once; since 1.7 the outputs' dtypes are compared with those of the same values in float32 as well as their values."),
         Requirement(id="LOSS-010", level=_M, title="KL to reference", capability="kl_to_ref",
             text="With reference log-probs equal to the policy's own, `loss_kl_to_ref` MUST be zero; it MUST become positive when they differ on assistant tokens, stay zero when they differ elsewhere only, and stay the same when padding columns are appended (it is reduced over assistant tokens, not positions).", depends_on=("LOSS-001",),
-            domain=_BATCH + " (ratio 1): reference log-probs the policy's own (expected 0 within 1e-6), set to -3.0 outside the assistant mask only (0), moved by -0.5 on every assistant token (expected above 1e-6), and that last batch with 3 padding columns appended (the same within 1e-4 relative)."),
+            domain=_BATCH + ": reference log-probs the policy's own (expected 0 within 1e-6), set to -3.0 outside the assistant mask only (0), moved by -0.5 on every assistant token (expected above 1e-6), and that last batch with 3 padding columns appended (the same within 1e-4 relative)."),
         Requirement(id="LOSS-011", level=_M, title="per-token advantages", capability="per_token_advantage",
             text="An advantage of shape [B, T] constant along T MUST give the same outputs as the [B] advantage.", depends_on=("LOSS-003",),
             domain=_BATCH + " with its [B] advantage broadcast to [B, T] (the row's value at every position, inside and outside the mask); outputs compared within 1e-5."),
