@@ -97,15 +97,16 @@ class Budget:
     def full_pass(self, update_after: int | None = None) -> None:
         """Iterate to the end (cut off ``PAST`` batches past the total), then compare."""
         n, t = 0, self.total
-        before = len(self.log)
+        inside: list[str] = []
         for _ in self.src:
             n += 1
             if n == update_after:
-                _update(self.src, self.policy, self.log)
+                _update(self.src, self.policy, inside)
             if n > t + PAST:
                 break
         got = f"more than {t + PAST}" if n > t + PAST else str(n)
-        self.log.insert(before, f"list(src)  # {got} batches")
+        during = f", {inside[0]} after batch {update_after}" if inside else ""
+        self.log.append(f"list(src)  # {got} batches{during}")
         k = len(self.passes)
         self.passes.append(n)
         if k == 0:
@@ -156,7 +157,8 @@ def budget_sequences(ctx: Context, policy: Any) -> None:
 
 
 def budget_machine(ctx: Context, policy: Any) -> type[Any]:
-    """Random passes, updates and fresh sources against :class:`Budget`."""
+    """Random passes (each maybe on a fresh source, after an update, with one inside) against
+    :class:`Budget`: every step iterates, so no sequence is spent on setup alone."""
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
@@ -169,17 +171,19 @@ def budget_machine(ctx: Context, policy: Any) -> type[Any]:
         def start(self, total: int, prompts: int) -> None:
             self.model = Budget(ctx, policy, total, prompts)
 
-        @rule(update_after=st.none() | st.integers(1, 3))
-        def full_pass(self, update_after: int | None) -> None:
+        @rule(
+            update_before=st.booleans(),
+            update_after=st.none() | st.integers(1, 3),
+            fresh=st.none() | st.tuples(totals, sizes),
+        )
+        def full_pass(
+            self, update_before: bool, update_after: int | None, fresh: tuple[int, int] | None
+        ) -> None:
+            if fresh is not None:
+                self.model.fresh(*fresh)
+            if update_before:
+                self.model.update()
             self.model.full_pass(update_after)
-
-        @rule()
-        def update(self) -> None:
-            self.model.update()
-
-        @rule(total=totals, prompts=sizes)
-        def fresh_source(self, total: int, prompts: int) -> None:
-            self.model.fresh(total, prompts)
 
         def teardown(self) -> None:
             if hasattr(self, "model"):
@@ -332,40 +336,39 @@ def lifecycle_sequence(ctx: Context, policy: Any) -> None:
 
 
 def lifecycle_machine(ctx: Context, policy: Any) -> type[Any]:
-    """Random iterators, advances, passes, updates and shutdowns against :class:`Lifecycle`."""
+    """Random steps against :class:`Lifecycle`; a sequence that did not shut the source down
+    ends with ``shutdown()`` and its checks."""
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
+    # The simplest step first: a sequence shrinks towards advancing the first iterator.
+    kinds = ("advance", "take", "full_pass", "update", "shutdown")
+
     class RolloutLifecycleMachine(RuleBasedStateMachine):
         model: Lifecycle
+        failed = False
 
         @initialize(total=st.none() | st.integers(0, 2))
         def start(self, total: int | None) -> None:
             self.model = Lifecycle(ctx, policy, total)
             self.model.take()
 
-        @rule()
-        def take(self) -> None:
-            self.model.take()
-
-        @rule(i=st.integers(0, 3))
-        def advance(self, i: int) -> None:
-            self.model.advance(i)
-
-        @rule(i=st.integers(0, 3))
-        def full_pass(self, i: int) -> None:
-            self.model.full_pass(i)
-
-        @rule()
-        def update(self) -> None:
-            self.model.update()
-
-        @rule()
-        def shutdown(self) -> None:
-            self.model.shutdown()
+        @rule(kind=st.sampled_from(kinds), i=st.integers(0, 3))
+        def step(self, kind: str, i: int) -> None:
+            try:
+                if kind in ("advance", "full_pass"):
+                    getattr(self.model, kind)(i)
+                else:
+                    getattr(self.model, kind)()
+            except BaseException:
+                self.failed = True
+                raise
 
         def teardown(self) -> None:
-            if hasattr(self, "model"):
-                self.model.close()
+            if not hasattr(self, "model"):
+                return
+            if not self.failed and not self.model.closed:
+                self.model.shutdown()
+            self.model.close()
 
     return RolloutLifecycleMachine
