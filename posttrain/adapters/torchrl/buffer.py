@@ -23,6 +23,7 @@ from posttrain._state_checks import (
     refuse_unstorable,
     schema_from_state,
 )
+from posttrain.adapters.torchrl._state_keys import decode_columns, flat_columns, flat_name
 from posttrain.contracts.buffer import sample_size, storage_indices
 from posttrain.contracts.schema import RAGGED, ItemSchema, batch_violations
 from posttrain.contracts.validation import ContractViolation
@@ -210,12 +211,11 @@ class ValidatedReplayBuffer:
         """
         with self._lock:
             schema, rb_state = self._checked(state_dict)
-            before = _copied(self.rb.state_dict())
+            before = _copied(_rb_state(self.rb))
             try:
-                self.rb.load_state_dict(rb_state)
-                _restore_write_count(self.rb, rb_state)
+                _load_rb(self.rb, rb_state)
             except Exception as e:
-                self.rb.load_state_dict(before)
+                _load_rb(self.rb, before)
                 raise ValueError(
                     f"state_dict['rb']: TorchRL's load_state_dict raised {type(e).__name__}: "
                     f"{e} (the previous state was put back)"
@@ -524,7 +524,8 @@ def _keeps_references(rb: Any) -> bool:
 
 
 def _rb_state(rb: Any) -> dict[str, Any]:
-    """``rb.state_dict()`` with the writer's write count in it.
+    """``rb.state_dict()`` with the writer's write count in it, and the stored columns under
+    names that keep '.' inside a name apart from nesting (:mod:`._state_keys`).
 
     Per-release branch for TorchRL 0.12 and 0.13: their ``RoundRobinWriter.state_dict()``
     holds only ``_cursor`` (0.14 added ``_write_count``), and a length check needs the count,
@@ -537,7 +538,32 @@ def _rb_state(rb: Any) -> dict[str, Any]:
         count = getattr(w, "_write_count", None)
         if isinstance(count, int):
             state["_writer"] = {**writer, "_write_count": count}
+    storage, live = state.get("_storage"), _live_storage(rb)
+    if isinstance(storage, dict) and "_storage" in storage:
+        inner = storage["_storage"]
+        if isinstance(inner, Mapping) and isinstance(live, TensorDictBase):
+            state["_storage"] = {**storage, "_storage": flat_columns(live)}
+        elif isinstance(inner, list) and isinstance(live, list) and len(live) == len(inner):
+            state["_storage"] = {**storage, "_storage": [flat_columns(i) for i in live]}
     return state
+
+
+def _live_storage(rb: Any) -> Any:
+    """The wrapped buffer's stored columns (a TensorDict, or a list storage's items), or None."""
+    st = _live_part(rb, "storage")
+    return None if st is None else vars(st).get("_storage")
+
+
+def _load_rb(rb: Any, state: Mapping[str, Any]) -> None:
+    """``rb.load_state_dict(state)`` of a :func:`_rb_state`, the columns' names decoded."""
+    rb.load_state_dict(state)
+    _restore_write_count(rb, state)
+    st = _live_part(rb, "storage")
+    live = _live_storage(rb)
+    if isinstance(live, TensorDictBase):
+        vars(st)["_storage"] = decode_columns(live)
+    elif isinstance(live, list):
+        live[:] = [decode_columns(i) if isinstance(i, TensorDictBase) else i for i in live]
 
 
 def _restore_write_count(rb: Any, state: Mapping[str, Any]) -> None:
@@ -657,7 +683,7 @@ def _check_item(item: Any, schema: ItemSchema, where: str, fixed_rows: int | Non
     list storage (no leading dim)."""
     if not isinstance(item, Mapping):
         raise bad(where, "a dict of the stored columns", type(item).__name__)
-    want = {".".join(k): c for k, c in schema.columns.items()}
+    want = {flat_name(k): c for k, c in schema.columns.items()}
     keys = set(map(str, item)) - {_INDEX}
     if keys != set(want) or not all(isinstance(k, str) for k in item):
         missing, extra = sorted(set(want) - keys), sorted(keys - set(want))
