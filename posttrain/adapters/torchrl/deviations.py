@@ -200,6 +200,12 @@ ROLLOUT_DEVIATIONS: tuple[Deviation, ...] = (
         "roll_003_stale_policy_version",
         blocked_by=("ROLL-001",),
     ),
+    Deviation(
+        ("ROLL-007",),
+        "LLMCollector.shutdown",
+        "once its declared total is spent, a shut-down collector answers a new iteration (and an iterator taken before shutdown) with StopIteration, an empty iteration, instead of an error (without a total it raises AttributeError)",
+        "roll_007_spent_collector_stops_silently",
+    ),
 )
 """Known deviations of TorchRL 0.14.1's LLMCollector and TransformersWrapper, found by the rollout suite."""
 
