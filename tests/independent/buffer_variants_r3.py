@@ -4,7 +4,7 @@ Each variant subclasses a correct design of :mod:`tests.independent.buffers`
 (:class:`ListFifoBuffer` or :class:`KeyedArrayBuffer`) and changes one thing. Its docstring
 names the bug, a system that shipped a bug of that kind (or says it is plausible), and the
 requirement sentence it breaks; ``DEMOS[name]()`` shows the bug with plain code against that
-sentence (True when the bug shows). Not wired into any test in this round.
+sentence (True when the bug shows). Run by tests/test_independent_variants_r3.py.
 
 Measured (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; filled in below after the run):
 

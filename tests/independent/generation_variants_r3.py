@@ -3,8 +3,8 @@
 Each variant changes one thing in :class:`tests.independent.generation.DrainBatchingServer`
 (``on_shutdown="drain"``). Each docstring names the bug, a system that shipped a bug of that
 kind (or says it is plausible) and the requirement sentence it breaks; ``DEMOS[name]()`` shows
-the bug with plain code against that sentence (True when the bug shows). Not wired into any
-test in this round.
+the bug with plain code against that sentence (True when the bug shows). Run by
+tests/test_independent_variants_r3.py.
 
 Measured (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; filled in below after the run):
 

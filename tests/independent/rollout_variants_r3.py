@@ -4,7 +4,7 @@ Each variant subclasses a correct design of :mod:`tests.independent.rollouts`
 (``EagerPrefetchSource``: padded, log-probs, groups; ``LazyGeneratorSource``: ragged, a
 private engine copy, one budget for life) and plants one bug, naming the requirement whose
 sentence it breaks. ``DEMOS[name]()`` shows the bug without the kit (True when the sentence
-fails on the variant). Not wired into any test in this round.
+fails on the variant). Run by tests/test_independent_variants_r3.py.
 
 Measured (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; filled in below after the run):
 

@@ -4,7 +4,7 @@ Each variant changes one thing in a correct design of :mod:`tests.independent.we
 (the queue design, :func:`queue_pair`, or the latest-wins mailbox, :func:`mailbox_pair`).
 Each docstring names the bug, a system that shipped a bug of that kind (or says it is
 plausible) and the requirement sentence it breaks; ``DEMOS[name]()`` shows the bug with plain
-code against that sentence (True when the bug shows). Not wired into any test in this round.
+code against that sentence (True when the bug shows). Run by tests/test_independent_variants_r3.py.
 
 Measured (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; filled in below after the run):
 
