@@ -54,6 +54,14 @@ def shown(layout: Layout) -> str:
     return f"a batch of {len(rows)} rows of width {width}, rows (length, answer from, hole, advantage) {list(rows)}"
 
 
+def seeded(ctx: Context, loss: Any, td: TensorDictBase) -> Any:
+    """``loss(td)`` with torch's global generator seeded by the run's seed: two calls compared
+    draw the same random numbers (verl's Clip-Cov zeroes a randomly drawn token's term), so
+    a difference is the inputs' alone and the verdict the seed's."""
+    torch.manual_seed(ctx.seed)
+    return loss(td)
+
+
 def finite_on_layouts(ctx: Context, policy: Any, loss: Any) -> None:
     """LOSS-001 on every drawn layout."""
 
@@ -96,11 +104,11 @@ def inert_on_layouts(ctx: Context, policy: Any, loss: Any) -> None:
             a = token_advantages(td, ctx.seed) * td.get(ADV)[:, None].abs().clamp_min(1e-3)
             td.set(ADV, a, inplace=False)
         with torch.no_grad():
-            base = scalars(loss(td.clone()))
+            base = scalars(seeded(ctx, loss, td.clone()))
             for value in (123.0, float("nan"), -1e30):
                 check_same(
                     base,
-                    scalars(loss(garbage(td.clone(), value))),
+                    scalars(seeded(ctx, loss, garbage(td.clone(), value))),
                     f"{shown(layout)}{', a [B, T] advantage' if per_token else ''}: "
                     f"log-probs and advantages {value} outside the assistant mask (holes "
                     "included), other tokens at padding positions",
@@ -118,8 +126,8 @@ def order_on_layouts(ctx: Context, policy: Any, loss: Any) -> None:
         layout, perm = case
         td = layout_batch(policy, ctx, layout)
         with torch.no_grad():
-            base = scalars(loss(td.clone()))
-            other = scalars(loss(td[list(perm)].clone()))
+            base = scalars(seeded(ctx, loss, td.clone()))
+            other = scalars(seeded(ctx, loss, td[list(perm)].clone()))
         check_same(
             base, other, f"{shown(layout)} in the order {list(perm)}", 1e-5 * tol_factor(ctx)
         )
