@@ -7,11 +7,20 @@ import sys
 
 import pytest
 
+# One intra-op thread per process. The tests' tensors are tiny, and with torch's default of one
+# thread per core, OpenMP's threads spin against everything else running: on a 2-core machine
+# with one other busy process, the loss suite's tests took 125 CPU s instead of 15. Set before
+# torch is imported below, so processes the tests spawn inherit it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # pytester's in-process runs (tests/test_conformance_plugin.py) drop every module first
 # imported inside them. Were transformers' Llama module first imported there, the class
 # transformers caches would no longer be the one in sys.modules, and pickling a tiny model
 # to another process (the cross-process weight syncs) would fail. Import it up front.
+import torch
 import transformers.models.llama.modeling_llama  # noqa: F401
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # if a plugin imported torch first
 
 _STATUS = pytest.StashKey[int]()
 
