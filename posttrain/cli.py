@@ -142,11 +142,17 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _run_check(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # Only now the heavy part: torch, the suite, the implementation's own imports.
+    import torch
+
     from posttrain.conformance.html_report import failure_kind, verdict_of
     from posttrain.conformance.outcome import Status
     from posttrain.conformance.runner import DEFAULT_TIMEOUT_S, Session
     from posttrain.conformance.target import TargetError, resolve
     from posttrain.contracts.contract import DeclarationError
+
+    # The suites' tensors are tiny: one intra-op thread runs them fastest, and OpenMP's others
+    # would spin against whatever else the machine runs (make report's workers do the same).
+    torch.set_num_threads(1)
 
     target = args.impl
     try:
