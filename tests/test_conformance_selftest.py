@@ -19,7 +19,8 @@ from posttrain.reference_impls import (
     PG_LOSSES,
     RING_BUFFER,
 )
-from posttrain.reference_impls.sft_dpo import DPO_LOSSES, NLL_LOSSES
+from posttrain.reference_impls.dpo_loss import DPO_LOSSES
+from posttrain.reference_impls.nll_loss import NLL_LOSSES
 from tests.mutants import (
     buffers,
     dpo_losses,

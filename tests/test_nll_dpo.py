@@ -11,7 +11,7 @@ import torch
 
 from posttrain.adapters.nemo_rl.loss import dpo_loss, nll_loss
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.reference_impls.sft_dpo import DPOLoss, NLLLoss
+from posttrain.reference_impls import DPOLoss, NLLLoss
 from posttrain.testing import llm_batch, tiny_causal_lm
 
 VEC = json.loads((Path(__file__).resolve().parent / "data" / "nemo_rl_nll_dpo.json").read_text())

@@ -9,6 +9,7 @@ Example:
 from functools import partial
 
 from posttrain.contracts import Implementation
+from posttrain.reference_impls.dpo_loss import DPOLoss
 from posttrain.reference_impls.generation_server import ThreadGenerationServer
 from posttrain.reference_impls.hf_rollout import HFRolloutSource
 from posttrain.reference_impls.jsonl_sink import (
@@ -17,9 +18,9 @@ from posttrain.reference_impls.jsonl_sink import (
     read_jsonl_histograms,
     read_jsonl_samples,
 )
+from posttrain.reference_impls.nll_loss import NLLLoss
 from posttrain.reference_impls.pg_loss import PolicyGradientLoss
 from posttrain.reference_impls.ring_buffer import RingBuffer
-from posttrain.reference_impls.sft_dpo import DPOLoss, NLLLoss
 from posttrain.reference_impls.weight_sync import (
     InProcessReceiver,
     InProcessSender,

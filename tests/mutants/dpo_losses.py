@@ -14,7 +14,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain.contracts import LLM_LAYOUT_V1, GlobalCounts, Implementation
-from posttrain.reference_impls.sft_dpo import DPOLoss, _counts, _dpo_own, _mask_and_log_probs
+from posttrain.reference_impls._sequence_terms import batch_counts, mask_and_log_probs
+from posttrain.reference_impls.dpo_loss import DPOLoss, _dpo_own
 from tests.mutants.nll_losses import counted_mutant
 
 __all__ = ["EXTRA_MUTANTS", "MUTANTS"]
@@ -59,7 +60,7 @@ class BuggyDPO(DPOLoss):
         )
         if td.batch_size[0] % 2:
             raise ValueError(f"td: expected an even number of rows, found {list(td.batch_size)}")
-        mask, logp = _mask_and_log_probs(self.policy, td, self.layout)
+        mask, logp = mask_and_log_probs(self.policy, td, self.layout)
         own = _dpo_own(mask)
         if bug == "half_the_rows":
             own = GlobalCounts(own.tokens, int(mask.any(-1).sum()))
@@ -67,7 +68,7 @@ class BuggyDPO(DPOLoss):
             own = GlobalCounts(own.tokens, 2 * int((mask[0::2] | mask[1::2]).any(-1).sum()))
         if bug == "ignores_counts":
             counts = None
-        c = _counts(mask, counts, own)
+        c = batch_counts(mask, counts, own)
         m = mask.to(logp.dtype)
         ref = torch.where(mask, td.get(RLP).to(logp.dtype), 0.0)
         if bug == "reference_added":

@@ -12,7 +12,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from posttrain.contracts import LLM_LAYOUT_V1, GlobalCounts, Implementation
-from posttrain.reference_impls.sft_dpo import NLLLoss, _counts, _mask_and_log_probs
+from posttrain.reference_impls._sequence_terms import batch_counts, mask_and_log_probs
+from posttrain.reference_impls.nll_loss import NLLLoss
 
 __all__ = ["EXTRA_MUTANTS", "MUTANTS"]
 
@@ -77,7 +78,7 @@ class BuggyNLL(NLLLoss):
             lp = lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
             logp = torch.where(mask, torch.cat([torch.zeros_like(lp[:, :1]), lp], 1), 0.0)
         else:
-            mask, logp = _mask_and_log_probs(self.policy, td, self.layout, self.label_smoothing)
+            mask, logp = mask_and_log_probs(self.policy, td, self.layout, self.label_smoothing)
         if bug == "log_clamped":  # log p floored at -100 (a clamp against -inf, as BCE's)
             logp = logp.clamp_min(-100.0)
         if bug == "pad_id_ignored":  # cross_entropy(ignore_index=pad_token_id), the pad id 0
@@ -86,14 +87,14 @@ class BuggyNLL(NLLLoss):
             attn = td.get(ATT).clone()
             attn[:, 0] = False
             mask = attn
-            _, full = _mask_and_log_probs(self.policy, td.clone().set(ASST, attn), self.layout)
+            _, full = mask_and_log_probs(self.policy, td.clone().set(ASST, attn), self.layout)
             logp = torch.where(mask, full, 0.0)
         if bug == "counts_position_0":
             mask = mask.clone()
             mask[:, 0] = (td.get(ASST) & td.get(ATT))[:, 0]
         if bug == "ignores_counts":
             counts = None
-        c = _counts(mask, counts)
+        c = batch_counts(mask, counts)
         if bug == "counts_every_row" and counts is None:
             c = GlobalCounts(c.tokens, mask.shape[0])
         m = mask.to(logp.dtype)
@@ -111,7 +112,7 @@ class BuggyNLL(NLLLoss):
                 extra = 1e-4 * torch.logsumexp(logits.float(), -1) ** 2
             else:  # the smoothing term's sign flipped: (1 - ε)·NLL - ε·mean_v(-log p_v)
                 eps = self.label_smoothing
-                nll = -(1 - eps) * _mask_and_log_probs(self.policy, td, self.layout)[1]
+                nll = -(1 - eps) * mask_and_log_probs(self.policy, td, self.layout)[1]
                 extra = eps * torch.log_softmax(logits.float(), -1).mean(-1)
             nll = nll + torch.cat([torch.zeros_like(extra[:, :1]), extra], 1)
         if self.aggregation == "token_mean":

@@ -7,7 +7,7 @@ from tensordict import TensorDict, lazy_stack
 from torchrl.modules.llm import TransformersWrapper
 from torchrl.modules.llm.policies import Tokens
 
-from posttrain.adapters._hf import word_level_tokenizer  # a local WordLevel tokenizer
+from posttrain.adapters.torchrl.rollout import word_level_tokenizer  # a local WordLevel tokenizer
 from posttrain.testing import tiny_causal_lm  # a 1-layer Llama built from a config
 
 model = tiny_causal_lm()

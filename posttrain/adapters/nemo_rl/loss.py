@@ -442,7 +442,7 @@ def nll_loss() -> SupervisedAsNemoLoss:
         >>> nll_loss().input_type
         'logprob'
     """
-    from posttrain.reference_impls.sft_dpo import NLLLoss
+    from posttrain.reference_impls.nll_loss import NLLLoss
 
     return SupervisedAsNemoLoss(lambda p: NLLLoss(p), kind="nll")
 
@@ -454,7 +454,7 @@ def dpo_loss(cfg: Mapping[str, Any] | None = None) -> SupervisedAsNemoLoss:
         >>> dpo_loss({"sft_loss_weight": 0.1}).kind
         'dpo'
     """
-    from posttrain.reference_impls.sft_dpo import DPOLoss
+    from posttrain.reference_impls.dpo_loss import DPOLoss
 
     c = dict(cfg or {})
     unknown = sorted(set(c) - set(DPO_DEFAULTS))

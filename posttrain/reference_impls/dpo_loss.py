@@ -1,16 +1,13 @@
-"""Reference supervised (NLL) and preference (DPO) losses on the LLM layout.
+"""Reference preference (DPO) loss on the LLM layout.
 
-Both read the layout's tokens and masks (the assistant mask marks the tokens trained on,
-position 0 excluded: no logit predicts it); DPO also reads ``ref_log_probs``. A DPO batch
-holds its pairs as consecutive rows: row 2i is pair i's chosen answer, row 2i + 1 its
-rejected one (NeMo-RL's interleaving). Both take ``counts=GlobalCounts(...)`` for the global
-batch, as the policy-gradient loss does (capability ``global_counts``).
+A DPO batch holds its pairs as consecutive rows: row 2i is pair i's chosen answer, row 2i + 1
+its rejected one (NeMo-RL's interleaving); it also reads ``ref_log_probs``. It takes
+``counts=GlobalCounts(...)`` for the global batch (capability ``global_counts``).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import torch
@@ -19,45 +16,13 @@ from tensordict import TensorDict, TensorDictBase
 from posttrain.contracts.implementation import Implementation
 from posttrain.contracts.layout import LLM_LAYOUT_V1, Layout
 from posttrain.contracts.loss import GlobalCounts
-from posttrain.reference_impls.pg_loss import _log_softmax, _token_log_probs
-
-NLL_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
-"""How :class:`NLLLoss` reduces -log p: over the global token count, or per sequence (sum or
-mean over its tokens) over the global sequence count.
-
-Example:
-    >>> NLL_AGGREGATIONS[0]
-    'token_mean'
-"""
-
-
-def _real(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _mask_and_log_probs(
-    policy: Any, td: TensorDictBase, layout: Layout, smoothing: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trained positions and each one's log p(token); with ``smoothing`` ε > 0, instead
-    of log p(token) the negated smoothed cross-entropy term, (1 - ε)·log p(token) +
-    ε·mean_v log p(v) (cross_entropy's label smoothing), both from the logits at t - 1."""
-    k = layout.key
-    tokens, attn = td.get(k("tokens")), td.get(k("attention_mask"))
-    mask = td.get(k("assistant_mask")) & attn
-    mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], dim=1)
-    logits = policy(input_ids=tokens, attention_mask=attn.long()).logits
-    logp = _token_log_probs(logits, tokens)
-    if smoothing > 0:
-        uniform = _log_softmax(logits).mean(-1)
-        uniform = torch.cat([torch.zeros_like(uniform[:, :1]), uniform], dim=1)
-        logp = (1 - smoothing) * logp + smoothing * uniform
-    return mask, torch.where(mask, logp, 0.0)
-
-
-def _smoothing(value: object, upper: float) -> float:
-    if not _real(value) or not 0 <= float(value) < upper:  # type: ignore[arg-type]
-        raise ValueError(f"label_smoothing: expected a number in [0, {upper:g}), found {value!r}")
-    return float(value)  # type: ignore[arg-type]
+from posttrain.reference_impls._sequence_terms import (
+    SMOOTHING,
+    batch_counts,
+    checked_smoothing,
+    is_real,
+    mask_and_log_probs,
+)
 
 
 def _dpo_own(mask: torch.Tensor) -> GlobalCounts:
@@ -65,82 +30,6 @@ def _dpo_own(mask: torch.Tensor) -> GlobalCounts:
     # averages over), whatever the rejected row holds: NeMo-RL's global_valid_seqs counts
     # the rows of valid pairs, and an empty rejected row must not make a half pair.
     return GlobalCounts(int(mask.sum()), 2 * int(mask[0::2].any(-1).sum()))
-
-
-def _counts(
-    mask: torch.Tensor, counts: GlobalCounts | None, own: GlobalCounts | None = None
-) -> GlobalCounts:
-    if counts is not None and not isinstance(counts, GlobalCounts):
-        raise TypeError(f"counts: expected a GlobalCounts, found {type(counts).__name__}")
-    if own is None:
-        own = GlobalCounts(int(mask.sum()), int(mask.any(-1).sum()))
-    if counts is None:
-        return own
-    if own.tokens > counts.tokens or own.sequences > counts.sequences:
-        raise ValueError(
-            f"counts: this batch alone holds {own.tokens} assistant tokens in {own.sequences} "
-            f"sequences, more than the global {counts}"
-        )
-    return counts
-
-
-class NLLLoss(torch.nn.Module):
-    """Supervised fine-tuning loss: -log p of the assistant tokens (NeMo-RL's ``NLLLossFn``,
-    TorchRL's ``SFTLoss`` without its KL term).
-
-    Returns ``loss_nll`` and ``num_unmasked_tokens`` (this batch's).
-
-    Example:
-        >>> from posttrain.testing import llm_batch, tiny_causal_lm
-        >>> out = NLLLoss(tiny_causal_lm(vocab_size=64))(llm_batch(2, 8, vocab_size=64))
-        >>> sorted(out.keys())
-        ['loss_nll', 'num_unmasked_tokens']
-        >>> NLLLoss(tiny_causal_lm(vocab_size=64), aggregation="sum")
-        Traceback (most recent call last):
-        ...
-        ValueError: aggregation: expected one of ['token_mean', 'seq_mean_token_sum', 'seq_mean_token_mean'], found 'sum'
-
-    ``label_smoothing=ε`` smooths the targets as ``torch.nn.functional.cross_entropy`` does:
-    each token's term is (1 - ε)·(-log p(token)) + ε·mean_v(-log p(v)).
-
-        >>> NLLLoss(tiny_causal_lm(vocab_size=64), label_smoothing=0.1).label_smoothing
-        0.1
-    """
-
-    def __init__(
-        self,
-        policy: Any,
-        *,
-        aggregation: str = "token_mean",
-        label_smoothing: float = 0.0,
-        layout: Layout = LLM_LAYOUT_V1,
-    ) -> None:
-        super().__init__()
-        if aggregation not in NLL_AGGREGATIONS:
-            raise ValueError(
-                f"aggregation: expected one of {list(NLL_AGGREGATIONS)}, found {aggregation!r}"
-            )
-        self.policy = policy
-        self.aggregation = aggregation
-        self.label_smoothing = _smoothing(label_smoothing, 1.0)
-        self.layout = layout
-
-    def forward(self, td: TensorDictBase, *, counts: GlobalCounts | None = None) -> TensorDict:
-        """The NLL of ``td``'s assistant tokens, normalized by ``counts`` (default: td's own)."""
-        self.layout.validate_batch(td, context=type(self).__name__)
-        mask, logp = _mask_and_log_probs(self.policy, td, self.layout, self.label_smoothing)
-        c = _counts(mask, counts)
-        m = mask.to(logp.dtype)
-        if self.aggregation == "token_mean":
-            loss = -(logp * m).sum() / max(c.tokens, 1)
-        else:
-            per_row = -(logp * m).sum(-1)
-            if self.aggregation == "seq_mean_token_mean":
-                per_row = per_row / m.sum(-1).clamp_min(1)
-            loss = per_row.sum() / max(c.sequences, 1)
-        return TensorDict(
-            {"loss_nll": loss, "num_unmasked_tokens": m.sum().detach()}, batch_size=[]
-        )
 
 
 class DPOLoss(torch.nn.Module):
@@ -192,7 +81,7 @@ class DPOLoss(torch.nn.Module):
             ("preference_weight", preference_weight),
             ("sft_weight", sft_weight),
         ):
-            if not _real(v) or not math.isfinite(v) or v < 0:
+            if not is_real(v) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name}: expected a finite number >= 0, found {v!r}")
         self.policy = policy
         self.beta = float(beta)
@@ -200,7 +89,7 @@ class DPOLoss(torch.nn.Module):
         self.sft_weight = float(sft_weight)
         self.preference_average = bool(preference_average)
         self.sft_average = bool(sft_average)
-        self.label_smoothing = _smoothing(label_smoothing, 0.5)
+        self.label_smoothing = checked_smoothing(label_smoothing, 0.5)
         self.layout = layout
 
     @staticmethod
@@ -230,8 +119,8 @@ class DPOLoss(torch.nn.Module):
                 f"td: expected an even number of rows (chosen, rejected pairs), found "
                 f"{list(td.batch_size)}"
             )
-        mask, logp = _mask_and_log_probs(self.policy, td, self.layout)
-        c = _counts(mask, counts, _dpo_own(mask))
+        mask, logp = mask_and_log_probs(self.policy, td, self.layout)
+        c = batch_counts(mask, counts, _dpo_own(mask))
         m = mask.to(logp.dtype)
         ref = torch.where(mask, td.get(self.layout.key("ref_log_probs")).to(logp.dtype), 0.0)
         n_tok = m.sum(-1)
@@ -295,32 +184,6 @@ def make_dpo_loss(
     )
 
 
-_SMOOTHING = 0.1  # the label smoothing the reference rows declare (capability label_smoothing)
-
-
-def _nll_impl(aggregation: str) -> Implementation:
-    return Implementation(
-        "nll_loss",
-        NLLLoss,
-        name=f"posttrain.NLLLoss[{aggregation}]",
-        capabilities={"global_counts", "label_smoothing"},
-        options={"aggregation": aggregation},
-        extras={"label_smoothing": _SMOOTHING},
-        description="Reference supervised NLL loss over the assistant tokens (NeMo-RL's NLLLossFn).",
-    )
-
-
-NLL_LOSS_TOKEN_MEAN = _nll_impl("token_mean")
-NLL_LOSS_SEQ_MEAN_TOKEN_MEAN = _nll_impl("seq_mean_token_mean")
-NLL_LOSS_SEQ_MEAN_TOKEN_SUM = _nll_impl("seq_mean_token_sum")
-NLL_LOSSES: tuple[Implementation, ...] = (
-    NLL_LOSS_TOKEN_MEAN,
-    NLL_LOSS_SEQ_MEAN_TOKEN_MEAN,
-    NLL_LOSS_SEQ_MEAN_TOKEN_SUM,
-)
-"""The reference NLL loss in each aggregation (entry points ``reference-nll-loss-*``)."""
-
-
 def _dpo_impl(token_reduction: str) -> Implementation:
     return Implementation(
         "dpo_loss",
@@ -328,7 +191,7 @@ def _dpo_impl(token_reduction: str) -> Implementation:
         name=f"posttrain.DPOLoss[{token_reduction}]",
         capabilities={"global_counts", "label_smoothing"},
         options={"token_reduction": token_reduction},
-        extras={"beta": _DPO_BETA, "label_smoothing": _SMOOTHING},
+        extras={"beta": _DPO_BETA, "label_smoothing": SMOOTHING},
         description="Reference sigmoid DPO loss over interleaved pairs (NeMo-RL's DPOLossFn).",
     )
 
