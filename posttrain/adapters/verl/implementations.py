@@ -73,7 +73,9 @@ _MEASURED: dict[str, tuple[str | tuple[str, ...], str | tuple[str, ...]]] = {
     # verl's gspo is GSPO-token, sg(rho_seq) * exp(logp_t - sg(logp_t)), declared as ratio
     # gspo_token (loss 1.5): each token's gradient is its own -A_t * rho * w_t.
     "gspo": ("1 21 22", ""),
-    "sapo": ("1", ("3 16", "16", "3 16", "3 16")),
+    # sapo (a sigmoid gate of r) and dppo_tv/dppo_kl (a truncated, detached ratio times log p)
+    # are none of the contract's ratio forms: undeclared, LOSS-021 checks the token ratio (1.8).
+    "sapo": ("1 21", ("3 16 21", "16 21", "3 16 21", "3 16 21")),
     # verl's cispo, -sg(clip(r)) * A * log p, declared as ratio cispo (loss 1.5).
     "cispo": (("2 21 23", "1 21 23", "1 21 23", "1 21 23"), ""),
     "gpg": (("", "4", "4", "3 4 5 21"), ""),
@@ -84,8 +86,8 @@ _MEASURED: dict[str, tuple[str | tuple[str, ...], str | tuple[str, ...]]] = {
     "clip_cov": (("2 21", "1 21", "1 21", "1 21"), ""),
     "kl_cov": (("2 21", "1 21", "1 21", "1 21"), "17 21"),
     "dro": (("2 21", "1 21", "1 21", "1 21"), "21"),
-    "dppo_tv": (("2", "1", "1", "1"), "16"),
-    "dppo_kl": (("2", "1", "1", "1"), "16"),
+    "dppo_tv": (("2 21", "1 21", "1 21", "1 21"), "16 21"),
+    "dppo_kl": (("2 21", "1 21", "1 21", "1 21"), "16 21"),
     "bypass_mode": (("", "1 21", "1 21", "1 21"), "17"),
 }
 
