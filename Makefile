@@ -79,7 +79,7 @@ bench: $(STAMP)
 # The buffers' write-path fuzz at full size: >= 1,000 bad batches per local buffer, 50 for
 # the Ray-served one (the normal test run takes 150 per buffer).
 fuzz: $(STAMP)
-	POSTTRAIN_FUZZ_BAD=1000 $(BIN)/python -m pytest -q -p no:randomly tests/test_buffer_fuzz.py
+	POSTTRAIN_FUZZ_BAD=1000 $(BIN)/python -m pytest -q -p no:randomly tests/reference_impls/test_buffer_fuzz.py
 
 # The wheels the GPU variant needs on a lent device machine (benchmarks/gpu/README.md).
 gpu-wheels: $(STAMP)

@@ -1,7 +1,7 @@
 """GRPOTrainer reads prompts from one buffer and writes its generations into another.
 
 The prompt buffer is posttrain's RingBuffer here; any ReplayBufferV1 works (a TorchRL buffer
-filled by LLMCollector: see tests/test_trl_roundtrip.py). The rewards come from a locally built
+filled by LLMCollector: see tests/adapters/trl/test_roundtrip.py). The rewards come from a locally built
 HF reward model through the contract-reward adapter, plus a plain TRL reward function.
 
 Run: python examples/trl_grpo_capture.py   (CPU, tiny models, nothing downloaded)

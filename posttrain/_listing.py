@@ -12,7 +12,7 @@ loading the entry points would import torch and every framework (seconds), so:
   point the index does not know (another package's, or one added since) is loaded;
 - the framework comes from the entry point's module path.
 
-tests/test_cli.py holds all three to the real registry.
+tests/house/test_cli.py holds all three to the real registry.
 
 Example:
     >>> [c.id for c in contracts()][:2]

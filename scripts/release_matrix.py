@@ -62,7 +62,7 @@ class Cell:
 
 
 # One line per release. A TorchRL release runs with the tensordict of its own minor; a TRL
-# release runs next to the newest TorchRL (tests/test_trl_*.py use its TRL interop) with the
+# release runs next to the newest TorchRL (tests/adapters/trl/ use its TRL interop) with the
 # transformers pip resolves for it, and the newest once more with the oldest transformers it
 # declares (transformers>=4.56.2 in every TRL 1.x). A tensordict release runs posttrain's core
 # alone (no TorchRL, whose own pin would choose the tensordict): the bound in `dependencies`.
@@ -119,14 +119,14 @@ SKIPPED_ROWS: dict[str, str] = {
 
 TESTS: dict[str, tuple[str, ...]] = {
     "torchrl": (),
-    "trl": ("tests/test_trl_*.py",),
+    "trl": ("tests/adapters/trl/test_*.py",),
     "tensordict": (
-        "tests/test_contracts.py",
-        "tests/test_layout_validation.py",
-        "tests/test_item_schema.py",
-        "tests/test_ring_buffer.py",
-        "tests/test_buffer_checkpoints.py",
-        "tests/test_pg_loss.py",
+        "tests/contracts/test_contracts.py",
+        "tests/contracts/test_layout_validation.py",
+        "tests/contracts/test_item_schema.py",
+        "tests/reference_impls/test_ring_buffer.py",
+        "tests/reference_impls/test_buffer_checkpoints.py",
+        "tests/reference_impls/test_pg_loss.py",
     ),
 }
 """Test files (globs) a cell of each framework runs with its own Python (the TRL round trips)."""
@@ -473,7 +473,7 @@ def render(records: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
         f"own built from the package registry with {TORCH} (CPU) and Python "
         f"{', '.join(sorted({str(r.get('python')) for r in records})) or '?'}, through the "
         "conformance rows of that framework's bundled implementations (raw and adapted) and, "
-        "for TRL, the round-trip tests `tests/test_trl_*.py`. A tensordict cell installs "
+        "for TRL, the round-trip tests `tests/adapters/trl/`. A tensordict cell installs "
         "posttrain's core without TorchRL and runs the reference rows and the contract, "
         "layout, item schema, buffer and policy-gradient loss tests.",
         "",

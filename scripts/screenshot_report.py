@@ -4,7 +4,7 @@ Usage: ``.venv/bin/python scripts/screenshot_report.py [--out docs/img/report.pn
 
 Runs the suites of a handful of registered implementations (a minute on two cores), writes the
 page with the same renderer ``posttrain report`` uses, opens it in Debian's headless Chromium
-through Playwright (as tests/test_report_html.py does) and saves the top of the page.
+through Playwright (as tests/conformance/test_report_html.py does) and saves the top of the page.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 # torch is imported below, so processes the tests spawn inherit it too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# pytester's in-process runs (tests/test_conformance_plugin.py) drop every module first
+# pytester's in-process runs (tests/conformance/test_conformance_plugin.py) drop every module first
 # imported inside them. Were transformers' Llama module first imported there, the class
 # transformers caches would no longer be the one in sys.modules, and pickling a tiny model
 # to another process (the cross-process weight syncs) would fail. Import it up front.

@@ -1,4 +1,4 @@
-"""The harness the specs-only implementation tests share (tests/test_independent_*.py)."""
+"""The harness the specs-only implementation tests share (tests/conformance/independent/)."""
 
 from __future__ import annotations
 

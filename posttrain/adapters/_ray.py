@@ -44,7 +44,7 @@ def ensure_cluster(**overrides: Any) -> Any:
     themselves); anything already initialised (``ray.init(address=...)`` by the caller) is left
     as it is.
 
-    Example (not run by the doctests: tests/test_ray.py owns the cluster's lifetime):
+    Example (not run by the doctests: tests/adapters/ray/test_ray.py owns the cluster's lifetime):
         >>> ray = ensure_cluster()  # doctest: +SKIP
         >>> ray.cluster_resources()["CPU"]  # doctest: +SKIP
         2.0

@@ -282,7 +282,7 @@ def _keyed(cls: type[KeyedArrayBuffer]) -> Implementation:
 
 
 # The variants' bases are the designs of tests.independent.buffers, checked in
-# tests/test_independent_a.py; none is written here.
+# tests/conformance/independent/test_buffer_loss_metrics_designs.py; none is written here.
 BASES: dict[str, Implementation] = {}
 
 # name -> (requirement id the bug breaks, declaration)

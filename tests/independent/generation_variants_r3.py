@@ -4,7 +4,7 @@ Each variant changes one thing in :class:`tests.independent.generation.DrainBatc
 (``on_shutdown="drain"``). Each docstring names the bug, a system that shipped a bug of that
 kind (or says it is plausible) and the requirement sentence it breaks; ``DEMOS[name]()`` shows
 the bug with plain code against that sentence (True when the bug shows). Run by
-tests/test_independent_variants_r3.py.
+tests/conformance/independent/test_variants_by_contract.py.
 
 Measured (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; filled in below after the run):
 
@@ -323,7 +323,7 @@ DEMOS: dict[str, Callable[[], bool]] = {
 BASES: dict[str, Implementation] = dict.fromkeys(VARIANTS, _impl(DrainBatchingServer))
 
 
-# What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
+# What the kit misses of these variants (strict xfails in tests/conformance/independent/test_variants_by_contract.py):
 # an entry goes once the kit fails the variant on the requirement it breaks.
 KIT_DEFECTS: dict[str, str] = {}
 

@@ -258,7 +258,7 @@ DEMOS: dict[str, Callable[[], bool]] = {
 }
 
 
-# What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
+# What the kit misses of these variants (strict xfails in tests/conformance/independent/test_variants_by_contract.py):
 # an entry goes once the kit fails the variant on the requirement it breaks.
 KIT_DEFECTS: dict[str, str] = {}
 

@@ -22,7 +22,10 @@ from tests.mutants.table import MODULES as MUTANT_MODULES
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "conformance.md"
 START, END = "<!-- reach-table:start -->", "<!-- reach-table:end -->"
 CONTRACTS = list(MUTANT_MODULES)
-TESTS = ("tests.test_independent_variants_state", "tests.test_independent_variants_compute")
+TESTS = (
+    "tests.conformance.independent.test_buffer_weight_sync_metrics_generation_variants",
+    "tests.conformance.independent.test_rollout_loss_nll_dpo_variants",
+)
 
 
 def _mutants(contract: str) -> int:

@@ -4,7 +4,7 @@ Each variant subclasses a correct design of :mod:`tests.independent.rollouts`
 (``EagerPrefetchSource``: padded, log-probs, groups; ``LazyGeneratorSource``: ragged, a
 private engine copy, one budget for life) and plants one bug, naming the requirement whose
 sentence it breaks. ``DEMOS[name]()`` shows the bug without the kit (True when the sentence
-fails on the variant). Run by tests/test_independent_variants_r3.py.
+fails on the variant). Run by tests/conformance/independent/test_variants_by_contract.py.
 
 Measured (``run_for(VARIANTS[v], BREAKS[v])``, depth 1; filled in below after the run):
 
@@ -279,7 +279,7 @@ BASES: dict[str, Implementation] = {
 }
 
 
-# What the kit misses of these variants (strict xfails in tests/test_independent_variants_r3.py):
+# What the kit misses of these variants (strict xfails in tests/conformance/independent/test_variants_by_contract.py):
 # an entry goes once the kit fails the variant on the requirement it breaks.
 KIT_DEFECTS: dict[str, str] = {}
 

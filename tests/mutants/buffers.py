@@ -602,7 +602,7 @@ PRIORITIZED_RING = Implementation(
 """A correct priority design (none ships here): BUF-017 must pass it."""
 
 READ_THEN_WRITE = _impl("BUF-023", _read_then_write, capabilities={"remote_writers"})
-"""BUF-023's second mutant (run by tests/test_ray.py, which owns the Ray cluster)."""
+"""BUF-023's second mutant (run by tests/adapters/ray/test_ray.py, which owns the Ray cluster)."""
 
 
 class _Cursor:

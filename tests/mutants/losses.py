@@ -354,7 +354,7 @@ class _Logits:
 
 class PerRowForward(PolicyGradientLoss):
     """The reference calling the policy once per sequence, trimmed to its length. Correct
-    (``tests/test_loss_suite.py`` runs it); :class:`PerRowForwardPadsLeft` is its broken twin."""
+    (``tests/conformance/test_loss_suite.py`` runs it); :class:`PerRowForwardPadsLeft` is its broken twin."""
 
     pad_left = False
 

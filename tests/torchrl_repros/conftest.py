@@ -1,3 +1,3 @@
 # The repros are scripts: importing one runs it (a Ray cluster, a W&B run). pytest would
-# import them for --doctest-modules; tests/test_torchrl_repros.py runs them instead.
+# import them for --doctest-modules; tests/adapters/torchrl/test_repros.py runs them instead.
 collect_ignore_glob = ["*.py"]

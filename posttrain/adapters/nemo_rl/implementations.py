@@ -15,7 +15,7 @@ def _loss(aggregation: str) -> Implementation:
         partial(nemo_loss_module, aggregation=aggregation),
         name=f"NeMo-RL LossFunction both ways [{aggregation}]",
         # NeMo-RL's LossFunction returns one scalar with its KL term inside: no separate
-        # loss_kl_to_ref to check (tests/test_nemo_loss.py checks the KL through the total).
+        # loss_kl_to_ref to check (tests/adapters/nemo_rl/test_loss.py checks the KL through the total).
         capabilities={"per_token_advantage", "ragged", "clip", "global_counts"},
         options={"aggregation": aggregation},
         extras={"clip_epsilon": 0.2},  # PolicyLoss's default, NeMo-RL's ratio_clip

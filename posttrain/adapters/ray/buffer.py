@@ -151,7 +151,7 @@ class RemoteBuffer:
     :meth:`client` (or pickling) gives a handle other Ray tasks and actors extend and sample
     through; only the handle :func:`serve_buffer` returned frees the buffer.
 
-    Example (not run by the doctests: tests/test_ray.py owns the cluster's lifetime):
+    Example (not run by the doctests: tests/adapters/ray/test_ray.py owns the cluster's lifetime):
         >>> from tensordict import TensorDict
         >>> from posttrain.reference_impls import RingBuffer
         >>> rb = serve_buffer(RingBuffer, 8)  # doctest: +SKIP
@@ -277,7 +277,7 @@ def serve_buffer(
     one is started (``num_cpus=0``: it holds memory, not a core) and killed on :meth:`close`.
     Joins the running Ray cluster, or starts a local one (see ``ensure_cluster``).
 
-    Example (not run by the doctests: tests/test_ray.py owns the cluster's lifetime):
+    Example (not run by the doctests: tests/adapters/ray/test_ray.py owns the cluster's lifetime):
         >>> from posttrain.reference_impls import RingBuffer
         >>> rb = serve_buffer(RingBuffer, 1024)  # doctest: +SKIP
         >>> len(rb)  # doctest: +SKIP

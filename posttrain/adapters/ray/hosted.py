@@ -105,7 +105,7 @@ def hosted_torchrl_buffer(
     own: buffers in one host share the process, never state. Dropping the returned object
     drops the buffer from the host.
 
-    Example (not run by the doctests: tests/test_ray.py owns the cluster's lifetime):
+    Example (not run by the doctests: tests/adapters/ray/test_ray.py owns the cluster's lifetime):
         >>> from functools import partial
         >>> from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
         >>> from posttrain.adapters.ray.implementations import shared_host

@@ -22,7 +22,7 @@ _HOSTS: dict[str, Any] = {}
 def shared_host() -> Any:
     """The :class:`BufferHost` actor this Ray session's conformance rows share.
 
-    Example (not run by the doctests: tests/test_ray.py owns the cluster's lifetime):
+    Example (not run by the doctests: tests/adapters/ray/test_ray.py owns the cluster's lifetime):
         >>> shared_host() is shared_host()  # doctest: +SKIP
         True
     """

@@ -2,7 +2,7 @@
 
 Each repro is a script in ``tests/torchrl_repros/`` (linted and type-checked with the tests):
 plain TorchRL code ending in ``assert`` statements that hold *because of* the deviation.
-``tests/test_torchrl_*.py`` run them, so a fix upstream shows up there, and
+``tests/adapters/torchrl/`` run them, so a fix upstream shows up there, and
 ``scripts/publish_torchrl_report.py`` prints each one under its deviation.
 """
 

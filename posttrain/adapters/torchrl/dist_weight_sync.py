@@ -185,7 +185,7 @@ def _init_sender_on_loopback(scheme: Any, model: torch.nn.Module) -> None:
 class DistSchemeSender:
     """The raw sending end: ``send(weights, version=v)`` onto the scheme's synchronous send.
 
-    Example (not run by the doctests: it spawns a process; see tests/test_dist_weight_sync.py):
+    Example (not run by the doctests: it spawns a process; see tests/adapters/torchrl/test_dist_weight_sync.py):
         >>> from posttrain.testing import tiny_causal_lm
         >>> sender, receiver = dist_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
         >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=4)  # doctest: +SKIP
@@ -216,7 +216,7 @@ class DistSchemeSender:
 class DistReceiver:
     """This process's view of the receiving process: version, weights, pid.
 
-    Example (not run by the doctests: it spawns a process; see tests/test_dist_weight_sync.py):
+    Example (not run by the doctests: it spawns a process; see tests/adapters/torchrl/test_dist_weight_sync.py):
         >>> from posttrain.testing import tiny_causal_lm
         >>> trainer = tiny_causal_lm(seed=1)
         >>> sender, receiver = dist_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
@@ -306,7 +306,7 @@ def dist_weight_sync_pair(
     ``receiver.state_dict()``. Closes any pair this process built before (one default
     process group per process).
 
-    Example (not run by the doctests: it spawns a process; see tests/test_dist_weight_sync.py):
+    Example (not run by the doctests: it spawns a process; see tests/adapters/torchrl/test_dist_weight_sync.py):
         >>> from posttrain.testing import tiny_causal_lm
         >>> sender, receiver = dist_weight_sync_pair(tiny_causal_lm(), adapted=True)  # doctest: +SKIP
         >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=2)  # doctest: +SKIP

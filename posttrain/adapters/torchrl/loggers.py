@@ -91,7 +91,7 @@ def wandb_logger(directory: str | os.PathLike[str]) -> Any:
     Offline through W&B's own ``mode="offline"``, not TorchRL's ``offline=True``: that flag
     only sets ``WANDB_MODE``, which W&B reads once per process, so it is ignored after any
     earlier W&B run in the process, and when it comes first it leaves every later W&B run of
-    the process offline (``tests/test_torchrl_loggers.py`` pins both).
+    the process offline (``tests/adapters/torchrl/test_loggers.py`` pins both).
 
     Example:
         >>> import tempfile

@@ -4,7 +4,7 @@ The weights travel over a gloo process group between this process and the actor;
 signals and hands over the address. TorchRL writes each received tensor straight into the
 live parameters and checks nothing but byte sizes, so a bad set of weights aborts the actor
 (wrong size), silently reinterprets bits (same size, other dtype) or leaves it half-updated
-(a missing last tensor): tests/test_ray_weight_sync.py shows each. The adapted pair puts
+(a missing last tensor): tests/adapters/ray/test_weight_sync.py shows each. The adapted pair puts
 :class:`~posttrain.adapters.torchrl.weight_sync.CheckedSender` in front, so nothing bad is sent.
 
 The version travels with the weights through the scheme's own ``model_version`` argument
@@ -113,7 +113,7 @@ class RaySchemeSender:
     a state dict alone, it waits for tensors that never come until the gloo timeout. The call
     shape is mapped by adding those buffers, as the receiving model holds them (``extras``).
 
-    Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
+    Example (not run by the doctests: tests/adapters/ray/test_weight_sync.py owns the cluster):
         >>> from posttrain.testing import tiny_causal_lm
         >>> sender, receiver = ray_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
         >>> sorted(sender.extras)  # doctest: +SKIP
@@ -144,7 +144,7 @@ class RaySchemeSender:
 class RayReceiver:
     """This process's view of the receiving actor: its version, weights and process.
 
-    Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
+    Example (not run by the doctests: tests/adapters/ray/test_weight_sync.py owns the cluster):
         >>> from posttrain.testing import tiny_causal_lm
         >>> trainer = tiny_causal_lm(seed=1)
         >>> sender, receiver = ray_weight_sync_pair(tiny_causal_lm(seed=0))  # doctest: +SKIP
@@ -243,7 +243,7 @@ def ray_weight_sync_pair(
     ``start_next``, the next pair's receiver actor starts booting now (for a caller that makes
     pair after pair, as the conformance suite does); it stays idle until that next call.
 
-    Example (not run by the doctests: tests/test_ray_weight_sync.py owns the cluster):
+    Example (not run by the doctests: tests/adapters/ray/test_weight_sync.py owns the cluster):
         >>> from posttrain.testing import tiny_causal_lm
         >>> sender, receiver = ray_weight_sync_pair(tiny_causal_lm(), adapted=True)  # doctest: +SKIP
         >>> sender.send(tiny_causal_lm(seed=1).state_dict(), version=3)  # doctest: +SKIP

@@ -20,7 +20,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from posttrain._deps import optional_deps
-from posttrain.adapters._hf import word_level_tokenizer
+from posttrain.adapters._hf import word_level_tokenizer as word_level_tokenizer  # its tokenizer
 from posttrain.adapters.torchrl.loss import transformers_actor
 from posttrain.adapters.torchrl.weight_sync import weight_problems, weight_signature
 from posttrain.contracts.layout import LLM_LAYOUT_V1

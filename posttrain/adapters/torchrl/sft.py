@@ -159,7 +159,7 @@ def _row(aggregation: str, *, adapted: bool, known: frozenset[str] = frozenset()
 
 
 RAW_KNOWN = frozenset({"NLL-002", "NLL-003", "NLL-005", "NLL-006"})
-"""What the raw row fails, measured with TorchRL 0.14.1 (repros in tests/test_torchrl_sft_rows.py):
+"""What the raw row fails, measured with TorchRL 0.14.1 (repros in tests/adapters/torchrl/test_sft_rows.py):
 NLL-003 (a pad-id token inside a sequence dropped shifts the log-probs; on one row of 2
 columns with 1 assistant token the loss is 2.1412 where the formula gives 4.2823), NLL-002
 (one of nll_loss 1.1's drawn batches leaves every parameter without a gradient, which blocks
