@@ -163,7 +163,12 @@ def _ray_impl(*, adapted: bool) -> Implementation:
         # buffer 1.4: its loads is TorchRL's (prefetch.pkl unpickled, storage replaced first)
         # buffer 1.5: an empty buffer refuses an extend of 0 items and a dumps (which blocks
         # BUF-024, loads unpickling prefetch.pkl, and BUF-025 in a full run)
-        known_failures=frozenset() if adapted else _ATOMICITY | {"BUF-015", "BUF-018", "BUF-023"},
+        # buffer 1.6, adapted: the served storage lives in the host actor, so its state comes
+        # back as TorchRL joins it (nested names with '.'): a column named 'a.b' beside
+        # ('a', 'b') cannot be told apart, and the adapter refuses that state on loads
+        known_failures=frozenset({"BUF-018"})
+        if adapted
+        else _ATOMICITY | {"BUF-015", "BUF-018", "BUF-023"},
     )
 
 
