@@ -35,3 +35,14 @@ def assert_fails_its_requirement(key: str, expected: str, rep: Report) -> None:
     assert row.status is Status.FAIL, f"{key}: {expected} is {row.status.value}: {row.message}"
     assert "blocked by" not in row.message[:40], row.message
     assert not rep.ok
+
+
+def assert_caught(key: str, expected: str, rep: Report) -> None:
+    """``expected`` is FAIL or ERROR in ``rep``, on its own account or blocked by a foundation
+    (how the first rounds counted a variant as caught)."""
+    rows = [r for r in rep.results if r.id == expected]
+    assert rows, f"{key}: {expected} is not in the report"
+    failed = sorted(r.id for r in rep.results if r.status in (Status.FAIL, Status.ERROR))
+    assert rows[0].status in (Status.FAIL, Status.ERROR), (
+        f"{key}: {expected} is {rows[0].status.value}; failed ids: {failed}"
+    )

@@ -20,66 +20,41 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from posttrain.conformance import Status
 from posttrain.conformance.runner import run
 from posttrain.conformance.suites.metrics import LONG_NAMES
 from posttrain.contracts import Implementation
 from posttrain.testing import llm_batch, tiny_causal_lm
 from tests.independent import buffers, losses, sinks
+from tests.independent_kit import assert_caught, assert_conforms, kit_params
 from tests.outcomes import run_for
-
-_BAD = (Status.FAIL, Status.ERROR)
 
 KIT_DEFECTS: dict[str, str] = {}
 
-
-def _correct_params() -> list[Any]:
-    out = []
-    for group in (buffers.CORRECT_BUFFERS, losses.CORRECT_LOSSES, sinks.CORRECT_SINKS):
-        for name, impl in group.items():
-            marks = []
-            if name in KIT_DEFECTS:
-                marks.append(
-                    pytest.mark.xfail(strict=True, reason=f"kit defect: {KIT_DEFECTS[name]}")
-                )
-            out.append(pytest.param(impl, id=name, marks=marks))
-    return out
+CORRECT: dict[str, Implementation] = {
+    **buffers.CORRECT_BUFFERS,
+    **losses.CORRECT_LOSSES,
+    **sinks.CORRECT_SINKS,
+}
+BUGGY: dict[str, tuple[Implementation, str]] = {
+    **buffers.BUGGY_BUFFERS,
+    **losses.BUGGY_LOSSES,
+    **sinks.BUGGY_SINKS,
+}
 
 
-def _buggy_params() -> list[Any]:
-    out = []
-    for group in (buffers.BUGGY_BUFFERS, losses.BUGGY_LOSSES, sinks.BUGGY_SINKS):
-        for name, (impl, req) in group.items():
-            marks = []
-            if name in KIT_DEFECTS:
-                marks.append(
-                    pytest.mark.xfail(strict=True, reason=f"kit defect: {KIT_DEFECTS[name]}")
-                )
-            out.append(pytest.param(impl, req, id=name, marks=marks))
-    return out
+@pytest.mark.parametrize("key", kit_params(list(CORRECT), KIT_DEFECTS))
+def test_correct_design_conforms(key: str) -> None:
+    assert_conforms(key, run(CORRECT[key], timeout_s=60))
 
 
-@pytest.mark.parametrize("impl", _correct_params())
-def test_correct_design_conforms(impl: Implementation) -> None:
-    rep = run(impl, timeout_s=60)
-    bad = [f"{r.id} {r.status.value}: {r.message[:300]}" for r in rep.results if r.status in _BAD]
-    assert not bad, "\n".join(bad)
-    assert rep.ok
-
-
-@pytest.mark.parametrize(("impl", "req"), _buggy_params())
-def test_buggy_variant_is_caught(impl: Implementation, req: str) -> None:
+@pytest.mark.parametrize("key", kit_params(list(BUGGY), KIT_DEFECTS))
+def test_buggy_variant_is_caught(key: str) -> None:
+    impl, req = BUGGY[key]
     rep = run_for(impl, req, timeout_s=60) if req else run(impl, timeout_s=60)
     if not req:  # a bug no requirement covers (spec gap): the kit can only pass it
-        bad = sorted(rep.failed_ids())
-        assert bad, "no requirement failed: the bug is invisible to the suite"
+        assert sorted(rep.failed_ids()), "no requirement failed: the bug is invisible to the suite"
         return
-    rows = [r for r in rep.results if r.id == req]
-    assert rows, f"{req} is not in the report"
-    row = rows[0]
-    assert row.status in _BAD, (
-        f"{req} is {row.status.value}; failed ids: {sorted(rep.failed_ids())}"
-    )
+    assert_caught(key, req, rep)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,63 +10,30 @@ with the spec text, the case is an ``xfail(strict=True)`` naming it in ``KIT_DEF
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 
-from posttrain.conformance import Status
 from posttrain.conformance.runner import run
-from posttrain.contracts import GlobalCounts, Implementation
+from posttrain.contracts import GlobalCounts
 from posttrain.testing import llm_batch, tiny_causal_lm
 from tests.independent import losses_counts
-
-_BAD = (Status.FAIL, Status.ERROR)
+from tests.independent_kit import assert_caught, assert_conforms, kit_params
 
 # Closed: an assistant token at position 0 counted by a loss's own counts (LOSS-016 and its
 # batch now holds such a row), and a NaN micro-batch value passing LOSS-017's comparison.
 KIT_DEFECTS: dict[str, str] = {}
 
 
-def _marks(name: str) -> list[Any]:
-    if name in KIT_DEFECTS:
-        return [pytest.mark.xfail(strict=True, reason=f"kit defect: {KIT_DEFECTS[name]}")]
-    return []
+@pytest.mark.parametrize("key", kit_params(list(losses_counts.CORRECT_COUNTS_LOSSES), KIT_DEFECTS))
+def test_correct_counts_design_conforms(key: str) -> None:
+    assert_conforms(key, run(losses_counts.CORRECT_COUNTS_LOSSES[key], timeout_s=60))
 
 
-@pytest.mark.parametrize(
-    "impl",
-    [
-        pytest.param(impl, id=name, marks=_marks(name))
-        for name, impl in losses_counts.CORRECT_COUNTS_LOSSES.items()
-    ],
-)
-def test_correct_counts_design_conforms(impl: Implementation) -> None:
-    rep = run(impl, timeout_s=60)
-    bad = [f"{r.id} {r.status.value}: {r.message[:300]}" for r in rep.results if r.status in _BAD]
-    assert not bad, "\n".join(bad)
-    assert rep.ok
-
-
-@pytest.mark.parametrize(
-    ("impl", "req"),
-    [
-        pytest.param(impl, req, id=name, marks=_marks(name))
-        for name, (impl, req) in losses_counts.BUGGY_COUNTS_LOSSES.items()
-    ],
-)
-def test_buggy_counts_variant_is_caught(impl: Implementation, req: str) -> None:
-    rep = run(impl, timeout_s=60)
-    caught = sorted(r.id for r in rep.results if r.status in _BAD)
-    shown = [
-        f"{r.id} (blocked)" if "blocked by" in r.message else r.id
-        for r in sorted(rep.results, key=lambda r: r.id)
-        if r.status in _BAD
-    ]
-    print(f"{impl.name}: caught by {', '.join(shown) or 'nothing'}")
-    rows = [r for r in rep.results if r.id == req]
-    assert rows, f"{req} is not in the report"
-    assert rows[0].status in _BAD, f"{req} is {rows[0].status.value}; failed ids: {caught}"
+@pytest.mark.parametrize("key", kit_params(list(losses_counts.BUGGY_COUNTS_LOSSES), KIT_DEFECTS))
+def test_buggy_counts_variant_is_caught(key: str) -> None:
+    impl, req = losses_counts.BUGGY_COUNTS_LOSSES[key]
+    assert_caught(key, req, run(impl, timeout_s=60))
 
 
 # ---------------------------------------------------------------------------------------------
