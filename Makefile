@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-distributed lint typecheck pytest report report-distributed specs specs-check bench fuzz gpu-wheels torchrl-report losses-report matrix clean
+.PHONY: install test test-distributed test-reach lint typecheck pytest report report-distributed specs specs-check bench fuzz gpu-wheels torchrl-report losses-report matrix clean
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ test: lint typecheck specs-check pytest
 
 # The tests that start Ray clusters or torch.distributed process groups (about 5 min on 2 cores):
 # a target of their own, as make report-distributed is for the matrix.
+# The specs-only one-bug variants of every round (about 5 min on 2 cores): each must fail the
+# requirement its bug breaks; the designs without the bug must pass.
+test-reach: $(STAMP)
+	$(BIN)/python -m pytest -q -m reach tests
+
 test-distributed: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=20 -m distributed tests
 

@@ -114,7 +114,7 @@ def _kl_rounding(est: str, profile: tuple[float, ...]) -> float:
     what another estimator changes there (k2 against k3 moves the ratio by 2δ/3 = 1.4e-2).
 
     Example:
-        >>> _kl_rounding("k3", (0.02, 1.0)) > 1e-3 > _kl_rounding("k3", (0.5, 1.0))
+        >>> _kl_rounding("k3", (0.0215,)) > 1e-3 > _kl_rounding("k3", (0.5, 1.0))
         True
     """
     k, dk = _KL[est]

@@ -40,6 +40,8 @@ from tests.independent import (
 from tests.independent_kit import assert_conforms, assert_fails_its_requirement, kit_params
 from tests.outcomes import run_for
 
+pytestmark = pytest.mark.reach  # make test-reach
+
 _TIMEOUT_S = 60.0  # per requirement: a hang is a failed row, never a stalled run
 
 MODULES: dict[str, ModuleType] = {

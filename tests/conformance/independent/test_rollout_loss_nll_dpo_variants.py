@@ -35,6 +35,8 @@ from tests.independent import rollout_variants as rv
 from tests.independent_kit import assert_conforms, assert_fails_its_requirement, kit_params
 from tests.outcomes import run_for
 
+pytestmark = pytest.mark.reach  # make test-reach
+
 _MODULES = {"rollout": rv, "loss": lv, "nll_loss": nv, "dpo_loss": dv}
 
 BASES: dict[str, Implementation] = {
