@@ -436,6 +436,38 @@ class RankLocalCounts(_Counted):
         return counts
 
 
+class CountsFromLastCall(_Counted):
+    """Keeps the last counts it was given and normalizes a later call without counts by them
+    (a trainer that sets the global counts on the loss once per step and never clears them):
+    a plain call after an accumulated step is weighted as a micro-batch. Killed by LOSS-003
+    since loss 1.9 (one loss object on a live policy, called with another batch's counts
+    first)."""
+
+    last: GlobalCounts | None = None
+
+    def recount(self, td: TensorDictBase, counts: GlobalCounts | None) -> GlobalCounts | None:
+        if counts is not None:
+            self.last = counts
+        return self.last
+
+
+class AdvantagesKeptPerBatch(_Edit):
+    """Reads a batch's advantages once and keeps them by the batch object (a whitening cache
+    keyed by the batch): the same batch with advantages rewritten in place, as a trainer
+    reusing its buffers does, is trained on the old ones. Killed by LOSS-003 since loss 1.9
+    (in-place changes of a batch between calls)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def pre(self, td: TensorDictBase) -> TensorDictBase:
+        adv = self.kept.setdefault(id(td), td.get(ADV).clone())
+        if adv.shape != td.get(ADV).shape:
+            return td
+        return td.clone().set(ADV, adv, inplace=False)
+
+
 class KlApproxOtherThanDeclared(PolicyGradientLoss):
     """Declares ``extras['kl_approx'] = "k1"`` (the mean of sample_log_probs - log pi, as
     TorchRL and verl report it) but reports k3 of that log-ratio, the reference's estimator."""
@@ -797,6 +829,9 @@ EXTRA_MUTANTS: list[tuple[str, Implementation]] = [
     ("LOSS-004", _impl("LOSS-004", ContiguousAnswer)),
     ("LOSS-014", _clip_impl("LOSS-014", ClampsAdvantages)),
     ("LOSS-008", _impl("LOSS-008", CaseInsensitiveOptions)),
+    # loss 1.9: one loss object on a live policy
+    ("LOSS-003", _impl("LOSS-003", CountsFromLastCall, capabilities=_COUNTED)),
+    ("LOSS-003", _impl("LOSS-003", AdvantagesKeptPerBatch)),
 ]
 """Further bugs a requirement must catch besides its main mutant: (requirement id, mutant)."""
 

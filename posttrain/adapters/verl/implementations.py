@@ -83,7 +83,10 @@ _MEASURED: dict[str, tuple[str | tuple[str, ...], str | tuple[str, ...]]] = {
     # seq-mean-token-mean weighs; LOSS-017 splits with every term live, and KL-Cov picks the
     # tokens it penalises by their covariance within each micro-batch, so splits do not add up.
     "geo_mean": ("1 21", ("3 16 17 21", "3 16 17", "3 16 17 21", "3 16 17 21")),
-    "clip_cov": (("2 21", "1 21", "1 21", "1 21"), ""),
+    # loss 1.9: Clip-Cov zeroes the term of tokens drawn at random among those whose
+    # covariance of log-prob and advantage falls in its band; after a training step some do,
+    # so on LOSS-003's live policy such a token has no gradient at ratio 1.
+    "clip_cov": (("2 21", "1 21", "1 21", "1 21"), "3"),
     "kl_cov": (("2 21", "1 21", "1 21", "1 21"), "17 21"),
     "dro": (("2 21", "1 21", "1 21", "1 21"), "21"),
     "dppo_tv": (("2 21", "1 21", "1 21", "1 21"), "16 21"),

@@ -15,7 +15,7 @@ adds near-ties: a pair of two equal answers whose reference log-probs differ by 
 either sign down to 1e-30, far below float32's resolution of σ around 1/2 (about 6e-8), its
 answer the policy's own greedy continuation so that each log p is 0 or nearly, and every sum
 of the rewards exact enough in float32 to keep Δ's sign. DPO-003 drives a live policy as
-NLL-003 does (:func:`~posttrain.conformance.suites.nll_loss.check_live`).
+NLL-003 does (:func:`~posttrain.conformance.suites._live_policy.check_live`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from posttrain.conformance.context import Context
 from posttrain.conformance.explore import for_all
 from posttrain.conformance.registry import requirement
 from posttrain.conformance.suites._fail import fail as _fail
+from posttrain.conformance.suites._live_policy import check_live
 from posttrain.conformance.suites.loss_kit import ASST, ATT, PEAK, RLP, TOK, V
 from posttrain.conformance.suites.loss_kit import call_counted as _call_counted
 from posttrain.conformance.suites.loss_kit import (
@@ -44,9 +45,9 @@ from posttrain.conformance.suites.loss_kit import term_logp_grads as _term_logp_
 from posttrain.conformance.suites.loss_kit import with_value as _with
 from posttrain.conformance.suites.nll_loss import (
     BIG,
+    SCALES,
     Case,
     Scaled,
-    check_live,
     check_parts_add_up,
     gradient_reaches,
     log_probs64,
@@ -466,6 +467,7 @@ def preference_loss_value(ctx: Context) -> None:
         in_place=(RLP,),
         recipes=pair_cases(top=PEAK),
         start=Pairs(2, 10, 9),
+        scales=SCALES,
     )
 
 

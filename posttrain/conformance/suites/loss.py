@@ -73,6 +73,7 @@ from posttrain.conformance.suites.loss_kit import (
     weights_for,
     with_value,
 )
+from posttrain.conformance.suites.loss_live import check_live_weights
 from posttrain.conformance.suites.loss_ranks import RANKS_DEPTH, ranks_add_up
 from posttrain.contracts.keys import key_str
 from posttrain.testing import llm_batch, tiny_causal_lm
@@ -158,6 +159,7 @@ def aggregation_weights(ctx: Context) -> None:
             f"at row {i}, position {t} ({where}) is {float(got[i, t]):.6g}, expected "
             f"-advantage x weight = {float(want[i, t]):.6g}{hint}"
         )
+    check_live_weights(ctx)  # since 1.9: one loss object on a live policy
 
 
 def _variant_check(
