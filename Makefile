@@ -34,15 +34,18 @@ typecheck: $(STAMP)
 specs-check: $(STAMP)
 	$(BIN)/python -m posttrain.specgen specs --check
 
+# One pytest worker per core (TEST_JOBS=N to choose), each taking whole files: the suite runs
+# torch with one thread per process (tests/conftest.py), so two cores take half the time.
+TEST_JOBS ?= auto
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30
 
 test: lint typecheck specs-check pytest
 
 # The tests that start Ray clusters or torch.distributed process groups (about 5 min on 2 cores):
 # a target of their own, as make report-distributed is for the matrix.
-# The specs-only one-bug variants of every round (about 5 min on 2 cores): each must fail the
-# requirement its bug breaks; the designs without the bug must pass.
+# The specs-only one-bug variants of every round alone (make test runs them too): each must
+# fail the requirement its bug breaks; the designs without the bug must pass.
 test-reach: $(STAMP)
 	$(BIN)/python -m pytest -q -m reach tests
 
