@@ -134,7 +134,9 @@ rounding (a loss value 1e-4 off) against float32 tolerances."""
 USERS_KNOWN: dict[str, frozenset[str]] = {
     "grpo": frozenset({"LOSS-003", "LOSS-016", "LOSS-017"}),
     "bnpo": frozenset({"LOSS-016", "LOSS-017"}),
-    "dapo": frozenset(),
+    # Across gloo ranks (loss 1.9): TRL's all-gather of per-row clip ratios aborts on shards
+    # of different sizes, as on trl-adapted-dapo.
+    "dapo": frozenset({"LOSS-017"}),
 }
 """What each ``trl-users-<loss_type>`` row fails, measured with TRL 1.16."""
 

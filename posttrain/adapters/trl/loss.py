@@ -257,7 +257,10 @@ class TRLGRPOLoss(torch.nn.Module):
         scale = 1.0
         if self.adapted:
             if self.loss_type in GLOBAL_TOKENS:
-                inputs["num_items_in_batch"] = torch.tensor(float(c.tokens))
+                # TRL divides num_items_in_batch by the number of processes, undoing the mean
+                # DDP takes of gradients; the contract's ranks all-reduce by sum.
+                ranks = self.trainer.accelerator.num_processes
+                inputs["num_items_in_batch"] = torch.tensor(float(c.tokens) * ranks)
             elif self.loss_type == "bnpo":
                 scale = own.tokens / max(c.tokens, 1)
             else:  # a mean over every row of the micro-batch, rows without a token included
@@ -362,6 +365,11 @@ ADAPTED_KNOWN: dict[str, frozenset[str]] = {
     # checks the token ratio (loss 1.8) and they fail it.
     "sapo": frozenset({"LOSS-016", "LOSS-021"}),
     "vespo": frozenset({"LOSS-016", "LOSS-021"}),
+    # Across gloo ranks (LOSS-017, every depth since loss 1.9): _compute_loss all-gathers its
+    # per-row clip ratios (accelerator.gather), which needs every rank's micro-batch to hold
+    # as many rows as every other's; shards of different sizes abort the ranks ("collective
+    # mismatch"). TRL's trainer keeps per_device_train_batch_size fixed; the contract does not.
+    **dict.fromkeys(_CLIPPED, frozenset({"LOSS-017"})),
 }
 """What each adapted row fails, measured with TRL 1.16 (loss type -> requirement ids)."""
 

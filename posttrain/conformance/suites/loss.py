@@ -664,8 +664,8 @@ def micro_batches_add_up(ctx: Context) -> None:
         examples=4,
         boundaries=boundaries,
     )
-    # The same sentence across data-parallel ranks, real gloo process groups of 4 and 2: four
-    # spawned processes cost about 14 s of CPU per implementation, so from RANKS_DEPTH on.
+    # The same sentence across data-parallel ranks, real gloo process groups of 4 and 2 (at
+    # every depth since 1.9: forked from a forkserver, the ranks start in about a second).
     if ctx.depth >= RANKS_DEPTH:
         ranks_add_up(ctx)
 

@@ -1,7 +1,9 @@
 """LOSS-017 across data-parallel ranks: micro-batches on real torch.distributed ranks add up.
 
-The implementation under test is rebuilt in spawned processes (from its ``module:attr`` import
-target, or else pickled, its factory importable by name), which join gloo process groups of 4
+The implementation under test is rebuilt in four processes forked from a forkserver that
+imported torch and the implementation's module once (:func:`~posttrain.conformance._spawn.context`;
+the implementation from its ``module:attr`` import target, or else pickled, its factory
+importable by name), which join gloo process groups of 4
 and then 2 ranks on 127.0.0.1. Each rank takes a shard of a drawn batch, splits it into
 micro-batches, all-reduces the shard's ``GlobalCounts`` (the contract's way to the global
 batch's counts), calls the loss on each micro-batch with them and accumulates the gradients;
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from posttrain.conformance._spawn import Spawned
+from posttrain.conformance._spawn import Spawned, context
 from posttrain.conformance.context import Context, NotApplicable
 from posttrain.conformance.suites._fail import fail as _fail
 from posttrain.conformance.suites.loss_kit import (
@@ -43,10 +45,11 @@ from posttrain.conformance.suites.loss_kit import (
     value_and_grads,
 )
 
-RANKS_DEPTH = 2
-"""The ``--conformance-depth`` from which LOSS-017 also runs across ranks: four spawned
-processes importing torch and the implementation cost about 14 s of CPU per implementation on
-2 cores, which every run of a loss suite would pay at the default depth."""
+RANKS_DEPTH = 1
+"""The ``--conformance-depth`` from which LOSS-017 also runs across ranks: every depth since
+loss 1.9. The four ranks fork from a forkserver that imported torch, the suite's policy and the
+implementation's module once per process (about 6 s the first time, then about 1 s per
+implementation on 2 cores); four fresh interpreters cost about 14 s of CPU each time."""
 
 WORLDS = (4, 2)
 """The sizes of the gloo process groups the ranks form, one after the other: all four
@@ -231,6 +234,15 @@ def _source(ctx: Context) -> tuple[str, Any]:
     return ("pickled", ctx.impl)
 
 
+def _preload(ctx: Context, source: tuple[str, Any]) -> list[str]:
+    """What the ranks' forkserver imports once: torch, the suite's policy, this module and the
+    module that defines the implementation (its factory's, for a pickled one)."""
+    factory = getattr(ctx.impl.factory, "func", ctx.impl.factory)
+    own = source[1].split(":")[0] if source[0] == "target" else getattr(factory, "__module__", None)
+    mods = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama", __name__]
+    return mods + ([own] if own and own != "__main__" else [])
+
+
 def _rebuild(source: tuple[str, Any]) -> Any:
     how, what = source
     if how == "target":
@@ -278,14 +290,13 @@ def _run_ranks(
     batches: list[TensorDictBase],
     cases: dict[int, list[Case]],
 ) -> list[tuple[Any, ...]]:
-    import multiprocessing
-
-    out = multiprocessing.get_context("spawn").Queue()
+    preload = _preload(ctx, source)
+    out = context(preload).Queue()
     ports = {w: _free_port() for w in WORLDS}
     args = [
         (r, source, ctx.seed, ctx.depth, batches, cases, ports, out) for r in range(max(WORLDS))
     ]
-    ranks = Spawned(_rank_main, args)
+    ranks = Spawned(_rank_main, args, preload=preload)
     try:
         return _collect(ranks, out, sum(len(c) for c in cases.values()))
     finally:
