@@ -8,7 +8,6 @@ import torch
 from posttrain.conformance import Status
 from posttrain.conformance.registry import checks_for
 from posttrain.conformance.runner import Session, run
-from posttrain.conformance.suites.loss_ranks import RANKS_DEPTH
 from posttrain.contracts import CONTRACTS
 from posttrain.contracts.implementation import Implementation
 from posttrain.reference_impls import (
@@ -94,9 +93,7 @@ def test_mutant_fails_with_its_requirement_id(contract: str, req_id: str) -> Non
     ids=lambda x: x if isinstance(x, str) else x.name,
 )
 def test_extra_mutant_fails_with_its_requirement_id(req_id: str, impl: Implementation) -> None:
-    # A bug only data-parallel ranks show is looked for from the depth the ranks run at.
-    depth = RANKS_DEPTH if impl.name.endswith("-RankLocalCounts") else 1
-    row = {r.id: r for r in run_for(impl, req_id, depth=depth).results}[req_id]
+    row = {r.id: r for r in run_for(impl, req_id).results}[req_id]
     assert row.status in (Status.FAIL, Status.ERROR), f"{req_id} survived {impl.name}: {row}"
     assert row.message.startswith(f"{req_id}: ")
 

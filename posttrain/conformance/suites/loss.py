@@ -74,7 +74,7 @@ from posttrain.conformance.suites.loss_kit import (
     with_value,
 )
 from posttrain.conformance.suites.loss_live import check_live_weights
-from posttrain.conformance.suites.loss_ranks import RANKS_DEPTH, ranks_add_up
+from posttrain.conformance.suites.loss_ranks import ranks_add_up
 from posttrain.contracts.keys import key_str
 from posttrain.testing import llm_batch, tiny_causal_lm
 
@@ -664,10 +664,8 @@ def micro_batches_add_up(ctx: Context) -> None:
         examples=4,
         boundaries=boundaries,
     )
-    # The same sentence across data-parallel ranks, real gloo process groups of 4 and 2 (at
-    # every depth since 1.9: forked from a forkserver, the ranks start in about a second).
-    if ctx.depth >= RANKS_DEPTH:
-        ranks_add_up(ctx)
+    # The same sentence across data-parallel ranks, real gloo process groups of 4 and 2.
+    ranks_add_up(ctx)
 
 
 def _micro_batch_dependence(ctx: Context) -> str:

@@ -45,12 +45,6 @@ from posttrain.conformance.suites.loss_kit import (
     value_and_grads,
 )
 
-RANKS_DEPTH = 1
-"""The ``--conformance-depth`` from which LOSS-017 also runs across ranks: every depth since
-loss 1.9. The four ranks fork from a forkserver that imported torch, the suite's policy and the
-implementation's module once per process (about 6 s the first time, then about 1 s per
-implementation on 2 cores); four fresh interpreters cost about 14 s of CPU each time."""
-
 WORLDS = (4, 2)
 """The sizes of the gloo process groups the ranks form, one after the other: all four
 processes first, then ranks 0 and 1 (the others are done by then, so no rank waits on a
@@ -346,7 +340,10 @@ def _compare(
 
 
 def ranks_add_up(ctx: Context) -> None:
-    """LOSS-017 across 2 and 4 gloo ranks; NotApplicable where the implementation cannot be
+    """LOSS-017 across 2 and 4 gloo ranks, at every depth since loss 1.9 (the ranks fork from a
+    forkserver that imported torch, the suite's policy and the implementation's module once
+    per process: about 6 s the first time, then about 1 s per implementation on 2 cores, where
+    four fresh interpreters cost about 14 s of CPU each time); NotApplicable where the implementation cannot be
     rebuilt in a spawned process (no import target, and its factory not importable by name).
 
     Example:
