@@ -61,16 +61,19 @@ class ReceiverActor:
         'ReceiverActor'
     """
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
         import resource
 
         # A bad send aborts this process (SIGABRT in gloo), by TorchRL's design: no core file.
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         _set_dist_timeout()
         # Actors are started ahead of need (see _take_actor): import now what unpickling a
-        # model and the scheme in attach() would otherwise import then (~3 s on 2 cores).
-        if importlib.util.find_spec("transformers") is not None:
-            importlib.import_module("transformers")
+        # model and the scheme in attach() would otherwise import then (~3 s on 2 cores, and
+        # ~0.9 s more for a tiny Llama's modeling module, which transformers loads lazily).
+        for name in ("transformers", *preload):
+            if importlib.util.find_spec(name.partition(".")[0]) is not None:
+                with contextlib.suppress(ImportError):
+                    importlib.import_module(name)
         self.model: torch.nn.Module | None = None
         self.scheme: Any = None
         self.version = 0
@@ -206,18 +209,25 @@ _spare: dict[str, Any] = {}
 """One receiver actor started ahead of need, by the cluster's job id it belongs to."""
 
 
-def _take_actor(ray: Any, *, start_next: bool) -> Any:
+def _model_modules(model: torch.nn.Module) -> tuple[str, ...]:
+    """The modules defining ``model``'s classes, which unpickling it imports."""
+    return tuple(sorted({type(m).__module__ for m in model.modules()}))
+
+
+def _take_actor(ray: Any, *, start_next: bool, model: torch.nn.Module) -> Any:
     """A fresh, unattached receiver actor (one started ahead, if any); with ``start_next``,
     starts the next one in the background.
 
     Each pair gets an actor nothing else ever used. Its process spends seconds importing torch,
     TorchRL and transformers before it can answer; the conformance suite makes a pair per check,
-    so the next pair's actor boots while this one is used.
+    so the next pair's actor boots while this one is used, importing as it does the modules
+    of this pair's ``model`` (the likeliest next one).
     """
     job = ray.get_runtime_context().get_job_id()
+    preload = _model_modules(model)
 
     def start() -> Any:
-        return ray.remote(ReceiverActor).options(num_cpus=0).remote()
+        return ray.remote(ReceiverActor).options(num_cpus=0).remote(preload)
 
     actor = _spare.pop(job, None) or start()
     _spare.clear()  # after a ray.shutdown() an older cluster's actor is gone anyway
@@ -258,7 +268,7 @@ def ray_weight_sync_pair(
     scheme: Any = RayWeightSyncScheme(
         backend="gloo"
     )  # its init_on_sender overloads omit Ray's kwargs
-    actor = _take_actor(ray, start_next=start_next)
+    actor = _take_actor(ray, start_next=start_next, model=receiver_model)
     try:
         # Pickled now, before init_on_sender, as TorchRL's own receivers get the scheme.
         attached = actor.attach.remote(receiver_model, scheme)
