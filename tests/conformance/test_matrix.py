@@ -95,9 +95,6 @@ def test_only_raw_upstream_rows_and_should_failures_declare_known_failures() -> 
         "torchrl-adapted-ray-lazy-tensor",
         # LOSS-003 (MUST): Clip-Cov zeroes drawn tokens' terms by design (its algorithm)
         "verl-adapted-clip-cov-token-mean",
-        # LOSS-017 (MUST) across ranks: TRL all-gathers per-row clip ratios, which aborts on
-        # shards of different sizes
-        *(f"trl-adapted-{t}" for t in ("grpo", "bnpo", "dr-grpo", "dapo", "luspo")),
     }
     assert "BUF-018" in trl_impls.RAW_LAZY_STACK.known_failures
 

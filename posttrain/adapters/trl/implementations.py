@@ -135,7 +135,8 @@ USERS_KNOWN: dict[str, frozenset[str]] = {
     "grpo": frozenset({"LOSS-003", "LOSS-016", "LOSS-017"}),
     "bnpo": frozenset({"LOSS-016", "LOSS-017"}),
     # Across gloo ranks (loss 1.9): TRL's all-gather of per-row clip ratios aborts on shards
-    # of different sizes, as on trl-adapted-dapo.
+    # of different sizes (TRLGRPOLoss pads every rank's rows to the most any holds; a loop
+    # calling _compute_loss itself does not).
     "dapo": frozenset({"LOSS-017"}),
 }
 """What each ``trl-users-<loss_type>`` row fails, measured with TRL 1.16."""

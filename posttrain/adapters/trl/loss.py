@@ -16,7 +16,8 @@ Global counts (the adapted row): ``dapo``, ``cispo`` and ``vespo`` take TRL's ow
 is then exactly ``num_items_in_batch``). ``grpo``, ``bnpo``, ``dr_grpo``, ``sapo`` and ``luspo``
 normalize by the micro-batch itself and divide by the accumulation steps; the adapter rescales
 their value (by ``rows / counts.sequences`` for the sequence means, ``tokens / counts.tokens``
-for ``bnpo``), as a TRL user would have to.
+for ``bnpo``), as a TRL user would have to. Across data-parallel ranks, every rank's rows are
+padded to the most any holds (:func:`_pad_rows_to_ranks`), as TRL's per-row gather needs.
 """
 
 from __future__ import annotations
@@ -184,6 +185,40 @@ def trl_inputs(td: TensorDictBase, *, zero_outside: bool) -> tuple[dict[str, Any
     return inputs, mask
 
 
+def _pad_rows_to_ranks(inputs: dict[str, Any], rows: int, processes: int) -> int:
+    """Pad ``inputs``' rows (in place) to the most any rank holds; return the padded count.
+
+    ``GRPOTrainer._compute_loss`` all-gathers one clip ratio per row (``accelerator.gather``),
+    which needs as many rows on every rank: TRL's trainer keeps ``per_device_train_batch_size``
+    fixed, a loop with ragged shards does not. The padding rows repeat the first row with no
+    loss token (``tool_mask`` 0) and advantage 0: they add nothing to a sum and count only in
+    the means over rows, which the caller rescales. Across ranks this is one all-reduce of the
+    row count per call, made only where TRL's accelerator spans several processes.
+
+    Example (one process: nothing to pad):
+        >>> from posttrain.testing import llm_batch
+        >>> inputs, _ = trl_inputs(llm_batch(2, 8), zero_outside=True)
+        >>> _pad_rows_to_ranks(inputs, 2, processes=1), inputs["completion_ids"].shape[0]
+        (2, 2)
+    """
+    if processes <= 1 or rows == 0:
+        return rows
+    import torch.distributed as dist
+
+    most = torch.tensor([rows], dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    extra = int(most.item()) - rows
+    if extra <= 0:
+        return rows
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == rows:
+            pad = value[:1].expand(extra, *value.shape[1:])
+            if key in ("tool_mask", "advantages"):
+                pad = torch.zeros_like(pad)
+            inputs[key] = torch.cat([value, pad])
+    return rows + extra
+
+
 class TRLGRPOLoss(torch.nn.Module):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` for one ``loss_type`` as a ``LossModuleV1``.
 
@@ -250,6 +285,9 @@ class TRLGRPOLoss(torch.nn.Module):
         elif counts is not None:
             raise TypeError("counts: the raw TRL row takes no global counts")
         inputs, _ = trl_inputs(td, zero_outside=self.adapted)
+        rows = td.batch_size[0]
+        if self.adapted and self.loss_type in _CLIPPED:
+            rows = _pad_rows_to_ranks(inputs, rows, self.trainer.accelerator.num_processes)
         if num_items_in_batch is not None:
             if self.adapted:
                 raise TypeError("num_items_in_batch: the adapted row takes counts=GlobalCounts")
@@ -264,7 +302,7 @@ class TRLGRPOLoss(torch.nn.Module):
             elif self.loss_type == "bnpo":
                 scale = own.tokens / max(c.tokens, 1)
             else:  # a mean over every row of the micro-batch, rows without a token included
-                scale = td.batch_size[0] / max(c.sequences, 1)
+                scale = rows / max(c.sequences, 1)  # TRL's mean counts the padding rows too
             if own.tokens == 0:  # this part weighs nothing (TRL's means of nothing may be NaN)
                 # TRL's loss still runs: it all-reduces its metrics across ranks, and a rank
                 # that skipped those collectives would leave the others waiting on it.
@@ -365,11 +403,6 @@ ADAPTED_KNOWN: dict[str, frozenset[str]] = {
     # checks the token ratio (loss 1.8) and they fail it.
     "sapo": frozenset({"LOSS-016", "LOSS-021"}),
     "vespo": frozenset({"LOSS-016", "LOSS-021"}),
-    # Across gloo ranks (LOSS-017, every depth since loss 1.9): _compute_loss all-gathers its
-    # per-row clip ratios (accelerator.gather), which needs every rank's micro-batch to hold
-    # as many rows as every other's; shards of different sizes abort the ranks ("collective
-    # mismatch"). TRL's trainer keeps per_device_train_batch_size fixed; the contract does not.
-    **dict.fromkeys(_CLIPPED, frozenset({"LOSS-017"})),
 }
 """What each adapted row fails, measured with TRL 1.16 (loss type -> requirement ids)."""
 

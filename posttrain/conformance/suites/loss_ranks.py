@@ -1,18 +1,19 @@
 """LOSS-017 across data-parallel ranks: micro-batches on real torch.distributed ranks add up.
 
-The implementation under test is rebuilt in four processes forked from a forkserver that
+The implementation under test is rebuilt in six processes forked from a forkserver that
 imported torch and the implementation's module once (:func:`~posttrain.conformance._spawn.context`;
 the implementation from its ``module:attr`` import target, or else pickled, its factory
-importable by name), which join gloo process groups of 4
-and then 2 ranks on 127.0.0.1. Each rank takes a shard of a drawn batch, splits it into
+importable by name): four join a gloo process group of 4 ranks on 127.0.0.1 and two more one
+of 2 ranks, at the same time. Each rank takes a shard of a drawn batch, splits it into
 micro-batches, all-reduces the shard's ``GlobalCounts`` (the contract's way to the global
 batch's counts), calls the loss on each micro-batch with them and accumulates the gradients;
 the ranks then all-reduce the gradients and the ``loss_*`` terms by sum (the contract's rule;
 DDP's mean is that divided by the world size). Each rank sets the environment torchrun sets
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and builds the loss once its group is up.
 Rank 0 sends the sums back, and they are compared with the whole batch's, computed here in
-one process. Four processes serve both groups (ranks 2 and 3 leave after the first), so the
-cost is one start of four.
+one process. Each process serves one group, as each of a job's processes lives in one world:
+a framework whose distributed state is per process (accelerate's ``PartialState``, which TRL's
+loss gathers through) would otherwise still see 4 processes in the group of 2.
 """
 
 from __future__ import annotations
@@ -46,9 +47,7 @@ from posttrain.conformance.suites.loss_kit import (
 )
 
 WORLDS = (4, 2)
-"""The sizes of the gloo process groups the ranks form, one after the other: all four
-processes first, then ranks 0 and 1 (the others are done by then, so no rank waits on a
-group that is not forming yet)."""
+"""The sizes of the gloo process groups the ranks form, each of processes of its own."""
 
 _WORK_S = 60.0
 """How long the ranks' work may take once every rank runs, at the least: the deadline is
@@ -156,17 +155,18 @@ def _rank_sums(
 
 def _rank_main(
     rank: int,
+    world: int,
     source: tuple[str, Any],
     seed: int,
     depth: int,
     batches: list[TensorDictBase],
-    cases: dict[int, list[Case]],
-    ports: dict[int, int],
+    cases: list[Case],
+    port: int,
     out: Any,
 ) -> None:
-    """A spawned rank: in each group it belongs to, rebuilds the loss and runs every case.
+    """A spawned rank of a group of ``world``: rebuilds the loss and runs every case.
     Rank 0 puts ``("result", world, case, per-rank terms, gradient, counts)`` on ``out``;
-    any rank that raises puts ``("error", rank, traceback)``."""
+    any rank that raises puts ``("error", world, rank, traceback)``."""
     import os
 
     import torch.distributed as dist
@@ -174,37 +174,32 @@ def _rank_main(
     torch.set_num_threads(1)
     try:
         impl = _rebuild(source)
-        for world in WORLDS:
-            if rank >= world:
-                continue
-            # What torchrun sets, so a framework that reads the launcher's environment (as
-            # accelerate does) sees the ranks a user's launch gives it.
-            for key, value in (
-                ("RANK", rank),
-                ("LOCAL_RANK", rank),
-                ("WORLD_SIZE", world),
-                ("LOCAL_WORLD_SIZE", world),
-                ("MASTER_PORT", ports[world]),
-            ):
-                os.environ[key] = str(value)
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            wait = timedelta(seconds=_GLOO_TIMEOUT_S)
-            dist.init_process_group("gloo", init_method="env://", timeout=wait)
-            try:
-                # Built inside the group, as a data-parallel job builds its loss.
-                policy, loss = setup(Context(impl, seed=seed, depth=depth))
-                for i, (b, shards, as_ragged) in enumerate(cases[world]):
-                    terms, grad, counts = _rank_sums(
-                        policy, loss, batches[b], shards[rank], as_ragged
-                    )
-                    per_rank: list[Any] = [None] * world
-                    dist.all_gather_object(per_rank, terms)
-                    if rank == 0:
-                        out.put(("result", world, i, per_rank, grad, counts))
-            finally:
-                dist.destroy_process_group()
+        # What torchrun sets, so a framework that reads the launcher's environment (as
+        # accelerate does) sees the ranks a user's launch gives it.
+        for key, value in (
+            ("RANK", rank),
+            ("LOCAL_RANK", rank),
+            ("WORLD_SIZE", world),
+            ("LOCAL_WORLD_SIZE", world),
+            ("MASTER_PORT", port),
+        ):
+            os.environ[key] = str(value)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        wait = timedelta(seconds=_GLOO_TIMEOUT_S)
+        dist.init_process_group("gloo", init_method="env://", timeout=wait)
+        try:
+            # Built inside the group, as a data-parallel job builds its loss.
+            policy, loss = setup(Context(impl, seed=seed, depth=depth))
+            for i, (b, shards, as_ragged) in enumerate(cases):
+                terms, grad, counts = _rank_sums(policy, loss, batches[b], shards[rank], as_ragged)
+                per_rank: list[Any] = [None] * world
+                dist.all_gather_object(per_rank, terms)
+                if rank == 0:
+                    out.put(("result", world, i, per_rank, grad, counts))
+        finally:
+            dist.destroy_process_group()
     except BaseException:
-        out.put(("error", rank, traceback.format_exc()))
+        out.put(("error", world, rank, traceback.format_exc()))
 
 
 def _source(ctx: Context) -> tuple[str, Any]:
@@ -273,7 +268,9 @@ def _collect(ranks: Spawned, out: Any, expected: int) -> list[tuple[Any, ...]]:
                 ) from None
             continue
         if msg[0] == "error":
-            raise _fail(f"rank {msg[1]} of a gloo process group raised:\n{msg[2].rstrip()}")
+            raise _fail(
+                f"rank {msg[2]} of a gloo process group of {msg[1]} raised:\n{msg[3].rstrip()}"
+            )
         results.append(msg)
     return results
 
@@ -286,10 +283,13 @@ def _run_ranks(
 ) -> list[tuple[Any, ...]]:
     preload = _preload(ctx, source)
     out = context(preload).Queue()
-    ports = {w: _free_port() for w in WORLDS}
-    args = [
-        (r, source, ctx.seed, ctx.depth, batches, cases, ports, out) for r in range(max(WORLDS))
-    ]
+    args = []
+    for world in WORLDS:
+        port = _free_port()
+        args += [
+            (r, world, source, ctx.seed, ctx.depth, batches, cases[world], port, out)
+            for r in range(world)
+        ]
     ranks = Spawned(_rank_main, args, preload=preload)
     try:
         return _collect(ranks, out, sum(len(c) for c in cases.values()))
