@@ -8,7 +8,6 @@ its loss value and flat gradient by sum; rank 0 saves the results for the test t
 
 from __future__ import annotations
 
-import multiprocessing
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
 
+from posttrain._forkserver import context
 from posttrain.contracts import LLM_LAYOUT_V1, GlobalCounts
 from posttrain.testing import llm_batch
 
@@ -113,8 +113,7 @@ def run_ranks(target: Callable[..., None], world: int, out: str, timeout: float)
     The processes fork from a forkserver that imported torch and the target's module once
     (a fresh interpreter each spent seconds importing them); nothing else is inherited.
     """
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", target.__module__])
+    ctx = context(["torch", "torch.distributed", target.__module__])
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, out)) for r in range(world)]
     for p in procs:

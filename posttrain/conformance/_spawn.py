@@ -13,41 +13,19 @@ once with its exit code.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # no forkserver on Windows
-    from multiprocessing.context import ForkServerContext, SpawnContext
+from posttrain._forkserver import context as context  # the kit's children start there
 
 PER_STARTUP = 20.0
 """A spawned child's work may take this many times the slowest start of its siblings."""
 
 STARTUP_LIMIT_S = 600.0
 """How long a child may take to start running at all (interpreter, imports, unpickling)."""
-
-
-def context(preload: Sequence[str] | None = None) -> SpawnContext | ForkServerContext:
-    """Where the children come from: with ``preload``, forked from the process's forkserver,
-    which imported those modules once (a child then starts in a fraction of a second instead of
-    the seconds a fresh interpreter spends importing torch); without it, or where the platform
-    has no forkserver, spawned.
-
-    The forkserver is one per process and imports its modules when it starts: the first call
-    that starts it decides them, and a later caller's children import what is missing.
-
-    Example:
-        >>> context().get_start_method()
-        'spawn'
-    """
-    if preload is None or "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))
-    return ctx
 
 
 def _entry(ready: Any, target: Callable[..., Any], args: tuple[Any, ...]) -> None:

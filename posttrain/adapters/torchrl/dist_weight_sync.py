@@ -24,7 +24,6 @@ so the process holds no listener afterwards.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from posttrain._deps import optional_deps
+from posttrain._forkserver import context as forkserver_context
 from posttrain.adapters.torchrl.ray_weight_sync import non_persistent_buffers
 from posttrain.adapters.torchrl.weight_sync import CheckedSender, _call_with_timeout, _nested
 
@@ -326,8 +326,7 @@ def dist_weight_sync_pair(
     # A fresh interpreter per pair spent ~4 s importing torch, TorchRL and the model's
     # module; forked from a server that imported them once, a child starts in well under 1 s.
     # The server forks before any thread starts and the child sets its own environment.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(
+    ctx = forkserver_context(
         ["torch", "torchrl.weight_update", __name__, type(receiver_model).__module__]
     )
     parent, child = ctx.Pipe()

@@ -1,7 +1,7 @@
 """LOSS-017 across data-parallel ranks: micro-batches on real torch.distributed ranks add up.
 
 The implementation under test is rebuilt in six processes forked from a forkserver that
-imported torch and the implementation's module once (:func:`~posttrain.conformance._spawn.context`;
+imported torch and the implementation's module once (:func:`~posttrain._forkserver.context`;
 the implementation from its ``module:attr`` import target, or else pickled, its factory
 importable by name): four join a gloo process group of 4 ranks on 127.0.0.1 and two more one
 of 2 ranks, at the same time. Each rank takes a shard of a drawn batch, splits it into
@@ -340,11 +340,12 @@ def _compare(
 
 
 def ranks_add_up(ctx: Context) -> None:
-    """LOSS-017 across 2 and 4 gloo ranks, at every depth since loss 1.9 (the ranks fork from a
+    """LOSS-017 across 2 and 4 gloo ranks, at every depth since loss 1.9 (six ranks fork from a
     forkserver that imported torch, the suite's policy and the implementation's module once
-    per process: about 6 s the first time, then about 1 s per implementation on 2 cores, where
-    four fresh interpreters cost about 14 s of CPU each time); NotApplicable where the implementation cannot be
-    rebuilt in a spawned process (no import target, and its factory not importable by name).
+    per process: about 6 s the first time, then 1 to 3 s per implementation on 2 cores, where
+    fresh interpreters cost about 3.5 s of CPU each); NotApplicable where the implementation
+    cannot be rebuilt in a spawned process (no import target, and its factory not importable
+    by name).
 
     Example:
         >>> from posttrain.reference_impls import PG_LOSS_TOKEN_MEAN
