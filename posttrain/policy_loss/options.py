@@ -209,11 +209,11 @@ def _clip_pair(eps: object) -> tuple[float, float]:
         not isinstance(pair, tuple | list)
         or len(pair) != 2
         or not all(_real(x) for x in pair)
-        or not (0 <= pair[0] < 1 and pair[1] >= 0)
+        or not (0 <= pair[0] <= 1 and pair[1] >= 0)
     ):
         raise ValueError(
-            "clip_epsilon: expected a number or a (low, high) pair with 0 <= low < 1 and "
-            f"high >= 0, found {eps!r}"
+            "clip_epsilon: expected a number or a (low, high) pair with 0 <= low <= 1 (1: no "
+            f"lower bound) and high >= 0, found {eps!r}"
         )
     return float(pair[0]), float(pair[1])
 

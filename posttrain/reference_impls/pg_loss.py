@@ -93,11 +93,11 @@ class PolicyGradientLoss(torch.nn.Module):
             not isinstance(pair, tuple | list)
             or len(pair) != 2
             or not all(_real(x) for x in pair)
-            or not (0 <= pair[0] < 1 and pair[1] >= 0)
+            or not (0 <= pair[0] <= 1 and pair[1] >= 0)
         ):
             raise ValueError(
-                "clip_epsilon: expected a number or a (low, high) pair with 0 <= low < 1 and "
-                f"high >= 0, found {clip_epsilon!r}"
+                "clip_epsilon: expected a number or a (low, high) pair with 0 <= low <= 1 (1: no "
+                f"lower bound) and high >= 0, found {clip_epsilon!r}"
             )
         if not _real(kl_coef) or not kl_coef >= 0:  # NaN fails too: it would drop the KL term
             raise ValueError(f"kl_coef: expected a number >= 0, found {kl_coef!r}")

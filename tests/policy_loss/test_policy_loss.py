@@ -18,6 +18,7 @@ from posttrain.contracts.implementation import Implementation
 from posttrain.policy_loss import PolicyLoss, PolicyLossOptions
 from posttrain.reference_impls import PolicyGradientLoss
 from posttrain.testing import llm_batch, tiny_causal_lm
+from tests.outcomes import run_for
 from tests.paths import ROOT
 
 
@@ -26,7 +27,10 @@ from tests.paths import ROOT
     [
         ({"aggregation": "token_meen"}, "aggregation: expected one of ['token_mean'"),
         ({"aggregation": "seq_mean_token_sum_norm"}, "t_norm: seq_mean_token_sum_norm needs"),
-        ({"clip_epsilon": (1.5, 0.2)}, "with 0 <= low < 1 and high >= 0, found (1.5, 0.2)"),
+        (
+            {"clip_epsilon": (1.5, 0.2)},
+            "with 0 <= low <= 1 (1: no lower bound) and high >= 0, found (1.5, 0.2)",
+        ),
         ({"dual_clip": 1.0}, "dual_clip: expected None or a number > 1, found 1.0"),
         ({"ratio": "cispo", "dual_clip": 3.0}, "dual_clip: ratio 'cispo' takes no dual clip"),
         ({"ratio": "tokens"}, "ratio: expected one of ['token', 'sequence'"),
@@ -148,6 +152,29 @@ def test_the_policy_loss_conforms_with_the_1_4_options_declared(declared: dict[s
     for rid in ("LOSS-019", "LOSS-020", "LOSS-021"):
         # Declared or not, each option is checked: undeclared, at its default (loss 1.8).
         assert rows[rid].status == Status.PASS, rid
+
+
+def _unbounded_below(ratio: str, *, built: tuple[float, float]) -> Implementation:
+    return Implementation(
+        "loss",
+        partial(PolicyLoss, clip_epsilon=built),
+        name=f"PolicyLoss(ratio={ratio!r}, clip_epsilon={built})",
+        capabilities={"clip"},
+        options={"aggregation": "token_mean", "ratio": ratio},
+        extras={"clip_epsilon": (1.0, 0.28)},  # ε_low = 1: a lower bound of 0, no lower clip
+    )
+
+
+@pytest.mark.parametrize(
+    ("ratio", "rid"), [("token", "LOSS-014"), ("sequence", "LOSS-022"), ("cispo", "LOSS-023")]
+)
+def test_a_clip_without_lower_bound_is_declared_and_checked(ratio: str, rid: str) -> None:
+    # CISPO's weight (TRL, MiniMax-M1) is clipped from above only: ε_low = 1 declares that.
+    ok = run_for(_unbounded_below(ratio, built=(1.0, 0.28)), rid)
+    assert {r.id: r.status for r in ok.results}[rid] == Status.PASS, ok.results
+    # The same declaration on a loss that clips below at 0.5 fails the requirement.
+    bad = run_for(_unbounded_below(ratio, built=(0.5, 0.28)), rid)
+    assert {r.id: r.status for r in bad.results}[rid] == Status.FAIL
 
 
 def test_doc_declared_ratios_example_runs() -> None:

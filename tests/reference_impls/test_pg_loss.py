@@ -28,7 +28,10 @@ SLP, RLP = K("sample_log_probs"), K("ref_log_probs")
     [
         ({"clip_epsilon": "0.2"}, "clip_epsilon: expected a number or a (low, high) pair"),
         ({"clip_epsilon": (0.1, 0.2, 0.3)}, "found (0.1, 0.2, 0.3)"),
-        ({"clip_epsilon": (1.5, 0.2)}, "with 0 <= low < 1 and high >= 0, found (1.5, 0.2)"),
+        (
+            {"clip_epsilon": (1.5, 0.2)},
+            "with 0 <= low <= 1 (1: no lower bound) and high >= 0, found (1.5, 0.2)",
+        ),
         ({"kl_coef": -1.0}, "kl_coef: expected a number >= 0, found -1.0"),
         ({"kl_coef": float("nan")}, "kl_coef: expected a number >= 0, found nan"),
         ({"entropy_coef": float("inf")}, "entropy_coef: expected a finite number, found inf"),

@@ -334,18 +334,13 @@ _CONFIG: dict[str, dict[str, Any]] = {"cispo": {"epsilon_high": 5.0}}
 whose default (``epsilon``, 0.2) clamps every weight at ratio 1 to 0.2 (a fifth of the
 gradient); TRL's documentation recommends 5.0 for cispo (ScaleRL's ε_max)."""
 
-CISPO_NO_LOWER_BOUND = 1 - 1e-6
-"""cispo's declared ε_low. TRL clips its weight from above only (lower bound 0, ε_low = 1),
-which the loss suite's clip declaration refuses (it takes 0 <= ε_low < 1); 1 - 1e-6, a lower
-bound of 1e-6, is the nearest it takes: LOSS-023's ratios below it (0.75e-6) then differ
-from the bound by far less than its tolerance, so TRL's missing lower clip reads as this one."""
-
 CLIP_EPSILON: dict[str, float | tuple[float, float]] = {
     **dict.fromkeys(_CLIPPED, 0.2),
     # trl/trainer/grpo_trainer.py, GRPOTrainer._compute_loss, loss_type 'cispo':
     # torch.clamp(coef_1, max=self.epsilon_high).detach(), epsilon_high the row's 5.0: the
-    # contract's clip(r, 1 - ε_low, 1 + ε_high) with 1 + ε_high = 5.0 and no lower bound.
-    "cispo": (CISPO_NO_LOWER_BOUND, _CONFIG["cispo"]["epsilon_high"] - 1),
+    # contract's clip(r, 1 - ε_low, 1 + ε_high) with 1 + ε_high = 5.0 and no lower bound
+    # (ε_low = 1: a ratio is never below 0).
+    "cispo": (1.0, _CONFIG["cispo"]["epsilon_high"] - 1),
 }
 """TRL loss_type -> the ``clip_epsilon`` its rows declare (capability ``clip``): the bounds
 ``GRPOTrainer._compute_loss`` applies in the row's configuration."""

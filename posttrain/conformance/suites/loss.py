@@ -511,9 +511,11 @@ def _trim(item: TensorDictBase, n: int) -> TensorDictBase:
 
 
 def _probe_ratios(lo: float, hi: float, dual: float | None) -> list[float]:
-    """Ratios well inside and on both sides of every bound, none within 1% of one."""
-    bounds = [lo, hi] + ([dual] if dual is not None else [])
+    """Ratios well inside and on both sides of every bound above 0, none within 1% of one."""
+    bounds = [b for b in (lo, hi, dual) if b is not None and b > 0]
     cands = [lo * 0.5, lo * 0.97, lo * 1.03, 1.0, hi * 0.97, hi * 1.03, hi * 2.0]
+    if lo == 0:  # no lower bound declared: ratios far below 1, which none may clip
+        cands += [0.02, 0.3]
     if dual is not None:
         cands += [dual * 0.97, dual * 1.03, dual * 2.0]
     return sorted({r for r in cands if r > 0 and all(abs(r / b - 1) > 0.01 for b in bounds)})

@@ -483,11 +483,12 @@ def clip_declaration(ctx: Context) -> tuple[float, float, float | None]:
         not isinstance(pair, tuple | list)
         or len(pair) != 2
         or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in pair)
-        or not (0 <= pair[0] < 1 and pair[1] >= 0)
+        or not (0 <= pair[0] <= 1 and pair[1] >= 0)
     ):
         raise _fail(
             "capability clip is declared but Implementation.extras['clip_epsilon'] is "
-            f"{eps!r}; expected a number or a (low, high) pair with 0 <= low < 1 and high >= 0"
+            f"{eps!r}; expected a number or a (low, high) pair with 0 <= low <= 1 (1: no lower "
+            "bound) and high >= 0"
         )
     dual = ctx.impl.extras.get("dual_clip")
     if dual is not None and (
@@ -624,7 +625,7 @@ def live_batch(policy: Any, ctx: Context, *, rows: int = 5, seed: int = 16) -> T
     if "clip" in ctx.capabilities:
         lo, hi, _ = clip_declaration(ctx)
     cap = min(
-        0.1, 0.5 * math.log1p(hi) if hi > 0 else 0.1, -0.5 * math.log1p(-lo) if lo > 0 else 0.1
+        0.1, 0.5 * math.log1p(hi) if hi > 0 else 0.1, -0.5 * math.log1p(-lo) if 0 < lo < 1 else 0.1
     )
     g = torch.Generator().manual_seed(ctx.seed + 23 + (seed - 16))
     eps = torch.where(asst, (torch.rand(asst.shape, generator=g) * 2 - 1) * cap, 0.0)

@@ -189,9 +189,8 @@ def _ratio_batch(policy: Any, ctx: Context) -> tuple[TensorDictBase, torch.Tenso
     lo, hi = (0.2, 0.2)
     if "clip" in ctx.capabilities:
         lo, hi, _ = clip_declaration(ctx)
-    cap = min(
-        0.1, 0.5 * math.log1p(hi) if hi > 0 else 0.0, -0.5 * math.log1p(-lo) if lo > 0 else 0.0
-    )
+    below = -0.5 * math.log1p(-lo) if 0 < lo < 1 else (0.1 if lo == 1 else 0.0)
+    cap = min(0.1, 0.5 * math.log1p(hi) if hi > 0 else 0.0, below)
     g = torch.Generator().manual_seed(ctx.seed + 11)
     eps = (torch.rand(td.get(TOK).shape, generator=g) * 2 - 1) * cap
     mask = td.get(ASST)
@@ -282,7 +281,9 @@ def sequence_ratio_clipped(ctx: Context) -> None:
     # Row i's ratio: above 1 + ε_high or below 1 - ε_low, with A > 0 and A < 0 in turn (a
     # clipped term active in rows 0 and 1, the unclipped one in rows 2 and 3); log r
     # alternates ±0.05 around the row's mean, so clipping each token's ratio reads otherwise.
-    targets = [hi * 1.25, lo * 0.75, hi * 1.25, lo * 0.75]
+    # Without a lower bound (ε_low = 1), rows 1 and 3 hold 0.3, which no clip may touch.
+    below = lo * 0.75 if lo > 0 else 0.3
+    targets = [hi * 1.25, below, hi * 1.25, below]
     signs = [1.0, -1.0, -1.0, 1.0]
     rho = torch.tensor([targets[i % 4] for i in range(b)], dtype=torch.float64)
     a = torch.tensor([signs[i % 4] for i in range(b)], dtype=torch.float64)
@@ -355,10 +356,11 @@ def cispo_weight_clipped(ctx: Context) -> None:
     td = make_batch(policy, ctx, seed=23)
     asst = td.get(ASST)
     b, t = asst.shape
-    # Token ratios cycle through above the bounds, inside, below (where 1 - ε_low > 0) and
-    # inside again, shifted by one per row, so every row holds clipped and unclipped weights.
+    # Token ratios cycle through above the bounds, inside, below (0.3 where there is no lower
+    # bound, which no clip may touch) and inside again, shifted by one per row, so every row
+    # holds clipped and unclipped weights.
     targets = torch.tensor(
-        [hi * 1.25, (1 + hi) / 2, lo * 0.75 if lo > 0 else (1 + hi) / 2, (lo + 1) / 2],
+        [hi * 1.25, (1 + hi) / 2, lo * 0.75 if lo > 0 else 0.3, (lo + 1) / 2],
         dtype=torch.float64,
     )
     r_set = targets[(torch.arange(t)[None, :] + torch.arange(b)[:, None]) % 4]
