@@ -93,14 +93,19 @@ def own_log_probs(policy: Any, td: TensorDictBase) -> torch.Tensor:
 def make_batch(
     policy: Any, ctx: Context, *, b: int = B, t: int = T, seed: int = 0
 ) -> TensorDictBase:
-    """A batch at ratio 1: behaviour and reference log-probs are the policy's own (NaN elsewhere)."""
+    """A batch at ratio 1: behaviour and reference log-probs are the policy's own (NaN elsewhere);
+    [B] advantages drawn by the seed, half of them negative, none within 0.1 of 0."""
     td = llm_batch(b, t, vocab_size=V, seed=ctx.seed * 7919 + seed)
     lp = torch.where(td.get(ASST), own_log_probs(policy, td), float("nan"))
     td.set(SLP, lp)
     td.set(RLP, lp.clone())
-    g = torch.Generator().manual_seed(seed + 1)
-    adv = torch.randn(b, generator=g)
-    td.set(ADV, torch.where(adv.abs() < 0.1, adv.sign() * 0.5 + 0.1, adv))  # no tiny advantages
+    g = torch.Generator().manual_seed(ctx.seed * 7919 + seed + 1)
+    size = torch.randn(b, generator=g).abs()
+    size = torch.where(size < 0.1, size + 0.5, size)  # no tiny advantages
+    # Both signs in every batch, in an order drawn by the seed: a loss that drops a sign, or
+    # treats one differently, cannot pass on advantages that all share one.
+    signs = torch.tensor([1.0 - 2.0 * (i % 2) for i in range(b)])[torch.randperm(b, generator=g)]
+    td.set(ADV, size * signs)
     return td
 
 

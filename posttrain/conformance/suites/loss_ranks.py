@@ -195,7 +195,10 @@ def _rank_main(
                 per_rank: list[Any] = [None] * world
                 dist.all_gather_object(per_rank, terms)
                 if rank == 0:
-                    out.put(("result", world, i, per_rank, grad, counts))
+                    # As an array, pickled by value: a tensor would travel as a shared-memory
+                    # handle served by this process, which may have exited by the time the
+                    # parent reads it (ConnectionResetError in the parent).
+                    out.put(("result", world, i, per_rank, grad.numpy(), counts))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -356,7 +359,8 @@ def ranks_add_up(ctx: Context) -> None:
     shapes, cases = plan(ctx)
     batches = [live_batch(policy, ctx, rows=rows, seed=seed) for rows, seed in shapes]
     wholes = [value_and_grads(policy, loss, td, None) for td in batches]
-    for _, world, i, per_rank, grad, counts in _run_ranks(ctx, source, batches, cases):
+    for _, world, i, per_rank, array, counts in _run_ranks(ctx, source, batches, cases):
+        grad = torch.from_numpy(array)
         case = cases[world][i]
         td = batches[case[0]]
         what = f"aggregation {ctx.options['aggregation']!r}, {_describe(world, td, case, counts)}"
