@@ -200,10 +200,11 @@ class DualClipBothSigns(HookedLoss):
     for A > 0 it is always the smaller term, so those tokens get a constant loss -A·c and no
     gradient. Plausible (verl and OpenRLHF guard it with ``torch.where(advantages < 0, ...)``;
     dropping the guard is the bug). Breaks LOSS-014 (the objective MUST equal Σ w times the
-    declared clipped surrogate, at advantages of both signs), and before it, on a batch whose
-    advantages are all positive, LOSS-002 ("The sum of the ``loss_*`` entries MUST have a
-    gradient that reaches the policy's parameters"): at ratio 1 nothing carries a gradient.
-    The kit reports LOSS-002 (LOSS-014 blocked by it), the id this variant is filed under."""
+    declared clipped surrogate, at advantages of both signs), and before it LOSS-003 (at ratio 1
+    each token's gradient MUST be -A·w): the suite's batch holds advantages of both signs, and
+    the tokens of its A > 0 rows get 0. The kit reports LOSS-003 (LOSS-014 blocked by it), the
+    id this variant is filed under. (On a batch whose advantages all shared the sign A > 0,
+    nothing carried a gradient, and LOSS-002 caught it first.)"""
 
     def clipped_surrogate(self, a: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
         per = -a * rho
@@ -298,7 +299,7 @@ VARIANTS: dict[str, tuple[str, Implementation]] = {
         "LOSS-020",
         _decl(KlTokenMeanAlways, "kl-token-mean-always", aggregation="seq_mean_token_mean"),
     ),
-    "dual_clip_both_signs": ("LOSS-002", _decl(DualClipBothSigns, "dual-clip-both-signs")),
+    "dual_clip_both_signs": ("LOSS-003", _decl(DualClipBothSigns, "dual-clip-both-signs")),
     "promotes_to_float64": ("LOSS-009", _decl(PromotesToFloat64, "promotes-to-float64")),
     "gspo_sum_not_mean": (
         "LOSS-021", _decl(GspoSumNotMean, "gspo-sum-not-mean", ratio="sequence")
