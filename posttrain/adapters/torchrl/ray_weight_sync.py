@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-import importlib.util
 import os
 import time
 import weakref
@@ -71,9 +70,8 @@ class ReceiverActor:
         # model and the scheme in attach() would otherwise import then (~3 s on 2 cores, and
         # ~0.9 s more for a tiny Llama's modeling module, which transformers loads lazily).
         for name in ("transformers", *preload):
-            if importlib.util.find_spec(name.partition(".")[0]) is not None:
-                with contextlib.suppress(ImportError):
-                    importlib.import_module(name)
+            with contextlib.suppress(ImportError):  # a module this process lacks: none to warm
+                importlib.import_module(name)
         self.model: torch.nn.Module | None = None
         self.scheme: Any = None
         self.version = 0
